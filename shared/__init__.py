@@ -1,0 +1,1 @@
+"""The library every Crucible service imports: settings, bus, rpc, store, telemetry."""

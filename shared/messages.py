@@ -1,0 +1,131 @@
+"""Protobuf message codecs: one place that knows every schema Crucible puts on the bus.
+
+A Kafka value is the protobuf encoding of one message; its `schema` header names
+the message's full protobuf name (e.g. `crucible.v1.Task`). Tasks may also be
+published by hand as JSON (protobuf's JSON mapping, field names in either
+lowerCamel or snake_case).
+"""
+from __future__ import annotations
+
+import json
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from crucible.v1 import (
+    alert_pb2,
+    execution_pb2,
+    policy_pb2,
+    rollout_pb2,
+    task_pb2,
+    trajectory_pb2,
+    verdict_pb2,
+)
+
+CONTENT_TYPE_PROTOBUF = "application/x-protobuf"
+CONTENT_TYPE_JSON = "application/json"
+
+# Each topic's message type. Topic names are short here; the bus adds the prefix.
+TOPIC_SCHEMAS: dict[str, type[Message]] = {
+    "tasks": task_pb2.Task,
+    "rollouts": rollout_pb2.Rollout,
+    "executions": execution_pb2.Execution,
+    "verdicts": verdict_pb2.Verdict,
+    "trajectories": trajectory_pb2.Trajectory,
+    "policy": policy_pb2.PolicyVersion,
+    "alerts": alert_pb2.Alert,
+}
+
+SCHEMAS: dict[str, type[Message]] = {cls.DESCRIPTOR.full_name: cls for cls in TOPIC_SCHEMAS.values()}
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class MessageDecodeError(ValueError):
+    """A value that is not a valid message of the expected schema; the text says why."""
+
+
+def schema_name(message: Message) -> str:
+    return message.DESCRIPTOR.full_name
+
+
+def encode(message: Message) -> bytes:
+    return message.SerializeToString(deterministic=True)
+
+
+def decode(
+    value: bytes | None,
+    expected: type[Message],
+    *,
+    schema: str | None = None,
+    content_type: str | None = None,
+) -> Message:
+    """Decodes one Kafka value into `expected`, or raises MessageDecodeError with the reason."""
+    if value is None:
+        raise MessageDecodeError("empty value (a tombstone): expected a message")
+    if len(value) > MAX_MESSAGE_BYTES:
+        raise MessageDecodeError(f"value of {len(value)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    expected_name = expected.DESCRIPTOR.full_name
+    if schema is not None and schema != expected_name:
+        raise MessageDecodeError(f"schema header says {schema!r}, this topic carries {expected_name!r}")
+
+    is_json = content_type == CONTENT_TYPE_JSON or (content_type is None and value[:1] == b"{")
+    if is_json:
+        return _decode_json(value, expected)
+    if content_type not in (None, CONTENT_TYPE_PROTOBUF):
+        raise MessageDecodeError(f"unsupported content-type {content_type!r}")
+    message = expected()
+    try:
+        message.ParseFromString(value)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise MessageDecodeError(f"not a valid {expected_name} protobuf: {exc}") from exc
+    unknown = _unknown_field_path(message)
+    if unknown:
+        raise MessageDecodeError(
+            f"bytes carry fields unknown to {expected_name} (at {unknown}): wrong schema, garbage, or a newer producer"
+        )
+    return message
+
+
+def _unknown_field_path(message: Message, path: str = "") -> str | None:
+    """Where the first unknown field sits, if any. Random bytes often parse as
+    protobuf made only of unknown fields, so unknown fields are treated as
+    corruption rather than silently dropped."""
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        return f"{path or '<root>'} field #{unknown[0].field_number}"
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            values = value.values() if field.message_type.fields_by_name["value"].message_type else []
+        elif field.is_repeated:
+            values = value
+        else:
+            values = [value]
+        for i, item in enumerate(values):
+            found = _unknown_field_path(item, f"{path}.{field.name}[{i}]" if path else f"{field.name}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def _decode_json(value: bytes, expected: type[Message]) -> Message:
+    name = expected.DESCRIPTOR.full_name
+    if expected is not task_pb2.Task:
+        raise MessageDecodeError(f"JSON is accepted only for crucible.v1.Task, not {name}")
+    try:
+        data = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MessageDecodeError(f"invalid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise MessageDecodeError(f"JSON must be an object describing a {name}, got {type(data).__name__}")
+    try:
+        return json_format.ParseDict(data, expected())
+    except json_format.ParseError as exc:
+        raise MessageDecodeError(f"JSON does not match {name}: {exc}") from exc
+
+
+def to_json(message: Message) -> str:
+    return json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None)

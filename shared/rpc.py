@@ -1,0 +1,155 @@
+"""gRPC behind one seam: an asyncio server with health and reflection, and client helpers.
+
+Trace context rides in gRPC metadata (`traceparent`), so a span started by a
+client continues in the server that answers it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from shared import telemetry
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Service:
+    """One servicer to mount: `add` is the generated add_XServicer_to_server function."""
+
+    name: str  # full service name, e.g. "crucible.v1.Sandbox"
+    servicer: object
+    add: Callable[[object, grpc.aio.Server], None]
+
+
+class _TracingInterceptor(grpc.aio.ServerInterceptor):
+    """Continues the caller's trace: each RPC runs in a SERVER span parented by its metadata."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # streaming handlers keep the default behaviour
+        method = handler_call_details.method
+        carrier = [(m.key, m.value) for m in (handler_call_details.invocation_metadata or ())]
+        parent = telemetry.extract_context(carrier)
+        inner = handler.unary_unary
+        tracer = telemetry.tracer("crucible.rpc")
+
+        async def traced(request, context):
+            token = otel_context.attach(parent)
+            try:
+                with tracer.start_as_current_span(method.lstrip("/"), kind=trace.SpanKind.SERVER) as span:
+                    span.set_attribute("rpc.system", "grpc")
+                    return await inner(request, context)
+            finally:
+                otel_context.detach(token)
+
+        return grpc.unary_unary_rpc_method_handler(
+            traced,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class RpcServer:
+    """A grpc.aio server exposing `services` plus grpc.health.v1 and reflection."""
+
+    def __init__(self, services: Sequence[Service], host: str = "127.0.0.1", port: int = 0):
+        self.services = list(services)
+        self.server = grpc.aio.server(
+            interceptors=[_TracingInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for service in self.services:
+            service.add(service.servicer, self.server)
+        names = [s.name for s in self.services] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                                    reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC on {host}:{port}: is the port taken?")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> "RpcServer":
+        await self.server.start()
+        for name in ["", *(s.name for s in self.services)]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("gRPC serving %s on %s", [s.name for s in self.services], self.address)
+        return self
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def __aenter__(self) -> "RpcServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+
+class _ClientTracing(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        metadata = list(client_call_details.metadata or []) + telemetry.inject_metadata()
+        details = client_call_details._replace(metadata=metadata) if hasattr(
+            client_call_details, "_replace") else grpc.aio.ClientCallDetails(
+            client_call_details.method, client_call_details.timeout, metadata,
+            client_call_details.credentials, client_call_details.wait_for_ready)
+        return await continuation(details, request)
+
+
+def channel(target: str) -> grpc.aio.Channel:
+    """An insecure asyncio channel that propagates the current trace context."""
+    return grpc.aio.insecure_channel(
+        target,
+        interceptors=[_ClientTracing()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+
+
+async def health_status(target: str, service: str = "", timeout: float = 5.0) -> str:
+    """The grpc.health.v1 status name ('SERVING', 'NOT_SERVING', ...) of `service` at `target`."""
+    async with channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def wait_serving(target: str, service: str = "", timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    last: Exception | None = None
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            if await health_status(target, service, timeout=1.0) == "SERVING":
+                return
+        except grpc.aio.AioRpcError as exc:
+            last = exc
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"gRPC {service or 'server'} at {target} not SERVING after {timeout:.0f}s: {last}")
+
+
+async def abort_invalid(context: grpc.aio.ServicerContext, message: str):
+    """Ends the call with INVALID_ARGUMENT and a message a caller can act on."""
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)

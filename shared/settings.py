@@ -1,0 +1,54 @@
+"""All configuration in one typed place; every field is CRUCIBLE_<NAME> in the environment."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore")
+
+    home: Path = Field(
+        default=Path.home() / ".cache" / "crucible",
+        description="Where Kafka's jars, the local broker's and store's data, PID files and logs live.",
+    )
+
+    # Kafka
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    kafka_version: str = "4.4.0"
+    kafka_controller_port: int = 9093
+    topic_prefix: str = "crucible."
+    consumer_group_prefix: str = "crucible-"
+
+    # ClickHouse: the embedded chDB store by default, any ClickHouse server otherwise.
+    clickhouse_url: str = "http://127.0.0.1:8123"
+    clickhouse_database: str = "crucible"
+    clickhouse_user: str = "default"
+    clickhouse_password: str = ""
+
+    # gRPC
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+
+    # OpenTelemetry: OTLP export happens only when an endpoint is set.
+    otel_endpoint: str | None = None
+    otel_protocol: str = Field(default="grpc", pattern="^(grpc|http)$")
+
+    log_level: str = "INFO"
+
+    def topic(self, name: str) -> str:
+        """Full topic name for a short one: topic('tasks') -> 'crucible.tasks'."""
+        return name if name.startswith(self.topic_prefix) else self.topic_prefix + name
+
+    @property
+    def kafka_host_port(self) -> tuple[str, int]:
+        host, _, port = self.kafka_bootstrap.split(",")[0].rpartition(":")
+        return host, int(port)
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,203 @@
+"""The bus against a real Kafka broker: round trips, headers, the DLQ, and offsets across restarts."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from google.protobuf import timestamp_pb2
+from opentelemetry import trace
+
+from crucible.v1 import (
+    alert_pb2,
+    execution_pb2,
+    policy_pb2,
+    rollout_pb2,
+    task_pb2,
+    trajectory_pb2,
+    verdict_pb2,
+)
+from shared import bus, messages, telemetry
+
+pytestmark = pytest.mark.kafka
+
+
+def sample_messages() -> dict[str, object]:
+    """One fully populated message per topic."""
+    task = task_pb2.Task(
+        id="task-1", kind="python_tests", prompt="def add(a, b):", group_size=4, split="train",
+        python_tests=task_pb2.PythonTests(entry_point="add", test_code="def check(f): assert f(1, 2) == 3"),
+        metadata={"source": "unit"}, created_at=timestamp_pb2.Timestamp(seconds=1_700_000_000),
+    )
+    rollout = rollout_pb2.Rollout(
+        id="r-1", task=task, group_id="g-1", sample_index=2, group_size=4, policy_version=7,
+        completion="    return a + b", token_ids=[5, 6, 7], logprobs=[-0.5, -1.25, -0.125],
+        finish_reason=rollout_pb2.FINISH_REASON_STOP, backend="torch",
+    )
+    result = execution_pb2.ExecutionResult(
+        exit_code=0, tests=[execution_pb2.TestOutcome(name="t1", passed=True)], stdout=b"ok\n",
+        isolation=execution_pb2.ISOLATION_LEVEL_FULL, usage=execution_pb2.ResourceUsage(cpu_user_s=0.01),
+    )
+    verdict = verdict_pb2.Verdict(
+        id="v-1", rollout=rollout, components={"tests_passed": 1.0, "tests_total": 1.0}, reward=1.0,
+        execution=result,
+    )
+    return {
+        "tasks": task,
+        "rollouts": rollout,
+        "executions": execution_pb2.Execution(id="e-1", rollout=rollout, result=result),
+        "verdicts": verdict,
+        "trajectories": trajectory_pb2.Trajectory(id="tr-1", verdict=verdict, reward=1.0, advantage=0.5,
+                                                  estimator="grpo", group_complete=True),
+        "policy": policy_pb2.PolicyVersion(run_id="run", version=3, checkpoint_uri="file:///tmp/ckpt",
+                                           metrics=policy_pb2.StepMetrics(loss=0.25, kl=0.01)),
+        "alerts": alert_pb2.Alert(id="a-1", kind="entropy_collapse", severity=alert_pb2.SEVERITY_WARNING,
+                                  message="entropy fell below 0.1", details={"entropy": "0.05"}),
+    }
+
+
+async def collect(consumer: bus.Consumer, n: int, timeout: float = 30.0) -> None:
+    await asyncio.wait_for(consumer.run(max_records=n), timeout)
+
+
+async def read_raw(settings, topic: str, n: int, timeout: float = 20.0):
+    """Reads `n` records from the start of a topic with a plain aiokafka consumer."""
+    consumer = AIOKafkaConsumer(settings.topic(topic), bootstrap_servers=settings.kafka_bootstrap,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    records = []
+    try:
+        async def fill():
+            while len(records) < n:
+                for batch in (await consumer.getmany(timeout_ms=500)).values():
+                    records.extend(batch)
+        await asyncio.wait_for(fill(), timeout)
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def test_every_message_type_round_trips_with_headers(settings):
+    telemetry.setup_telemetry("test-bus")
+    samples = sample_messages()
+    await bus.ensure_topics(samples, settings=settings)
+    tracer = telemetry.tracer("test")
+    sent_trace_ids = {}
+    async with bus.Producer(settings) as producer:
+        for topic, message in samples.items():
+            with tracer.start_as_current_span(f"send {topic}") as span:
+                await producer.send_and_wait(topic, message, key=f"k-{topic}")
+                sent_trace_ids[topic] = span.get_span_context().trace_id
+
+    received: dict[str, bus.Incoming] = {}
+    consumer_trace_ids = {}
+
+    async def handler(incoming: bus.Incoming):
+        topic = incoming.topic.removeprefix(settings.topic_prefix)
+        received[topic] = incoming
+        consumer_trace_ids[topic] = trace.get_current_span().get_span_context().trace_id
+
+    async with bus.Consumer(list(samples), "roundtrip", handler, settings=settings) as consumer:
+        await collect(consumer, len(samples))
+
+    assert set(received) == set(samples)
+    for topic, message in samples.items():
+        got = received[topic]
+        assert got.message == message, topic
+        assert type(got.message) is type(message)
+        assert got.key == f"k-{topic}".encode()
+        headers = dict(got.headers)
+        assert headers["schema"] == message.DESCRIPTOR.full_name.encode()
+        assert headers["content-type"] == b"application/x-protobuf"
+        traceparent = headers["traceparent"].decode()
+        # 00-<trace id>-<span id>-<flags>: the producer's trace continues in the consumer.
+        assert traceparent.split("-")[1] == format(sent_trace_ids[topic], "032x")
+        assert consumer_trace_ids[topic] == sent_trace_ids[topic]
+
+
+async def test_garbage_goes_to_dlq_with_reason_and_consumer_continues(settings):
+    await bus.ensure_topics(["tasks"], settings=settings)
+    good_before = task_pb2.Task(id="before", kind="exact", prompt="1+1?", group_size=1)
+    good_after = task_pb2.Task(id="after", kind="exact", prompt="2+2?", group_size=1)
+    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await raw.start()
+    topic = settings.topic("tasks")
+    try:
+        await raw.send_and_wait(topic, messages.encode(good_before))
+        await raw.send_and_wait(topic, b"\xff\x00 this is not protobuf \x13\x37", key=b"junk")
+        await raw.send_and_wait(topic, messages.encode(good_before), headers=[("schema", b"crucible.v1.Rollout")])
+        await raw.send_and_wait(topic, b'{"id": "json-task", "kind": "exact", "prompt": "3+3?", "group_size": 2}',
+                                headers=[("content-type", b"application/json")])
+        await raw.send_and_wait(topic, b'{"id": 12, "no_such_field": true}')
+        await raw.send_and_wait(topic, messages.encode(good_after))
+    finally:
+        await raw.stop()
+
+    seen = []
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+
+    async with bus.Consumer(["tasks"], "dlq", handler, settings=settings) as consumer:
+        await collect(consumer, 6)
+        assert consumer.dead_lettered == 3
+
+    assert seen == ["before", "json-task", "after"]
+    dead = await read_raw(settings, "tasks.dlq", 3)
+    reasons = [dict(r.headers)["dlq-reason"].decode() for r in dead]
+    assert "undecodable" in reasons[0] and "protobuf" in reasons[0]
+    assert dead[0].value == b"\xff\x00 this is not protobuf \x13\x37"  # the original bytes, untouched
+    assert dead[0].key == b"junk"
+    assert dict(dead[0].headers)["dlq-source"].decode() == f"{topic}/0@1"
+    assert "crucible.v1.Rollout" in reasons[1]
+    assert "JSON does not match" in reasons[2]
+
+
+async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settings):
+    await bus.ensure_topics(["tasks"], settings=settings)
+    n = 60
+    async with bus.Producer(settings) as producer:
+        for i in range(n):
+            await producer.send("tasks", task_pb2.Task(id=f"t{i}", kind="exact", prompt=str(i), group_size=1),
+                                key=f"t{i}")
+        await producer.flush()
+
+    seen: list[str] = []
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+
+    async with bus.Consumer(["tasks"], "restart", handler, settings=settings) as first:
+        await collect(first, 25)
+    assert len(seen) == 25
+    # A new consumer in the same group resumes exactly after the last committed record.
+    async with bus.Consumer(["tasks"], "restart", handler, settings=settings) as second:
+        await collect(second, n - 25)
+        assert await second.run(idle_timeout_s=1.5) == 0  # and there is nothing more
+    assert sorted(seen, key=lambda s: int(s[1:])) == [f"t{i}" for i in range(n)]
+    assert len(set(seen)) == n
+
+
+async def test_handler_outputs_are_produced_and_rejects_dead_lettered(settings):
+    await bus.ensure_topics(["tasks", "rollouts"], settings=settings)
+    attempts = {"flaky": 0}
+
+    async def handler(incoming):
+        task = incoming.message
+        if task.group_size == 0:
+            raise bus.Reject(f"task {task.id!r}: group_size must be at least 1")
+        if task.id == "flaky" and attempts["flaky"] < 1:
+            attempts["flaky"] += 1
+            raise ConnectionError("transient outage")
+        return [bus.Outgoing("rollouts", rollout_pb2.Rollout(id=f"{task.id}-{i}", task=task, sample_index=i),
+                             key=task.id) for i in range(task.group_size)]
+
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("tasks", task_pb2.Task(id="zero", kind="exact", group_size=0))
+        await producer.send_and_wait("tasks", task_pb2.Task(id="flaky", kind="exact", group_size=2))
+    async with bus.Consumer(["tasks"], "outputs", handler, settings=settings) as consumer:
+        await collect(consumer, 2)
+    rollouts = await read_raw(settings, "rollouts", 2)
+    assert [messages.decode(r.value, rollout_pb2.Rollout).id for r in rollouts] == ["flaky-0", "flaky-1"]
+    dead = await read_raw(settings, "tasks.dlq", 1)
+    assert "group_size must be at least 1" in dict(dead[0].headers)["dlq-reason"].decode()

@@ -1,0 +1,51 @@
+"""Codecs, without a broker."""
+import pytest
+
+from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
+from shared import messages
+
+
+def test_protobuf_round_trip_and_deterministic_encoding():
+    task = task_pb2.Task(id="a", kind="exact", prompt="p", group_size=2, metadata={"b": "2", "a": "1"})
+    data = messages.encode(task)
+    assert messages.decode(data, task_pb2.Task) == task
+    assert messages.encode(messages.decode(data, task_pb2.Task)) == data
+
+
+@pytest.mark.parametrize("value,reason", [
+    (None, "tombstone"),
+    (b"\xff\xff\xff", "not a valid crucible.v1.Task"),
+    (b"\x08\x01", "unknown to crucible.v1.Task"),
+    (b'{"id": 5}', "JSON does not match"),
+    (b'{"id": "x", "group_sizee": 1}', "JSON does not match"),
+    (b'{"id": "x",', "invalid JSON"),
+])
+def test_bad_values_raise_with_reason(value, reason):
+    with pytest.raises(messages.MessageDecodeError, match=reason):
+        messages.decode(value, task_pb2.Task)
+
+
+def test_unknown_fields_deep_inside_are_rejected():
+    # A Verdict whose nested rollout carries an unknown field number 99.
+    rollout = rollout_pb2.Rollout(id="r").SerializeToString() + b"\x98\x06\x01"
+    verdict = b"\x12" + bytes([len(rollout)]) + rollout
+    with pytest.raises(messages.MessageDecodeError, match="rollout"):
+        messages.decode(verdict, verdict_pb2.Verdict)
+
+
+def test_schema_header_must_match_topic():
+    data = messages.encode(task_pb2.Task(id="a"))
+    with pytest.raises(messages.MessageDecodeError, match="schema header"):
+        messages.decode(data, task_pb2.Task, schema="crucible.v1.Rollout")
+
+
+def test_json_only_for_tasks():
+    with pytest.raises(messages.MessageDecodeError, match="only for crucible.v1.Task"):
+        messages.decode(b'{"id": "r"}', rollout_pb2.Rollout, content_type="application/json")
+    task = messages.decode(b'{"id": "t", "groupSize": 3, "python_tests": {"entry_point": "f"}}', task_pb2.Task)
+    assert task.group_size == 3 and task.python_tests.entry_point == "f"
+
+
+def test_oversized_value_rejected():
+    with pytest.raises(messages.MessageDecodeError, match="exceeds"):
+        messages.decode(b"\x00" * (messages.MAX_MESSAGE_BYTES + 1), task_pb2.Task)
