@@ -209,28 +209,39 @@ class Consumer:
         return self._paused
 
     async def run(self, *, max_records: int | None = None, idle_timeout_s: float | None = None) -> int:
-        """Handles records until stopped, `max_records` are done, or nothing arrives for `idle_timeout_s`."""
+        """Handles records until stopped, `max_records` are done, or nothing arrives for `idle_timeout_s`.
+
+        Offsets are committed once per fetched batch, after every output of the
+        batch is acknowledged by the broker: a crash replays at most one batch
+        (at-least-once; downstream writes are idempotent), and nothing is lost.
+        """
         done = 0
-        idle_since = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        idle_since = loop.time()
         while not self._stopping.is_set():
             limit = self.batch_size if max_records is None else min(self.batch_size, max_records - done)
             batches = await self._consumer.getmany(timeout_ms=200, max_records=limit)
             if not batches:
-                if idle_timeout_s is not None and asyncio.get_running_loop().time() - idle_since > idle_timeout_s:
+                if idle_timeout_s is not None and loop.time() - idle_since > idle_timeout_s:
                     break
                 continue
-            idle_since = asyncio.get_running_loop().time()
+            idle_since = loop.time()
+            pending: list[asyncio.Future] = []
+            offsets = {}
             for tp, records in batches.items():
                 for record in records:
-                    await self._process(record)
-                    # Commit per record: a crash replays at most the record in flight.
-                    await self._consumer.commit({tp: record.offset + 1})
+                    pending.extend(await self._process(record))
+                    offsets[tp] = record.offset + 1
                     done += 1
+            if pending:
+                await asyncio.gather(*pending)
+            await self._consumer.commit(offsets)
             if max_records is not None and done >= max_records:
                 break
         return done
 
-    async def _process(self, record: ConsumerRecord) -> None:
+    async def _process(self, record: ConsumerRecord) -> list[asyncio.Future]:
+        """Decodes and handles one record; returns the delivery futures of its outputs."""
         parent = telemetry.extract_context(record.headers)
         with self._tracer.start_as_current_span(
             f"{record.topic} process", context=parent, kind=trace.SpanKind.CONSUMER
@@ -247,19 +258,14 @@ class Consumer:
                 )
             except messages.MessageDecodeError as exc:
                 await self._dead_letter(record, f"undecodable: {exc}")
-                return
+                return []
             incoming = Incoming(record.topic, record.partition, record.offset, record.key, message, record.headers)
             for attempt in range(1, self.max_attempts + 1):
                 try:
                     outputs = list(await self.handler(incoming) or ())
-                    futures = [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
-                    if futures:
-                        await asyncio.gather(*futures)
-                    self.handled += 1
-                    return
                 except Reject as exc:
                     await self._dead_letter(record, f"rejected: {exc}")
-                    return
+                    return []
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # a handler bug or a transient outage: retry, then DLQ
@@ -272,8 +278,12 @@ class Consumer:
                             f"handler failed {attempt} times: {type(exc).__name__}: {exc} "
                             f"(at {where.filename}:{where.lineno})",
                         )
-                        return
+                        return []
                     await asyncio.sleep(0.1 * 2**attempt)
+                    continue
+                self.handled += 1
+                return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
+        return []
 
     async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
         span = trace.get_current_span()

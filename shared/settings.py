@@ -29,9 +29,13 @@ class Settings(BaseSettings):
     clickhouse_user: str = "default"
     clickhouse_password: str = ""
 
-    # gRPC
+    # gRPC: one port per service on one machine
     grpc_host: str = "127.0.0.1"
-    grpc_port: int = 50051
+    control_grpc_port: int = 50051
+
+    # Tasks
+    max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")
+    max_prompt_chars: int = Field(default=32_000, ge=1)
 
     # OpenTelemetry: OTLP export happens only when an endpoint is set.
     otel_endpoint: str | None = None

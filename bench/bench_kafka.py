@@ -1,0 +1,127 @@
+"""Kafka figures: local broker start time, produce and consume rates for 1 KiB messages.
+
+    python bench/bench_kafka.py [--messages 20000]
+
+Starts its own broker on free ports (fresh storage, so the start time includes
+formatting), then measures in the same run:
+  - produce: bare aiokafka (bytes, no headers) vs the bus Producer (protobuf,
+    schema and trace headers, idempotent, acks=all);
+  - consume: bare aiokafka getmany vs the bus Consumer (decode, handler span,
+    commit per batch after outputs are acknowledged).
+Prints each rate and its ratio to the bare baseline. Not a test: nothing gates on it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
+
+from crucible.v1 import task_pb2  # noqa: E402
+from shared import bus, messages, telemetry  # noqa: E402
+from shared.local_kafka import LocalKafka  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def payload_task(i: int) -> task_pb2.Task:
+    task = task_pb2.Task(id=f"t{i:08d}", kind="exact", group_size=1, answer=task_pb2.ExpectedAnswer(answer="x"))
+    task.prompt = "p" * (1024 - len(messages.encode(task)) - 3)  # ~1 KiB encoded
+    return task
+
+
+async def produce_bare(settings: Settings, topic: str, values: list[bytes]) -> float:
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=5, acks="all",
+                                enable_idempotence=True)
+    await producer.start()
+    started = time.perf_counter()
+    futures = [await producer.send(topic, v) for v in values]
+    await asyncio.gather(*futures)
+    took = time.perf_counter() - started
+    await producer.stop()
+    return len(values) / took
+
+
+async def produce_bus(settings: Settings, tasks: list[task_pb2.Task]) -> float:
+    async with bus.Producer(settings) as producer:
+        started = time.perf_counter()
+        futures = [await producer.send("tasks", t, key=t.id) for t in tasks]
+        await asyncio.gather(*futures)
+        return len(tasks) / (time.perf_counter() - started)
+
+
+async def consume_bare(settings: Settings, topic: str, n: int) -> float:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap, group_id="bench-bare",
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    got = 0
+    started = None
+    while got < n:
+        batches = await consumer.getmany(timeout_ms=1000, max_records=500)
+        if started is None and batches:
+            started = time.perf_counter()
+        for tp, records in batches.items():
+            got += len(records)
+            await consumer.commit({tp: records[-1].offset + 1})
+    took = time.perf_counter() - started
+    await consumer.stop()
+    return n / took
+
+
+async def consume_bus(settings: Settings, n: int) -> float:
+    async def handler(incoming):
+        return None
+
+    async with bus.Consumer(["tasks"], "bench-bus", handler, settings=settings, batch_size=500) as consumer:
+        await consumer.run(max_records=1)  # join the group and fetch before the clock starts
+        started = time.perf_counter()
+        await consumer.run(max_records=n - 1)
+        return (n - 1) / (time.perf_counter() - started)
+
+
+async def run(settings: Settings, n: int) -> None:
+    telemetry.setup_telemetry("bench-kafka")
+    await bus.ensure_topics(["tasks", "bare"], settings=settings, with_dlq=True)
+    tasks = [payload_task(i) for i in range(n)]
+    values = [messages.encode(t) for t in tasks]
+    print(f"message size: {len(values[0])} bytes, {n} messages")
+    bare_p = await produce_bare(settings, settings.topic("bare"), values)
+    bus_p = await produce_bus(settings, tasks)
+    print(f"produce  bare aiokafka : {bare_p:10.0f} msg/s  {bare_p * 1024 / 2**20:6.1f} MiB/s")
+    print(f"produce  bus.Producer  : {bus_p:10.0f} msg/s  ratio to bare {bus_p / bare_p:.2f}")
+    bare_c = await consume_bare(settings, settings.topic("bare"), n)
+    bus_c = await consume_bus(settings, n)
+    print(f"consume  bare aiokafka : {bare_c:10.0f} msg/s  (commit per batch)")
+    print(f"consume  bus.Consumer  : {bus_c:10.0f} msg/s  ratio to bare {bus_c / bare_c:.2f} "
+          "(decode, span and handler per record; commit per batch)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=20_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = LocalKafka(Path(tmp), port=free_port(), controller_port=free_port(), settings=Settings())
+        took = broker.start()
+        print(f"Kafka start (format + start + first metadata answer): {took:.2f}s")
+        try:
+            settings = Settings(kafka_bootstrap=broker.bootstrap, topic_prefix="bench.")
+            asyncio.run(run(settings, args.messages))
+        finally:
+            broker.stop()
+
+
+if __name__ == "__main__":
+    main()

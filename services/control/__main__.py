@@ -1,0 +1,54 @@
+"""python -m services.control: Control gRPC plus the task log (crucible.tasks -> ClickHouse `tasks`)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from crucible.v1 import control_pb2_grpc
+from services.control.handler import TASK_COLUMNS, check_consumed_task, task_row
+from services.control.servicer import ControlServicer
+from shared import bus, rpc, store, telemetry
+from shared.settings import get_settings
+
+log = logging.getLogger("crucible.control")
+
+
+async def main() -> None:
+    settings = get_settings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s control %(levelname)s %(message)s")
+    telemetry.setup_telemetry("control", settings)
+    await bus.ensure_topics(bus.STANDARD_TOPICS, settings=settings)
+    client = store.connect(settings)
+    applied = store.migrate(client)
+    if applied:
+        log.info("applied migrations %s", applied)
+
+    async def record(incoming: bus.Incoming):
+        task = check_consumed_task(incoming, settings)
+        # A replayed record rewrites the same row: `tasks` is a ReplacingMergeTree on task_id.
+        row = task_row(task, telemetry.current_trace_id())
+        await asyncio.to_thread(client.insert, "tasks", [row], column_names=TASK_COLUMNS)
+        log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)
+
+    async with bus.Producer(settings) as producer:
+        server = rpc.RpcServer(
+            [rpc.Service("crucible.v1.Control", ControlServicer(settings, producer, client),
+                         control_pb2_grpc.add_ControlServicer_to_server)],
+            host=settings.grpc_host, port=settings.control_grpc_port,
+        )
+        async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
+                                        settings=settings, producer=producer) as consumer:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
+            runner = asyncio.create_task(consumer.run())
+            await stop.wait()
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

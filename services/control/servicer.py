@@ -1,0 +1,68 @@
+"""Control gRPC: submit tasks to the bus, report a run's status, query stored trajectories."""
+from __future__ import annotations
+
+import grpc
+
+from crucible.v1 import control_pb2, control_pb2_grpc
+from services.control.handler import prepare_submission
+from shared import bus, rpc
+from shared.settings import Settings
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, settings: Settings, producer: bus.Producer, store_client=None):
+        self.settings = settings
+        self.producer = producer
+        self.store = store_client
+
+    async def SubmitTasks(self, request: control_pb2.SubmitTasksRequest, context):
+        if not request.tasks:
+            await rpc.abort_invalid(context, "no tasks given: put at least one Task in `tasks`")
+        prepared, problems = [], []
+        for i, task in enumerate(request.tasks):
+            try:
+                prepared.append(prepare_submission(task, self.settings))
+            except ValueError as exc:
+                problems.append(f"tasks[{i}]: {exc}")
+        if problems:
+            # All or nothing: a caller fixing one task should not have to work out which others went through.
+            await rpc.abort_invalid(context, "; ".join(problems))
+        futures = [await self.producer.send("tasks", t, key=t.id) for t in prepared]
+        for f in futures:
+            await f
+        return control_pb2.SubmitTasksResponse(task_ids=[t.id for t in prepared])
+
+    async def GetRunStatus(self, request, context):
+        if self.store is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
+        submitted = self.store.query("SELECT count() FROM tasks FINAL").result_rows[0][0]
+        trajectories = self.store.query(
+            "SELECT count(), avg(reward), max(policy_version) FROM trajectories FINAL").result_rows[0]
+        return control_pb2.RunStatus(
+            run_id=request.run_id, tasks_submitted=submitted, trajectories=trajectories[0],
+            reward_mean=float(trajectories[1] or 0.0) if trajectories[0] else 0.0,
+            policy_version=int(trajectories[2] or 0),
+        )
+
+    async def QueryTrajectories(self, request: control_pb2.QueryTrajectoriesRequest, context):
+        if self.store is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
+        if request.limit > 10_000:
+            await rpc.abort_invalid(context, f"limit {request.limit} is above 10000: page with min_policy_version")
+        where, params = ["policy_version >= {v:UInt64}"], {"v": request.min_policy_version}
+        for column in ("task_id", "group_id"):
+            if getattr(request, column):
+                where.append(f"{column} = {{{column}:String}}")
+                params[column] = getattr(request, column)
+        rows = self.store.query(
+            "SELECT trajectory_id, task_id, group_id, sample_index, task_kind, policy_version, completion, "
+            f"reward, advantage FROM trajectories FINAL WHERE {' AND '.join(where)} "
+            "ORDER BY policy_version, group_id, sample_index LIMIT {limit:UInt32}",
+            parameters={**params, "limit": request.limit or 100},
+        ).result_rows
+        return control_pb2.QueryTrajectoriesResponse(rows=[
+            control_pb2.TrajectoryRow(
+                trajectory_id=r[0], task_id=r[1], group_id=r[2], sample_index=r[3], task_kind=r[4],
+                policy_version=r[5], completion=r[6], reward=r[7], advantage=r[8],
+            ) for r in rows
+        ])

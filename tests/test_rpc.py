@@ -1,0 +1,85 @@
+"""gRPC: health, reflection, trace propagation, and INVALID_ARGUMENT for bad calls."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from crucible.v1 import control_pb2, control_pb2_grpc, policy_pb2, policy_pb2_grpc, task_pb2
+from services.control.servicer import ControlServicer
+from shared import bus, rpc, telemetry
+
+
+class _TraceEchoLearner(policy_pb2_grpc.LearnerServicer):
+    """Answers GetPolicy with the trace id the server saw, so the test can check propagation."""
+
+    async def GetPolicy(self, request, context):
+        return policy_pb2.PolicyVersion(run_id=telemetry.current_trace_id())
+
+
+async def test_health_serving_reflection_and_trace_propagation():
+    telemetry.setup_telemetry("test-rpc")
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Learner", _TraceEchoLearner(),
+                                        policy_pb2_grpc.add_LearnerServicer_to_server)])
+    async with server:
+        assert await rpc.health_status(server.address) == "SERVING"
+        assert await rpc.health_status(server.address, "crucible.v1.Learner") == "SERVING"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rpc.health_status(server.address, "crucible.v1.NoSuchService")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        async with rpc.channel(server.address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            async for reply in replies:
+                names = {s.name for s in reply.list_services_response.service}
+                break
+            assert {"crucible.v1.Learner", "grpc.health.v1.Health"} <= names
+
+            with telemetry.tracer("test").start_as_current_span("client call") as span:
+                reply = await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+            assert reply.run_id == format(span.get_span_context().trace_id, "032x")
+    # After stop the port no longer answers.
+    with pytest.raises(grpc.aio.AioRpcError):
+        await rpc.health_status(server.address, timeout=1)
+
+
+@pytest.mark.kafka
+async def test_submit_tasks_validates_and_publishes(settings):
+    await bus.ensure_topics(["tasks"], settings=settings)
+    async with bus.Producer(settings) as producer:
+        server = rpc.RpcServer([rpc.Service("crucible.v1.Control", ControlServicer(settings, producer),
+                                            control_pb2_grpc.add_ControlServicer_to_server)])
+        async with server, rpc.channel(server.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            bad = [
+                (control_pb2.SubmitTasksRequest(), "no tasks given"),
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="a", kind="exact", group_size=1,
+                                                                     answer=task_pb2.ExpectedAnswer(answer="1"))]),
+                 "prompt is empty"),
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="b", kind="haiku", prompt="p",
+                                                                     group_size=1)]), "unknown kind 'haiku'"),
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="c", kind="exact", prompt="p",
+                                                                     group_size=10_000,
+                                                                     answer=task_pb2.ExpectedAnswer(answer="1"))]),
+                 "above the limit"),
+            ]
+            for request, reason in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.SubmitTasks(request, timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert reason in err.value.details()
+            good = task_pb2.Task(kind="exact", prompt="2+2?", group_size=2, answer=task_pb2.ExpectedAnswer(answer="4"))
+            reply = await stub.SubmitTasks(control_pb2.SubmitTasksRequest(tasks=[good]), timeout=10)
+            assert len(reply.task_ids) == 1 and reply.task_ids[0]
+            # The server is still healthy after the bad calls.
+            assert await rpc.health_status(server.address, "crucible.v1.Control") == "SERVING"
+
+    got = []
+
+    async def handler(incoming):
+        got.append(incoming.message)
+
+    async with bus.Consumer(["tasks"], "submit", handler, settings=settings) as consumer:
+        await consumer.run(max_records=1)
+    assert got[0].id == reply.task_ids[0] and got[0].prompt == "2+2?" and got[0].HasField("created_at")
