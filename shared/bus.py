@@ -144,6 +144,7 @@ class Consumer:
         schemas: dict[str, type[Message]] | None = None,
         max_attempts: int = 3,
         batch_size: int = 100,
+        concurrency: int = 1,
         **consumer_options,
     ):
         self.settings = settings or get_settings()
@@ -152,6 +153,7 @@ class Consumer:
         self.handler = handler
         self.max_attempts = max_attempts
         self.batch_size = batch_size
+        self.concurrency = concurrency  # records of one batch handled at once (order of outputs then varies)
         # Schema per full topic name: given, or the standard one for the topic.
         self.schemas = {}
         for short, full in zip(topics, self.topics):
@@ -227,12 +229,21 @@ class Consumer:
                 continue
             idle_since = loop.time()
             pending: list[asyncio.Future] = []
-            offsets = {}
-            for tp, records in batches.items():
+            offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
+            records = [r for rs in batches.values() for r in rs]
+            if self.concurrency <= 1:
                 for record in records:
                     pending.extend(await self._process(record))
-                    offsets[tp] = record.offset + 1
-                    done += 1
+            else:
+                slots = asyncio.Semaphore(self.concurrency)
+
+                async def bounded(record):
+                    async with slots:
+                        return await self._process(record)
+
+                for futures in await asyncio.gather(*(bounded(r) for r in records)):
+                    pending.extend(futures)
+            done += len(records)
             if pending:
                 await asyncio.gather(*pending)
             await self._consumer.commit(offsets)

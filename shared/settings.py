@@ -33,6 +33,22 @@ class Settings(BaseSettings):
     grpc_host: str = "127.0.0.1"
     control_grpc_port: int = 50051
 
+    # sandbox-executor
+    sandbox_grpc_port: int = 50053
+    sandbox_workers: int = Field(default=0, ge=0, description="Pre-forked workers; 0 means one per core.")
+    sandbox_queue_size: int = Field(default=0, ge=0, description="Jobs waiting beyond the workers; 0 means 4 per worker.")
+    sandbox_allow_weak_isolation: bool = Field(
+        default=False, description="Run even when some isolation primitive is missing (reported in every result).")
+    sandbox_wall_s: float = Field(default=10.0, gt=0, le=600)
+    sandbox_cpu_s: int = Field(default=5, ge=1, le=600)
+    sandbox_memory_mb: int = Field(default=512, ge=64)
+    sandbox_file_mb: int = Field(default=16, ge=1)
+    sandbox_work_mb: int = Field(default=32, ge=1)
+    sandbox_output_bytes: int = Field(default=64 * 1024, ge=1024)
+    sandbox_processes: int = Field(default=32, ge=1)
+    sandbox_open_files: int = Field(default=64, ge=8)
+    sandbox_uid_base: int = Field(default=200_000, ge=1000, description="Worker i runs jobs as uid base+i.")
+
     # Tasks
     max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")
     max_prompt_chars: int = Field(default=32_000, ge=1)

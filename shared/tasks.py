@@ -39,3 +39,15 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
         if wanted and payload != wanted:
             problems.append(f"kind {task.kind!r} needs a {wanted!r} payload, got {payload or 'none'}")
     return problems
+
+
+def python_program(task: task_pb2.Task, completion: str) -> str:
+    """The program a python_tests completion stands for.
+
+    A completion that defines the entry point is a whole program; otherwise it
+    continues the prompt (HumanEval style: signature and docstring, then the body).
+    """
+    entry = task.python_tests.entry_point
+    if entry and (f"def {entry}(" in completion or f"def {entry} (" in completion):
+        return completion
+    return task.prompt + completion

