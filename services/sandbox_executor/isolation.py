@@ -73,8 +73,8 @@ def readonly_binds() -> tuple[list[str], list[str], dict[str, str]]:
             binds.append(real)
     if os.path.exists("/etc/ld.so.cache"):
         binds.append("/etc/ld.so.cache")
-    hidden = [p for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-              if p.startswith(stdlib)]
+    # The base interpreter's own site-packages sits inside the standard library folder.
+    hidden = [str(Path(stdlib) / "site-packages")] if (Path(stdlib) / "site-packages").is_dir() else []
     symlinks = {}
     for link in ("/lib64", "/lib", "/bin"):
         if os.path.islink(link):

