@@ -8,11 +8,14 @@ environment, so it never holds a secret of the service. It is a fork server:
            └─ jail   (pid 1 of fresh pid/mount/net/ipc/uts namespaces, tmpfs root, non-root uid,
                       rlimits, seccomp; runs the code inside the already-loaded interpreter)
 
+The next supervisor and its jail are forked and set up (namespaces, root) while
+the current job runs, so a job's latency holds no fork, unshare or mount.
+
 Protocol on the worker's stdin/stdout: the pool writes a frame (4-byte length +
-JSON header, then `payload_len` bytes of JSON payload); the supervisor reads the
-payload itself, so job code and tests never enter the long-lived worker's
-memory (a later job cannot dig them out). Exactly one result frame comes back
-per job.
+JSON header, then `payload_len` bytes of JSON payload); the waiting supervisor
+reads header and payload itself, so job code and tests never enter the
+long-lived worker's memory (a later job cannot dig them out). Exactly one
+result frame comes back per job.
 
 Kept free of third-party imports on purpose: `-S` means no site-packages.
 """
@@ -247,22 +250,27 @@ def build_template(cfg: dict) -> None:
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def enter_root(cfg: dict, job: dict) -> None:
-    """In the job's fresh mount namespace: a private tmpfs /work with the job's files, then pivot into the root."""
+def enter_root(cfg: dict) -> None:
+    """In the job's fresh mount namespace: a private tmpfs /work, then pivot into the template root."""
     root = cfg["root_dir"]
-    work = root + "/work"
-    mount("work", work, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-          f"size={job['work_bytes']},nr_inodes=4096,mode=0700,uid={cfg['uid']},gid={cfg['uid']}")
-    for name, content in job["files"].items():
-        path = os.path.join(work, name)
-        with open(path, "w") as f:
-            f.write(content)
-        os.chown(path, cfg["uid"], cfg["uid"])
+    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    mount("work", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={cfg['work_bytes']},nr_inodes=4096,mode=0700,uid={cfg['uid']},gid={cfg['uid']}")
     os.chdir(root)
     _check(libc.syscall(155, b".", b".old"), "pivot_root")  # pivot_root(new_root, put_old)
     os.chdir("/")
     _check(libc.umount2(b"/.old", MNT_DETACH), "umount old root")  # the host's tree is gone for good
     os.chdir("/work")
+
+
+def write_files(cfg: dict, job: dict) -> None:
+    for name, content in job["files"].items():
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"bad file name {name!r}")
+        with open(name, "w") as f:
+            f.write(content)
+        if os.geteuid() == 0:
+            os.chown(name, cfg["uid"], cfg["uid"])
 
 
 def drop_privileges(cfg: dict, job: dict) -> None:
@@ -287,19 +295,29 @@ def drop_privileges(cfg: dict, job: dict) -> None:
     os.setresuid(uid, uid, uid)
 
 
-def run_in_jail(cfg: dict, job: dict, go_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int) -> None:
-    """Runs in the jail process; never returns."""
+def run_in_jail(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int,
+                ready_w: int) -> None:
+    """The jail process: prepares its root before any job exists, then runs one job; never returns."""
     code = 120
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the supervisor's death ends the jail
-        os.read(go_r, 1)  # wait until the supervisor has put us in our cgroups
         os.setsid()
         name = b"sandbox"
         libc.sethostname(name, len(name))
         if cfg["isolate"]:
-            enter_root(cfg, job)
+            enter_root(cfg)
         else:
             os.chdir(cfg["root_dir"])
+        os.write(ready_w, b"r")
+        os.close(ready_w)
+        # Blocks until the supervisor has a job for us and has put us in our cgroups.
+        chunks = []
+        while chunk := os.read(job_r, 1 << 20):
+            chunks.append(chunk)
+        if not chunks:
+            os._exit(0)  # the worker is shutting down
+        job = json.loads(b"".join(chunks))
+        write_files(cfg, job)
         os.dup2(stdin_r, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
@@ -396,29 +414,74 @@ def run_tests(job: dict, namespace: dict, exit_code: int) -> int:
 
 # --- the supervisor (one per job) ---------------------------------------------------------------
 
-def supervise(cfg: dict, header: dict, cgroups: Cgroups) -> dict:
-    payload = json.loads(read_exact(0, header["payload_len"]))
-    job = {**header, **payload}
-    limits = job["limits"]
-    go_r, go_w = os.pipe()
-    report_r, report_w = os.pipe()
+def supervisor(cfg: dict, cgroups: Cgroups, notify_w: int) -> None:
+    """One job's supervisor: prepares a jail ahead of time, takes the next job from fd 0, runs it,
+    writes the result frame to fd 1. Never returns."""
+    job_id = None
+    try:
+        prepared = prepare_jail(cfg)
+        try:
+            header = read_frame(0)
+        except EOFError:
+            os._exit(3)  # the pool closed our stdin: shut down
+        job_id = header["job_id"]
+        payload = read_exact(0, header["payload_len"])
+        # The job is off the shared pipe: the worker may start preparing the next supervisor now.
+        os.write(notify_w, json.dumps({"job_id": job_id, "wall_s": header["limits"]["wall_s"]}).encode())
+        os.close(notify_w)
+        result = run_job(prepared, header, payload, cgroups)
+        write_frame(1, {"job_id": job_id, **result})
+        code = 0
+    except BaseException as exc:
+        code = 1
+        try:
+            write_frame(1, {"job_id": job_id, "error": f"{type(exc).__name__}: {exc}"})
+        except BaseException:
+            code = 2
+    os._exit(code)
+
+
+def prepare_jail(cfg: dict) -> dict:
+    """Forks the jail into fresh namespaces; it enters its root and waits for a job."""
+    job_r, job_w = os.pipe()
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    report_r, report_w = os.pipe()
+    ready_r, ready_w = os.pipe()
     if cfg["isolate"]:
-        _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-    started = time.monotonic()
+        # The mount namespace is the jail's own (it unshares it itself): pivot_root moves every
+        # process of a namespace, and the supervisor must keep seeing the host's cgroups.
+        _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     pid = os.fork()
     if pid == 0:
-        for fd in (go_w, in_w, out_r, err_r, report_r):
+        for fd in (job_w, in_w, out_r, err_r, report_r, ready_r):
             os.close(fd)
-        run_in_jail(cfg, job, go_r, in_r, out_w, err_w, report_w)
-    for fd in (go_r, in_r, out_w, err_w, report_w):
+        run_in_jail(cfg, job_r, in_r, out_w, err_w, report_w, ready_w)
+    for fd in (job_r, in_r, out_w, err_w, report_w, ready_w):
         os.close(fd)
+    if os.read(ready_r, 1) != b"r":
+        raise RuntimeError("the jail failed while preparing its root")
+    os.close(ready_r)
+    # Holding the jail's mount namespace keeps its teardown (an RCU-synchronised unmount of
+    # the whole tree) out of the job's latency: it happens when this supervisor exits.
+    mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY) if cfg["isolate"] else -1
+    return {"pid": pid, "job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r, "report_r": report_r,
+            "mnt_ns": mnt_ns}
+
+
+def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> dict:
+    job = {**header, **json.loads(payload)}
+    limits = job["limits"]
+    pid = prepared["pid"]
+    out_r, err_r, report_r, in_w = prepared["out_r"], prepared["err_r"], prepared["report_r"], prepared["in_w"]
     cgroups.reset_memory_events()
     cgroups.attach(pid)
-    os.write(go_w, b"g")
-    os.close(go_w)
+    started = time.monotonic()
+    view = memoryview(json.dumps(job).encode())
+    while view:
+        view = view[os.write(prepared["job_w"], view):]
+    os.close(prepared["job_w"])
 
     stdin_data = base64.b64decode(job.get("stdin_b64") or "")
     cap = limits["output_bytes"]
@@ -570,34 +633,58 @@ def main() -> None:
             pass
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     write_frame(1, {"ready": True, "pid": os.getpid()})
+    serve(cfg, cgroups)
+
+
+def spawn_supervisor(cfg: dict, cgroups: Cgroups) -> dict:
+    notify_r, notify_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(notify_r)
+        supervisor(cfg, cgroups, notify_w)
+    os.close(notify_w)
+    return {"pid": pid, "pidfd": os.pidfd_open(pid), "notify_r": notify_r, "job_id": None, "deadline": None}
+
+
+def serve(cfg: dict, cgroups: Cgroups) -> None:
+    """The worker loop: always one supervisor prepared and waiting; the next is forked as soon as
+    the current one has taken its job, so jail set-up overlaps the previous job's run."""
+    waiting = spawn_supervisor(cfg, cgroups)
+    running: list[dict] = []
     while True:
-        try:
-            header = read_frame(0)
-        except EOFError:
-            return
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                result = supervise(cfg, header, cgroups)
-                write_frame(1, {"job_id": header["job_id"], **result})
-            except BaseException as exc:
-                code = 1
-                try:
-                    write_frame(1, {"job_id": header["job_id"], "error": f"{type(exc).__name__}: {exc}"})
-                except BaseException:
-                    code = 2
-            finally:
-                os._exit(code)
-        # The supervisor enforces the wall clock; this is the backstop if it hangs.
-        pidfd = os.pidfd_open(pid)
-        ready, _, _ = select.select([pidfd], [], [], header["limits"]["wall_s"] + 10)
-        os.close(pidfd)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        if not ready or os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) == 2:
-            write_frame(1, {"job_id": header["job_id"], "error": "the job's supervisor died"})
+        watched = [waiting["notify_r"], waiting["pidfd"]] + [r["pidfd"] for r in running]
+        deadlines = [r["deadline"] for r in running]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        readable, _, _ = select.select(watched, [], [], timeout)
+        if waiting["notify_r"] in readable:
+            note = os.read(waiting["notify_r"], 4096)
+            if note:
+                info = json.loads(note)
+                # The supervisor enforces the wall clock; this is the backstop if it hangs.
+                waiting.update(job_id=info["job_id"], deadline=time.monotonic() + info["wall_s"] + 10)
+                os.close(waiting["notify_r"])
+                running.append(waiting)
+                waiting = spawn_supervisor(cfg, cgroups)
+                continue
+        if waiting["pidfd"] in readable:  # died before taking a job
+            _, status = os.waitpid(waiting["pid"], 0)
+            os.close(waiting["pidfd"])
+            os.close(waiting["notify_r"])
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3:
+                for r in running:
+                    os.waitpid(r["pid"], 0)
+                return  # stdin closed: the pool is shutting us down
+            waiting = spawn_supervisor(cfg, cgroups)
+        now = time.monotonic()
+        for r in list(running):
+            if r["pidfd"] in readable or now > r["deadline"]:
+                if r["pidfd"] not in readable:
+                    os.kill(r["pid"], signal.SIGKILL)
+                _, status = os.waitpid(r["pid"], 0)
+                os.close(r["pidfd"])
+                running.remove(r)
+                if os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) == 2:
+                    write_frame(1, {"job_id": r["job_id"], "error": "the job's supervisor died"})
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ class _Worker:
             "seccomp": "seccomp" not in report.missing,
             "cgroups": self.cgroups,
             "preload": PRELOAD,
+            "work_bytes": self.pool.limits.work_bytes,
         }
         self.proc = await asyncio.create_subprocess_exec(
             isolation.base_python(), "-I", "-S", "-B", str(JAIL_SCRIPT), json.dumps(config),
@@ -204,7 +205,7 @@ class SandboxPool:
             _, future = self.queue.get_nowait()
             if not future.done():
                 future.set_exception(RuntimeError("the sandbox pool was closed"))
-        for d in reversed(self._cgroup_dirs):
+        for d in sorted(set(self._cgroup_dirs), key=lambda p: len(p.parts), reverse=True):
             try:
                 d.rmdir()
             except OSError:
@@ -288,7 +289,7 @@ class SandboxPool:
                 for ctrl, base in controllers.items():
                     path = base / name
                     path.mkdir(parents=True, exist_ok=True)
-                    self._cgroup_dirs += [path, path.parent] if path.parent not in self._cgroup_dirs else [path]
+                    self._cgroup_dirs += [path, path.parent]
                     made[ctrl] = str(path)
                 if "memory" in made:
                     _write(Path(made["memory"]) / "memory.limit_in_bytes", self.limits.memory_bytes + (64 << 20))
@@ -305,7 +306,7 @@ class SandboxPool:
                 _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
                 path = parent / f"w{index}"
                 path.mkdir(exist_ok=True)
-                self._cgroup_dirs += [path, parent] if parent not in self._cgroup_dirs else [path]
+                self._cgroup_dirs += [path, parent]
                 _write(path / "memory.max", self.limits.memory_bytes + (64 << 20))
                 _write(path / "pids.max", self.limits.processes + 8)
                 _write(path / "cpu.max", "100000 100000")
