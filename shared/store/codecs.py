@@ -228,7 +228,7 @@ class DecompressingReader:
                         break
                 self._dec = self._factory(self._pending)
             if self._dec.eof:
-                self._pending = self._dec.unused_data + self._pending
+                self._pending = (self._dec.unused_data or b"") + self._pending
                 self._dec = None
                 continue
             if self._dec.needs_input and not self._pending:
@@ -238,7 +238,7 @@ class DecompressingReader:
             data, self._pending = (self._pending, b"") if self._dec.needs_input else (b"", self._pending)
             out = self._dec.decompress(data, n)
             if self._dec.eof:
-                self._pending = self._dec.unused_data + self._pending
+                self._pending = (self._dec.unused_data or b"") + self._pending
                 self._dec = None
             if out:
                 return out
@@ -285,16 +285,16 @@ def choose_response_encoding(accept_encoding: str | None) -> str | None:
     return min(offered)[2] if offered else None
 
 
-def compress(data: bytes, encoding: str) -> bytes:
+def compress(data: bytes, encoding: str, zlib_level: int = 3) -> bytes:
     """One whole response body, compressed as a single frame / member."""
     if encoding == "zstd":
         return zstd.compress(data)
     if encoding == "lz4":
         return lz4.frame.compress(data)
     if encoding == "gzip":
-        return gzip.compress(data, compresslevel=3, mtime=0)
+        return gzip.compress(data, compresslevel=zlib_level, mtime=0)
     if encoding == "deflate":
-        return zlib.compress(data, 3)
+        return zlib.compress(data, zlib_level)
     raise ValueError(encoding)
 
 

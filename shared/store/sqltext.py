@@ -230,6 +230,8 @@ def explicit_format(sql: str) -> str | None:
     column or table that happens to be called `format` is not mistaken for the clause.
     """
     buf = sql.encode("utf-8", "surrogatepass")
+    if b"format" not in buf.lower():  # the common case, without tokenizing the whole query
+        return None
     toks = list(_significant(buf))
     for i in range(len(toks) - 2, -1, -1):
         if not _is_word(toks[i], buf, b"FORMAT") or toks[i + 1].kind not in (WORD, QUOTED):

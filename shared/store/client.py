@@ -1,0 +1,94 @@
+"""One way to get a ClickHouse client, whether the store is the embedded chDB process or a real server.
+
+Both speak ClickHouse's HTTP interface, so the only difference is the URL in
+CRUCIBLE_CLICKHOUSE_URL (http://127.0.0.1:8123 for the local store by default).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import clickhouse_connect
+from clickhouse_connect.driver.binding import quote_identifier
+from clickhouse_connect.driver.client import Client
+
+from shared.settings import Settings, get_settings
+from shared.store.launcher import ping
+
+_DEFAULT_PORTS = {"http": 8123, "https": 8443}
+
+
+def _endpoint(url: str) -> dict[str, Any]:
+    """Host, port, scheme, optional credentials and proxy path of a ClickHouse HTTP URL."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise ValueError(f"ClickHouse URL {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"ClickHouse URL {url!r} has no host")
+    try:
+        port = parts.port or _DEFAULT_PORTS[scheme]
+    except ValueError:
+        raise ValueError(f"ClickHouse URL {url!r} has an invalid port") from None
+    endpoint: dict[str, Any] = {"host": parts.hostname, "port": port, "interface": scheme}
+    if parts.username is not None:
+        endpoint["username"] = unquote(parts.username)
+        endpoint["password"] = unquote(parts.password or "")
+    path = parts.path.strip("/")
+    if path:
+        endpoint["proxy_path"] = path  # a ClickHouse behind a reverse proxy at a sub-path
+    return endpoint
+
+
+def _client(endpoint: dict[str, Any], settings: Settings, database: str, **kwargs: Any) -> Client:
+    params: dict[str, Any] = {
+        "username": settings.clickhouse_user,
+        "password": settings.clickhouse_password,
+        # A session id would make the server reject two threads sharing one client; Crucible's
+        # clients are shared, and nothing relies on session state.
+        "autogenerate_session_id": False,
+    }
+    params.update(endpoint)
+    params.update(kwargs)
+    return clickhouse_connect.get_client(database=database, **params)
+
+
+def connect(
+    settings: Settings | None = None,
+    *,
+    url: str | None = None,
+    database: str | None = None,
+    create_database: bool = True,
+    **client_kwargs: Any,
+) -> Client:
+    """A clickhouse-connect client bound to Crucible's database, creating the database if missing.
+
+    url defaults to settings.clickhouse_url; credentials in the URL (http://user:pass@host:port)
+    override settings.clickhouse_user/password. Extra keyword arguments go to
+    clickhouse_connect.get_client (compress=, send_receive_timeout=, settings=, ...).
+    """
+    settings = settings or get_settings()
+    url = url or settings.clickhouse_url
+    database = database or settings.clickhouse_database
+    endpoint = _endpoint(url)
+    if create_database:
+        admin = _client(endpoint, settings, "default", **client_kwargs)
+        try:
+            admin.command(f"CREATE DATABASE IF NOT EXISTS {quote_identifier(database)}")
+        finally:
+            admin.close()
+    return _client(endpoint, settings, database, **client_kwargs)
+
+
+def wait_until_ready(url: str | None = None, timeout: float = 30.0) -> None:
+    """Block until the ClickHouse endpoint at url answers /ping; TimeoutError naming the URL otherwise."""
+    url = url or get_settings().clickhouse_url
+    deadline = time.monotonic() + timeout
+    while not ping(url, timeout=1.0):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"ClickHouse at {url} did not answer /ping within {timeout:.0f} s; start the store "
+                "(python -m shared.store.server --data DIR) or fix CRUCIBLE_CLICKHOUSE_URL"
+            )
+        time.sleep(0.1)
