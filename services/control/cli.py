@@ -251,8 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("test", help="run the test suite (starts its own broker and store)")
     p.add_argument("--quick", action="store_true", help="skip tests marked slow")
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
-    p.set_defaults(func=cmd_test)
+    p.set_defaults(func=cmd_test)  # any other argument goes to pytest
     p = sub.add_parser("protos", help="regenerate the protobuf/gRPC code under protos/")
     p.add_argument("--check", action="store_true", help="only report stale generated files")
     p.set_defaults(func=cmd_protos)
@@ -260,7 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "test":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = extra
     settings = get_settings()
     settings.home.mkdir(parents=True, exist_ok=True)
     try:
