@@ -49,6 +49,21 @@ class Settings(BaseSettings):
     sandbox_open_files: int = Field(default=64, ge=8)
     sandbox_uid_base: int = Field(default=200_000, ge=1000, description="Worker i runs jobs as uid base+i.")
 
+    # generator
+    generator_grpc_port: int = 50052
+    generator_backend: str = Field(default="torch", pattern="^(torch|hf|vllm)$")
+    generator_checkpoint: str | None = Field(default=None, description="Checkpoint folder or file:// URI; "
+                                             "unset: a fresh policy from generator_seed.")
+    generator_seed: int = 0
+    generator_temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    generator_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    generator_max_tokens: int = Field(default=64, ge=1, le=4096)
+    generator_batch_tasks: int = Field(default=16, ge=1, description="Tasks sampled together in one batch.")
+    generator_batch_wait_ms: float = Field(default=20.0, ge=0.0, description="How long a batch waits to fill.")
+    generator_max_policy_lag: int = Field(default=2, ge=-1, description="Learner steps the generator may run "
+                                          "ahead of the newest policy; -1 turns the bound off.")
+    learner_groups_per_step: int = Field(default=16, ge=1, description="Groups the learner consumes per step.")
+
     # Tasks
     max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")
     max_prompt_chars: int = Field(default=32_000, ge=1)

@@ -1,0 +1,1 @@
+"""The generator: samples groups of completions from the current policy."""

@@ -1,0 +1,96 @@
+"""python -m services.generator: crucible.tasks -> crucible.rollouts, weights from crucible.policy, gRPC Generator."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+
+from crucible.v1 import generator_pb2_grpc
+from services.generator.batcher import Batcher, LagBound
+from services.generator.handler import group_id_for, render_prompt, rollouts_for
+from services.generator.servicer import GeneratorServicer, sampling_params
+from shared import bus, rpc, telemetry
+from shared.policy.backends import create_backend
+from shared.settings import Settings, get_settings
+from shared.tasks import task_problems
+
+log = logging.getLogger("crucible.generator")
+
+
+def build_backend(settings: Settings):
+    options = {"checkpoint": settings.generator_checkpoint}
+    if settings.generator_backend == "torch":
+        options["seed"] = settings.generator_seed
+    return create_backend(settings.generator_backend, **options)
+
+
+def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
+    params = sampling_params(settings)
+
+    async def handle(incoming: bus.Incoming):
+        task = incoming.message
+        problems = task_problems(task, settings)
+        if problems:
+            raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))
+        completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)
+        group_id = group_id_for(task.id, f"{incoming.topic}/{incoming.partition}@{incoming.offset}")
+        rollouts = rollouts_for(task, group_id, completions, policy_version=version,
+                                backend=batcher.backend.name, generator_id=generator_id, sample_ms=ms)
+        return [bus.Outgoing("rollouts", r, key=group_id) for r in rollouts]
+
+    return handle
+
+
+def policy_handler(batcher: Batcher):
+    async def handle(incoming: bus.Incoming):
+        policy = incoming.message
+        if not policy.checkpoint_uri:
+            raise bus.Reject(f"policy version {policy.version} has no checkpoint_uri")
+        batcher.offer_weights(policy.version, policy.checkpoint_uri)
+        return []
+
+    return handle
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    generator_id = f"{socket.gethostname()}-{os.getpid()}"
+    await bus.ensure_topics(["tasks", "rollouts", "policy"], settings=settings)
+    backend = await asyncio.to_thread(build_backend, settings)
+    log.info("backend %s ready at policy version %d", backend.name, backend.version)
+    batcher = Batcher(backend, max_tasks=settings.generator_batch_tasks, wait_ms=settings.generator_batch_wait_ms,
+                      lag=LagBound(settings.generator_max_policy_lag, settings.learner_groups_per_step))
+    batcher.start()
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Generator", GeneratorServicer(settings, batcher, generator_id),
+                                        generator_pb2_grpc.add_GeneratorServicer_to_server)],
+                           host=settings.grpc_host, port=settings.generator_grpc_port)
+    async with bus.Producer(settings) as producer, server:
+        tasks = bus.Consumer(["tasks"], settings.consumer_group_prefix + "generator",
+                             task_handler(settings, batcher, generator_id), settings=settings, producer=producer,
+                             concurrency=settings.generator_batch_tasks * 2)
+        # Every generator instance must see every policy version: a consumer group of its own.
+        policy = bus.Consumer(["policy"], f"{settings.consumer_group_prefix}generator-policy-{generator_id}",
+                              policy_handler(batcher), settings=settings, producer=producer)
+        async with tasks, policy:
+            runners = [asyncio.create_task(tasks.run()), asyncio.create_task(policy.run())]
+            await stop.wait()
+            for r in runners:
+                r.cancel()
+            await asyncio.gather(*runners, return_exceptions=True)
+    await batcher.stop()
+
+
+async def main() -> None:
+    settings = get_settings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s generator %(levelname)s %(message)s")
+    telemetry.setup_telemetry("generator", settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run(settings, stop)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,161 @@
+"""Batches sampling requests across tasks, swaps weights between batches, and bounds policy lag."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from shared.policy.backends.base import Completion, PolicyBackend
+from shared.policy.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt: str
+    n: int
+    params: SamplingParams
+    future: asyncio.Future
+    counts_for_lag: bool
+
+
+@dataclass
+class LagBound:
+    """Lets the generator run at most `max_lag` learner steps ahead of the newest policy version.
+
+    The learner consumes `groups_per_step` groups per step; once the groups admitted under the
+    current version would feed more than max_lag + 1 steps, `admit` waits for a new version.
+    Interactive (gRPC) requests are not counted and never wait.
+    """
+
+    max_lag: int
+    groups_per_step: int
+    groups_at_version: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.max_lag < 0 else (self.max_lag + 1) * self.groups_per_step
+
+    def exhausted(self) -> bool:
+        return self.budget is not None and self.groups_at_version >= self.budget
+
+    async def admit(self) -> None:
+        """Waits until one more group may be sampled under the current policy, and counts it."""
+        while self.exhausted():
+            self.waiting += 1
+            try:
+                await self.changed.wait()
+            finally:
+                self.waiting -= 1
+        self.groups_at_version += 1
+
+    def new_version(self) -> None:
+        self.groups_at_version = 0
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+_SWAP = object()  # queued to wake the batch loop when new weights are offered
+
+
+class Batcher:
+    def __init__(self, backend: PolicyBackend, *, max_tasks: int, wait_ms: float, lag: LagBound):
+        self.backend = backend
+        self.max_tasks = max_tasks
+        self.wait_s = wait_ms / 1000
+        self.lag = lag
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending_weights: tuple[int, str] | None = None
+        self._task: asyncio.Task | None = None
+        self.batches = 0
+        self.tokens = 0
+
+    @property
+    def waiting_for_policy(self) -> bool:
+        return self.lag.waiting > 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def sample(self, prompt: str, n: int, params: SamplingParams, *, counts_for_lag: bool = True
+                     ) -> tuple[list[Completion], int, float]:
+        """n completions of one prompt, the policy version that produced them, and the batch's ms."""
+        if counts_for_lag:
+            await self.lag.admit()
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Request(prompt, n, params, future, counts_for_lag))
+        return await future
+
+    def offer_weights(self, version: int, uri: str) -> None:
+        """Records a newer policy; it is loaded before the next batch (never in the middle of one)."""
+        if version > max(self.backend.version, self._pending_weights[0] if self._pending_weights else -1):
+            self._pending_weights = (version, uri)
+            self._queue.put_nowait(_SWAP)
+
+    async def _swap_weights_if_any(self) -> None:
+        if self._pending_weights is None:
+            return
+        version, uri = self._pending_weights
+        self._pending_weights = None
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.backend.load_weights, version, uri)
+        except Exception as exc:  # a bad checkpoint must not stop sampling with the weights we have
+            log.error("could not load policy version %d from %s: %s", version, uri, exc)
+            return
+        self.lag.new_version()
+        log.info("loaded policy version %d from %s in %.0f ms", version, uri, (time.perf_counter() - started) * 1e3)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self._queue.get()
+            await self._swap_weights_if_any()
+            if first is _SWAP:
+                continue
+            batch = [first]
+            deadline = loop.time() + self.wait_s
+            while len(batch) < self.max_tasks:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), left)
+                except asyncio.TimeoutError:
+                    break
+                if item is not _SWAP:
+                    batch.append(item)
+            # Only requests with the same sampling parameters share a batch; the rest wait their turn.
+            same = [r for r in batch if r.params == first.params]
+            for r in batch:
+                if r.params != first.params:
+                    self._queue.put_nowait(r)
+            started = time.perf_counter()
+            try:
+                groups = await self._sample(same)
+            except Exception as exc:  # a failing batch fails its requests, not the generator
+                for r in same:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            ms = (time.perf_counter() - started) * 1000
+            self.batches += 1
+            for r, completions in zip(same, groups):
+                self.tokens += sum(len(c.token_ids) for c in completions)
+                if not r.future.done():
+                    r.future.set_result((completions, self.backend.version, ms))
+
+    async def _sample(self, requests: list[_Request]) -> list[list[Completion]]:
+        """One backend call for all requests; requests asking for fewer samples get a prefix."""
+        n = max(r.n for r in requests)
+        groups = await asyncio.to_thread(self.backend.sample, [r.prompt for r in requests], n, requests[0].params)
+        return [g[: r.n] for r, g in zip(requests, groups)]

@@ -1,0 +1,56 @@
+"""Generator gRPC: sample a group for one task, interactively (shares the batcher with Kafka traffic)."""
+from __future__ import annotations
+
+import uuid
+
+from crucible.v1 import generator_pb2, generator_pb2_grpc
+from services.generator.batcher import Batcher
+from services.generator.handler import group_id_for, render_prompt, rollouts_for
+from shared import rpc
+from shared.policy.sampling import SamplingParams
+from shared.settings import Settings
+from shared.tasks import task_problems
+
+
+def sampling_params(settings: Settings, requested: generator_pb2.SamplingParams | None = None) -> SamplingParams:
+    """The service's defaults, overridden by whatever the request set; ValueError when out of range."""
+    params = SamplingParams(
+        temperature=settings.generator_temperature, top_p=settings.generator_top_p,
+        max_tokens=settings.generator_max_tokens,
+    )
+    if requested is not None and requested.ByteSize():
+        params = SamplingParams(
+            temperature=requested.temperature if requested.HasField("temperature") else params.temperature,
+            top_p=requested.top_p or params.top_p,
+            max_tokens=requested.max_tokens or params.max_tokens,
+            stop=tuple(requested.stop),
+            seed=requested.seed if requested.HasField("seed") else None,
+        )
+    params.validate(max_tokens_limit=4096)
+    return params
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
+    def __init__(self, settings: Settings, batcher: Batcher, generator_id: str):
+        self.settings = settings
+        self.batcher = batcher
+        self.generator_id = generator_id
+
+    async def Generate(self, request: generator_pb2.GenerateRequest, context):
+        task = request.task
+        n = request.n or task.group_size
+        if request.n:  # an explicit n stands in for the group size when checking the task
+            task = type(task).FromString(task.SerializeToString())
+            task.group_size = request.n
+        problems = task_problems(task, self.settings)
+        if problems:
+            await rpc.abort_invalid(context, f"task {task.id!r}: " + "; ".join(problems))
+        try:
+            params = sampling_params(self.settings, request.sampling if request.HasField("sampling") else None)
+        except ValueError as exc:
+            await rpc.abort_invalid(context, f"sampling: {exc}")
+        completions, version, ms = await self.batcher.sample(render_prompt(task), n, params, counts_for_lag=False)
+        rollouts = rollouts_for(task, group_id_for(task.id, f"grpc:{uuid.uuid4().hex}"), completions,
+                                policy_version=version, backend=self.batcher.backend.name,
+                                generator_id=self.generator_id, sample_ms=ms)
+        return generator_pb2.GenerateResponse(rollouts=rollouts)

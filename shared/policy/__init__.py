@@ -1,0 +1,1 @@
+"""The policy every service shares: tokenizer, model, checkpoints, sampling (generator) and training (learner)."""

@@ -1,0 +1,136 @@
+"""The generator against a real Kafka broker: groups, log-probs, weight hot-swap, bad tasks, gRPC."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+import torch
+
+from crucible.v1 import generator_pb2, generator_pb2_grpc, policy_pb2, rollout_pb2, task_pb2
+from services.generator.__main__ import run
+from shared import bus, messages, rpc
+from shared.policy.checkpoint import fresh_policy, save_checkpoint
+from shared.policy.model import sequence_logprobs
+from tests.test_bus import read_raw
+
+pytestmark = pytest.mark.kafka
+
+# Sampling and recomputation run the same float32 kernels on the same weights; the only
+# differences are padding and KV-cache summation order, far below this bound.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recompute(model, rollout: rollout_pb2.Rollout) -> list[float]:
+    ids = torch.tensor([list(rollout.prompt_token_ids) + list(rollout.token_ids)])
+    logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))
+    return logp[0, len(rollout.prompt_token_ids) - 1:].tolist()
+
+
+def task(task_id: str, group_size: int = 4, prompt: str = "Add: 3+4=") -> task_pb2.Task:
+    return task_pb2.Task(id=task_id, kind="exact", prompt=prompt, group_size=group_size,
+                         answer=task_pb2.ExpectedAnswer(answer="7"))
+
+
+@pytest.fixture
+async def generator(settings):
+    settings = settings.model_copy(update={"generator_grpc_port": free_port(), "generator_seed": 11,
+                                           "generator_max_tokens": 12, "generator_batch_wait_ms": 5.0})
+    await bus.ensure_topics(["tasks", "rollouts", "policy"], settings=settings)
+    stop = asyncio.Event()
+    service = asyncio.create_task(run(settings, stop))
+    await rpc.wait_serving(f"127.0.0.1:{settings.generator_grpc_port}", "crucible.v1.Generator", timeout=60)
+    yield settings
+    stop.set()
+    await asyncio.wait_for(service, 30)
+
+
+async def test_task_yields_exactly_group_size_rollouts_with_matching_logprobs(generator):
+    settings = generator
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("tasks", task("t1", group_size=5), key="t1")
+        await producer.send_and_wait("tasks", task("t2", group_size=3, prompt="Add: 1+1="), key="t2")
+    records = await read_raw(settings, "rollouts", 8, timeout=60)
+    rollouts = [messages.decode(r.value, rollout_pb2.Rollout) for r in records]
+    by_task = {}
+    for r in rollouts:
+        by_task.setdefault(r.task.id, []).append(r)
+    assert {k: len(v) for k, v in by_task.items()} == {"t1": 5, "t2": 3}
+    assert sorted(r.sample_index for r in by_task["t1"]) == list(range(5))
+    assert len({r.group_id for r in by_task["t1"]}) == 1
+    model = fresh_policy(11)  # the generator's weights: same seed, fresh init
+    for r in rollouts:
+        assert r.policy_version == 0 and r.backend == "torch" and r.group_size == len(by_task[r.task.id])
+        assert len(r.token_ids) == len(r.logprobs) >= 1
+        assert max(abs(a - b) for a, b in zip(recompute(model, r), r.logprobs)) < LOGPROB_TOLERANCE
+    # Nothing beyond the groups was produced.
+    await asyncio.sleep(0.5)
+    assert len(await read_raw(settings, "rollouts", 8, timeout=5)) == 8
+
+
+async def test_policy_version_event_swaps_weights(generator, tmp_path):
+    settings = generator
+    new_model = fresh_policy(99)
+    uri = save_checkpoint(new_model, tmp_path / "v7", {"version": 7}).as_uri()
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("policy", policy_pb2.PolicyVersion(run_id="r", version=7, checkpoint_uri=uri))
+        await asyncio.sleep(1.0)  # the policy consumer records it; the swap happens before the next batch
+        await producer.send_and_wait("tasks", task("after-swap", group_size=3), key="after-swap")
+    records = await read_raw(settings, "rollouts", 3, timeout=60)
+    rollouts = [messages.decode(r.value, rollout_pb2.Rollout) for r in records]
+    old_model = fresh_policy(11)
+    for r in rollouts:
+        assert r.policy_version == 7
+        assert max(abs(a - b) for a, b in zip(recompute(new_model, r), r.logprobs)) < LOGPROB_TOLERANCE
+        assert max(abs(a - b) for a, b in zip(recompute(old_model, r), r.logprobs)) > 1e-3
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (task_pb2.Task(id="no-prompt", kind="exact", group_size=2, answer=task_pb2.ExpectedAnswer(answer="1")),
+     "prompt is empty"),
+    (task_pb2.Task(id="zero", kind="exact", prompt="p", group_size=0, answer=task_pb2.ExpectedAnswer(answer="1")),
+     "group_size must be at least 1"),
+    (task_pb2.Task(id="huge", kind="exact", prompt="p", group_size=100_000,
+                   answer=task_pb2.ExpectedAnswer(answer="1")), "above the limit"),
+    (task_pb2.Task(id="odd", kind="poetry", prompt="p", group_size=2), "unknown kind 'poetry'"),
+])
+async def test_bad_tasks_land_in_dlq_with_reason(generator, bad, reason):
+    settings = generator
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("tasks", bad)
+        await producer.send_and_wait("tasks", task("fine", group_size=1))
+    dead = await read_raw(settings, "tasks.dlq", 1, timeout=30)
+    assert reason in dict(dead[0].headers)["dlq-reason"].decode()
+    # ...and the generator went on to the next task.
+    ok = await read_raw(settings, "rollouts", 1, timeout=60)
+    assert messages.decode(ok[0].value, rollout_pb2.Rollout).task.id == "fine"
+
+
+async def test_grpc_generate_and_invalid_argument(generator):
+    settings = generator
+    async with rpc.channel(f"127.0.0.1:{settings.generator_grpc_port}") as ch:
+        stub = generator_pb2_grpc.GeneratorStub(ch)
+        reply = await stub.Generate(generator_pb2.GenerateRequest(
+            task=task("interactive", group_size=2), n=3,
+            sampling=generator_pb2.SamplingParams(temperature=0.0, max_tokens=5)), timeout=30)
+        assert len(reply.rollouts) == 3
+        assert all(len(r.token_ids) <= 5 for r in reply.rollouts)
+        # Greedy decoding: every sample is the same.
+        assert len({tuple(r.token_ids) for r in reply.rollouts}) == 1
+        for request, reason in [
+            (generator_pb2.GenerateRequest(task=task("x", group_size=0)), "group_size must be at least 1"),
+            (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(top_p=2.0)),
+             "top_p"),
+            (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(max_tokens=10**6)),
+             "max_tokens"),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()

@@ -1,0 +1,122 @@
+"""The shared policy without a broker: tokenizer, model, checkpoints, sampling, backends, warm-start."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+import torch
+
+from services.generator.batcher import Batcher, LagBound
+from shared.policy.backends import create_backend
+from shared.policy.checkpoint import fresh_policy, load_checkpoint, save_checkpoint
+from shared.policy.model import causal_mask, sequence_logprobs
+from shared.policy.sampling import SamplingParams, sample
+from shared.policy.sft import warm_start
+from shared.policy.tokenizer import EOS_ID, ByteTokenizer
+
+TEXTS = ["", "plain ascii 123", "héllo wörld — ∑ 漢字 🙂", "tabs\tand\nnewlines  "]
+
+
+def test_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_id and tok.decode(ids) == text
+
+
+def test_checkpoint_loads_in_transformers_with_identical_logits_and_ids(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = fresh_policy(3)
+    folder = save_checkpoint(model, tmp_path / "ckpt", {"version": 4})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folders left behind
+    hf_tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    tok = ByteTokenizer()
+    for text in TEXTS[1:]:
+        assert hf_tok(text)["input_ids"] == tok.encode(text)
+        assert hf_tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    ids = torch.tensor([tok.encode("The quick brown fox")])
+    with torch.no_grad():
+        ours = model(ids, torch.arange(ids.shape[1])[None], causal_mask(torch.ones_like(ids, dtype=torch.bool),
+                                                                        ids.shape[1]))
+        theirs = hf(ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    again, meta = load_checkpoint(folder)
+    assert meta == {"version": 4}
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_batched_sampling_logprobs_match_a_forward_pass():
+    model = fresh_policy(5)
+    tok = ByteTokenizer()
+    prompts = [tok.encode(p) for p in ["a", "a much longer prompt than the first", "mid-length one"]]
+    samples = sample(model, prompts, SamplingParams(max_tokens=20, seed=7))
+    for prompt, s in zip(prompts, samples):
+        ids = torch.tensor([prompt + s.token_ids])
+        logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))
+        assert torch.allclose(logp[0, len(prompt) - 1:], torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_sampling_is_seeded_and_greedy_is_deterministic():
+    model = fresh_policy(5)
+    prompts = [ByteTokenizer().encode("x")] * 3
+    a = sample(model, prompts, SamplingParams(max_tokens=10, seed=1))
+    b = sample(model, prompts, SamplingParams(max_tokens=10, seed=1))
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    g = sample(model, prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    assert len({tuple(s.token_ids) for s in g}) == 1
+
+
+def test_hf_backend_matches_the_torch_policy(tmp_path):
+    model = fresh_policy(8)
+    folder = save_checkpoint(model, tmp_path / "hf", {"version": 0})
+    backend = create_backend("hf", checkpoint=str(folder))
+    groups = backend.sample(["hello", "a longer prompt"], 2, SamplingParams(max_tokens=8, seed=3))
+    for group in groups:
+        assert len(group) == 2
+        for c in group:
+            ids = torch.tensor([c.prompt_token_ids + c.token_ids])
+            logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))
+            assert torch.allclose(logp[0, len(c.prompt_token_ids) - 1:], torch.tensor(c.logprobs), atol=1e-4)
+
+
+async def test_lag_bound_pauses_until_a_new_version(tmp_path):
+    backend = create_backend("torch", seed=1)
+    batcher = Batcher(backend, max_tasks=1, wait_ms=0, lag=LagBound(max_lag=0, groups_per_step=2))
+    batcher.start()
+    try:
+        params = SamplingParams(max_tokens=2)
+        await asyncio.wait_for(batcher.sample("a", 1, params), 10)
+        await asyncio.wait_for(batcher.sample("b", 1, params), 10)
+        third = asyncio.create_task(batcher.sample("c", 1, params))  # a third group at version 0: too far ahead
+        await asyncio.sleep(0.5)
+        assert not third.done() and batcher.waiting_for_policy
+        # Interactive requests are not held back by the bound.
+        _, version, _ = await asyncio.wait_for(batcher.sample("grpc", 1, params, counts_for_lag=False), 10)
+        assert version == 0
+        folder = save_checkpoint(fresh_policy(2), tmp_path / "v1", {"version": 1})
+        batcher.offer_weights(1, str(folder))
+        _, version, _ = await asyncio.wait_for(third, 10)
+        assert version == 1 and not batcher.waiting_for_policy
+    finally:
+        await batcher.stop()
+
+
+@pytest.mark.slow
+def test_warm_start_teaches_the_answer_format():
+    pairs = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    model = fresh_policy(0)
+    tok = ByteTokenizer()
+    prompts = [tok.encode(p) for p, _ in pairs[:32]]
+
+    def parse_rate():
+        out = sample(model, prompts, SamplingParams(max_tokens=6, temperature=0.0))
+        return sum(bool(re.fullmatch(r"\d+", s.text)) and s.token_ids[-1] == EOS_ID for s in out) / len(out)
+
+    before = parse_rate()
+    warm_start(model, pairs, steps=150, batch_size=32, lr=3e-3)
+    assert before < 0.2 and parse_rate() > 0.9
