@@ -94,10 +94,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if cache is not None:
-            if "k" in cache:
-                k = torch.cat((cache["k"], k), dim=2)
-                v = torch.cat((cache["v"], v), dim=2)
-            cache["k"], cache["v"] = k, v
+            # Preallocated buffers (cache["capacity"] positions) filled in place: growing them with
+            # torch.cat at every step costs more than the attention itself at this size.
+            if "k" not in cache:
+                shape = (b, self.kv_heads, cache.get("capacity", t), self.head_dim)
+                cache["k"], cache["v"], cache["len"] = k.new_empty(shape), v.new_empty(shape), 0
+            start = cache["len"]
+            cache["k"][:, :, start:start + t] = k
+            cache["v"][:, :, start:start + t] = v
+            cache["len"] = start + t
+            k, v = cache["k"][:, :, : start + t], cache["v"][:, :, : start + t]
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)

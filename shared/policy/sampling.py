@@ -69,13 +69,17 @@ def sample(model: Policy, prompts: list[list[int]], params: SamplingParams,
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         valid[i, width - len(p):] = True
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    caches: list[dict] = [{} for _ in model.model.layers]
+    caches: list[dict] = [{"capacity": width + params.max_tokens} for _ in model.model.layers]
     logits = model(ids, positions, causal_mask(valid, width), caches)[:, -1].float()
     next_pos = valid.sum(-1)
 
-    samples = [Sample() for _ in range(b)]
+    out_tokens = torch.full((b, params.max_tokens), PAD_ID, dtype=torch.long)
+    out_logp = torch.zeros((b, params.max_tokens))
+    lengths = torch.zeros(b, dtype=torch.long)
+    stopped = torch.zeros(b, dtype=torch.bool)
     done = torch.zeros(b, dtype=torch.bool)
-    for _ in range(params.max_tokens):
+    texts = [""] * b
+    for step in range(params.max_tokens):
         if params.temperature == 0:
             logp = F.log_softmax(logits, dim=-1)
             tokens = logp.argmax(-1)
@@ -85,24 +89,28 @@ def sample(model: Policy, prompts: list[list[int]], params: SamplingParams,
             if params.top_p < 1.0:
                 probs = _nucleus(probs, params.top_p)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
-        for i in (~done).nonzero().flatten().tolist():
-            s = samples[i]
-            t = int(tokens[i])
-            s.token_ids.append(t)
-            s.logprobs.append(float(token_logp[i]))
-            if t == EOS_ID:
-                s.finish_reason, done[i] = "stop", True
-            elif params.stop:
-                s.text = tokenizer.decode(s.token_ids)
-                if any(s.text.endswith(stop) for stop in params.stop):
-                    s.finish_reason, done[i] = "stop", True
+        live = ~done
+        out_tokens[live, step] = tokens[live]
+        out_logp[live, step] = logp.gather(-1, tokens[:, None]).squeeze(-1)[live]
+        lengths += live.long()
+        ended = live & (tokens == EOS_ID)
+        if params.stop:  # stop strings need text: decode only the rows still running
+            for i in live.nonzero().flatten().tolist():
+                texts[i] = tokenizer.decode(out_tokens[i, : step + 1].tolist())
+                if any(texts[i].endswith(stop) for stop in params.stop):
+                    ended[i] = True
+        stopped |= ended
+        done |= ended
         if bool(done.all()):
             break
         step_ids = torch.where(done, torch.full_like(tokens, PAD_ID), tokens)[:, None]
         valid = torch.cat((valid, torch.ones((b, 1), dtype=torch.bool)), dim=1)
         logits = model(step_ids, next_pos[:, None], causal_mask(valid, 1), caches)[:, -1].float()
         next_pos = next_pos + 1
-    for s in samples:
-        s.text = tokenizer.decode(s.token_ids)
+    samples = []
+    for i in range(b):
+        n = int(lengths[i])
+        ids = out_tokens[i, :n].tolist()
+        samples.append(Sample(ids, out_logp[i, :n].tolist(), "stop" if stopped[i] else "length",
+                              tokenizer.decode(ids)))
     return samples
