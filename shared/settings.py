@@ -60,9 +60,44 @@ class Settings(BaseSettings):
     generator_max_tokens: int = Field(default=64, ge=1, le=4096)
     generator_batch_tasks: int = Field(default=16, ge=1, description="Tasks sampled together in one batch.")
     generator_batch_wait_ms: float = Field(default=20.0, ge=0.0, description="How long a batch waits to fill.")
-    generator_max_policy_lag: int = Field(default=2, ge=-1, description="Learner steps the generator may run "
-                                          "ahead of the newest policy; -1 turns the bound off.")
+    max_policy_lag: int = Field(default=2, ge=-1, description="Policy versions a sample may lag behind the "
+                                "learner: the generator runs at most this many learner steps ahead, the learner "
+                                "drops older samples; -1 turns the bound off.")
     learner_groups_per_step: int = Field(default=16, ge=1, description="Groups the learner consumes per step.")
+
+    # verifier
+    verifier_grpc_port: int = 50054
+    verifier_sandbox_target: str = Field(
+        default="127.0.0.1:50053",
+        description="Sandbox gRPC address Verify uses for python_tests rollouts that arrive without an execution.")
+    verifier_workers: int = Field(default=0, ge=0, description="Scoring processes; 0 means one per core.")
+    verifier_score_timeout_s: float = Field(
+        default=10.0, gt=0, le=600,
+        description="Longest one completion may take to score; past it the scoring process is killed, reward 0.")
+
+    # reward-aggregator
+    run_id: str = Field(default="local", description="Names the training run in stored rows and checkpoints.")
+    aggregator_group_timeout_s: float = Field(default=30.0, gt=0, description="A group still missing verdicts "
+                                              "this long after its first one is emitted incomplete.")
+    aggregator_estimator: str = Field(default="grpo", pattern="^(grpo|rloo|reinforce)$")
+    reward_weights: dict[str, float] = Field(default_factory=dict, description="Component weights (JSON); "
+                                             "empty: the verifier's default scalar reward.")
+    length_penalty: float = Field(default=0.0, ge=0.0, description="Reward lost per completion token beyond "
+                                  "length_target.")
+    length_target: int = Field(default=0, ge=0)
+
+    # learner
+    learner_grpc_port: int = 50055
+    learner_objective: str = Field(default="grpo", pattern="^(grpo|ppo|dpo)$")
+    learner_lr: float = Field(default=1e-3, gt=0)
+    learner_clip_eps: float = Field(default=0.2, gt=0)
+    learner_kl_coef: float = Field(default=0.0, ge=0)
+    learner_entropy_coef: float = Field(default=0.0, ge=0)
+    learner_max_grad_norm: float = Field(default=1.0, gt=0)
+    learner_dpo_beta: float = Field(default=0.1, gt=0)
+    learner_init_checkpoint: str | None = Field(default=None, description="Starting weights (and the frozen "
+                                                "reference); unset: a fresh policy from generator_seed.")
+    learner_keep_checkpoints: int = Field(default=5, ge=2)
 
     # Tasks
     max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")

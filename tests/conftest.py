@@ -48,3 +48,9 @@ def settings(kafka_bootstrap, tmp_path) -> Settings:
         consumer_group_prefix=f"t{tag}-",
         home=tmp_path / "home",
     )
+
+
+@pytest.fixture
+def stack_settings(settings, store_url, store_database) -> Settings:
+    """Per-test settings with both the real broker and a fresh database in the real store."""
+    return settings.model_copy(update={"clickhouse_url": store_url, "clickhouse_database": store_database})

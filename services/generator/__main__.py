@@ -60,7 +60,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     backend = await asyncio.to_thread(build_backend, settings)
     log.info("backend %s ready at policy version %d", backend.name, backend.version)
     batcher = Batcher(backend, max_tasks=settings.generator_batch_tasks, wait_ms=settings.generator_batch_wait_ms,
-                      lag=LagBound(settings.generator_max_policy_lag, settings.learner_groups_per_step))
+                      lag=LagBound(settings.max_policy_lag, settings.learner_groups_per_step))
     batcher.start()
     server = rpc.RpcServer([rpc.Service("crucible.v1.Generator", GeneratorServicer(settings, batcher, generator_id),
                                         generator_pb2_grpc.add_GeneratorServicer_to_server)],

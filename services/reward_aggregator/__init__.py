@@ -1,0 +1,1 @@
+"""The reward-aggregator: joins a group's verdicts, weights rewards, computes advantages."""
