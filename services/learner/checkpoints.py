@@ -1,0 +1,64 @@
+"""The learner's checkpoints: weights, optimizer, step, version and consumer offsets, all or nothing.
+
+Each version is its own folder `v000123` under runs/<run_id>/checkpoints (written to a temporary
+name and renamed into place); the highest complete one is where a restarted learner resumes,
+seeking its consumer to the offsets stored with those weights.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from shared.policy.checkpoint import load_checkpoint, save_checkpoint
+from shared.settings import Settings
+
+OPTIMIZER_FILE = "optimizer.pt"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+def run_dir(settings: Settings) -> Path:
+    return settings.home / "runs" / settings.run_id
+
+
+def checkpoints_dir(settings: Settings) -> Path:
+    return run_dir(settings) / "checkpoints"
+
+
+def version_dir(settings: Settings, version: int) -> Path:
+    return checkpoints_dir(settings) / f"v{version:06d}"
+
+
+def latest(settings: Settings) -> Path | None:
+    folder = checkpoints_dir(settings)
+    if not folder.exists():
+        return None
+    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _VERSION_DIR.match(p.name))
+                   and (p / "crucible.json").exists())
+    return found[-1][1] if found else None
+
+
+def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list[str], reference_uri: str) -> Path:
+    meta = {"run_id": settings.run_id, "version": trainer.version, "step": trainer.step_count,
+            "offsets": {str(p): o for p, o in offsets.items()}, "trained_ids_past_offsets": trained_ids,
+            "reference_uri": reference_uri}
+    folder = save_checkpoint(trainer.model, version_dir(settings, trainer.version), meta,
+                             extra={OPTIMIZER_FILE: trainer.optimizer.state_dict()})
+    prune(settings)
+    return folder
+
+
+def load(folder: Path):
+    model, meta = load_checkpoint(folder)
+    optimizer_state = torch.load(folder / OPTIMIZER_FILE) if (folder / OPTIMIZER_FILE).exists() else None
+    return model, meta, optimizer_state
+
+
+def prune(settings: Settings) -> None:
+    """Keeps the newest `learner_keep_checkpoints` versions (generators may still be loading recent ones)."""
+    folder = checkpoints_dir(settings)
+    versions = sorted(p for p in folder.iterdir() if _VERSION_DIR.match(p.name))
+    for old in versions[: -settings.learner_keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,20 @@
+"""Learner gRPC: the current policy version."""
+from __future__ import annotations
+
+import grpc
+
+from crucible.v1 import policy_pb2, policy_pb2_grpc
+
+
+class LearnerServicer(policy_pb2_grpc.LearnerServicer):
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.current: policy_pb2.PolicyVersion | None = None
+
+    async def GetPolicy(self, request: policy_pb2.GetPolicyRequest, context):
+        if request.run_id and request.run_id != self.run_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"this learner trains run {self.run_id!r}, not {request.run_id!r}")
+        if self.current is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no policy published yet; retry shortly")
+        return self.current

@@ -1,0 +1,69 @@
+"""Loss functions and advantages against values computed by hand."""
+import math
+
+import pytest
+import torch
+
+from shared import advantages
+from shared.policy.losses import dpo_loss, grpo_loss, k3_kl, ppo_loss
+
+
+def t(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_k3_kl_by_hand():
+    # q = ref - logp = -0.5 - (-1.0) = 0.5: exp(0.5) - 0.5 - 1
+    assert float(k3_kl(t([-1.0]), t([-0.5]))) == pytest.approx(math.exp(0.5) - 1.5)
+    assert float(k3_kl(t([-2.0]), t([-2.0]))) == 0.0
+
+
+def test_grpo_loss_by_hand():
+    # Two completions of two tokens; the second token of completion 2 is padding.
+    logp = t([math.log(0.6), math.log(0.5)], [math.log(0.3), 0.0])
+    old = t([math.log(0.5), math.log(0.5)], [math.log(0.5), 0.0])
+    ref = old.clone()
+    adv = torch.tensor([1.0, -1.0])
+    mask = t([1, 1], [1, 0])
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.1)
+    # ratios: 1.2 (A=+1: min(1.2, clip 1.2) = 1.2), 1.0 (A=+1: 1.0), 0.6 (A=-1: min(-0.6, -0.8) = -0.8)
+    surrogate = [-1.2, -1.0, 0.8]
+    kl = [0.5 / 0.6 - math.log(0.5 / 0.6) - 1, 0.0, 0.5 / 0.3 - math.log(0.5 / 0.3) - 1]
+    expected = sum(s + 0.1 * k for s, k in zip(surrogate, kl)) / 3
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert stats["clip_fraction"] == pytest.approx(1 / 3)
+
+
+def test_grpo_gradient_pushes_up_positive_advantage():
+    logits = torch.zeros(2, requires_grad=True)
+    logp = torch.log_softmax(logits, -1)[None, :1]  # the token of a completion with A > 0
+    loss, _ = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0]), torch.ones(1, 1))
+    loss.backward()
+    assert logits.grad[0] < 0  # descending the loss raises that token's logit
+
+
+def test_ppo_loss_puts_kl_in_the_advantage():
+    logp = t([math.log(0.5)])
+    old = t([math.log(0.5)])
+    ref = t([math.log(0.25)])
+    loss, _ = ppo_loss(logp, old, ref, torch.tensor([1.0]), torch.ones(1, 1), kl_coef=0.5)
+    # A' = 1 - 0.5 * (log 0.5 - log 0.25) = 1 - 0.5 ln 2; ratio 1 -> loss = -A'
+    assert float(loss) == pytest.approx(-(1 - 0.5 * math.log(2)), rel=1e-6)
+
+
+def test_dpo_loss_by_hand():
+    loss, stats = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]),
+                           beta=0.5)
+    # margin = 0.5 * ((-1 + 2) - (-3 + 2)) = 1.0; loss = -log sigmoid(1)
+    assert float(loss) == pytest.approx(-math.log(1 / (1 + math.exp(-1.0))), rel=1e-6)
+    assert stats["dpo_accuracy"] == 1.0
+
+
+def test_advantage_estimators_by_hand():
+    assert advantages.grpo([1.0, 0.0]) == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert advantages.grpo([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
+    assert advantages.rloo([3.0, 0.0, 0.0]) == pytest.approx([3.0, -1.5, -1.5])
+    assert advantages.reinforce([1.0, 0.0], baseline=0.25) == [0.75, -0.25]
+    assert advantages.grpo([1.0]) == [0.0]
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        advantages.advantages("ppo", [1.0])
