@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     learner_entropy_coef: float = Field(default=0.0, ge=0)
     learner_max_grad_norm: float = Field(default=1.0, gt=0)
     learner_dpo_beta: float = Field(default=0.1, gt=0)
+    learner_epochs: int = Field(default=1, ge=1, le=16, description="Optimiser passes over each batch.")
+    learner_lr_decay_steps: int = Field(default=0, ge=0, description="Linear decay of the learning rate to "
+                                        "10% over this many steps (0: constant).")
     learner_init_checkpoint: str | None = Field(default=None, description="Starting weights (and the frozen "
                                                 "reference); unset: a fresh policy from generator_seed.")
     learner_keep_checkpoints: int = Field(default=5, ge=2)

@@ -207,6 +207,37 @@ def _tail(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
+# --- training -----------------------------------------------------------------------------------
+
+def cmd_train(args, settings: Settings) -> int:
+    """Runs a real RL job on the embedded stack and reports the held-out pass rate before and after."""
+    from services.control.stack import kafka, store
+    from services.control.train import TrainOptions, train
+
+    broker, st = kafka(settings), store(settings)
+    started_here = []
+    for name, service in (("Kafka", broker), ("store", st)):
+        if service.pid() is None:
+            took = service.start(echo=lambda m: echo("      " + m))
+            started_here.append(service)
+            echo(f"      {name} started in {took:.1f}s")
+    options = TrainOptions(steps=args.steps, minutes=args.minutes, seed=args.seed, echo=echo)
+    try:
+        report = asyncio.run(train(settings, options))
+    finally:
+        if not args.keep:
+            for service in reversed(started_here):
+                service.stop()
+    echo("")
+    echo(f"run {report.run_id}: {report.steps} policy steps in {report.seconds:.0f}s "
+         f"({report.trajectories_per_s:.0f} trajectories/s, learner step p50 {report.learner_step_ms:.0f} ms)")
+    echo(f"training pass rate  : {report.train_pass_first:.3f} at step 1 -> {report.train_pass_last:.3f} "
+         f"at step {report.steps}")
+    echo(f"held-out pass rate  : {report.heldout_before:.3f} before RL -> {report.heldout_after:.3f} after")
+    echo(f"checkpoint          : {report.checkpoint}")
+    return 0
+
+
 # --- development -------------------------------------------------------------------------------
 
 def cmd_test(args, settings: Settings) -> int:
@@ -249,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start the stack, submit a task, show it consumed and stored")
     p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("train", help="train the built-in policy with RL through all five services")
+    p.add_argument("--steps", type=int, default=80, help="policy steps to take (default 80)")
+    p.add_argument("--minutes", type=float, default=15.0, help="stop after this long in any case")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
+    p.set_defaults(func=cmd_train)
     p = sub.add_parser("test", help="run the test suite (starts its own broker and store)")
     p.add_argument("--quick", action="store_true", help="skip tests marked slow")
     p.set_defaults(func=cmd_test)  # any other argument goes to pytest
@@ -274,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         from shared.local_kafka import KafkaError
         from services.control.stack import StackError
 
-        if isinstance(exc, (KafkaError, StackError, TimeoutError)):
+        if isinstance(exc, (KafkaError, StackError, TimeoutError, RuntimeError)):
             echo(f"crucible {args.command}: {exc}")
             return 1
         raise

@@ -16,13 +16,10 @@ def group_id_for(task_id: str, source: str) -> str:
 
 
 def render_prompt(task: task_pb2.Task) -> str:
-    """What the policy sees for a task (the task-kind registry may render it differently)."""
-    try:
-        from shared.kinds import registry  # noqa: PLC0415  (present once task kinds land)
+    """What the policy sees for a task: its kind renders it (a format hint unless metadata asks for raw)."""
+    from shared.kinds import registry
 
-        return registry.render_prompt(task)
-    except (ImportError, AttributeError):
-        return task.prompt
+    return registry.kind_of(task).render_prompt(task)
 
 
 def rollouts_for(task: task_pb2.Task, group_id: str, completions: list[Completion], *, policy_version: int,

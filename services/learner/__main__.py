@@ -27,7 +27,8 @@ def hyperparameters(settings: Settings) -> Hyperparameters:
     return Hyperparameters(objective=settings.learner_objective, lr=settings.learner_lr,
                            clip_eps=settings.learner_clip_eps, kl_coef=settings.learner_kl_coef,
                            entropy_coef=settings.learner_entropy_coef, max_grad_norm=settings.learner_max_grad_norm,
-                           dpo_beta=settings.learner_dpo_beta, max_policy_lag=settings.max_policy_lag)
+                           dpo_beta=settings.learner_dpo_beta, max_policy_lag=settings.max_policy_lag,
+                           epochs=settings.learner_epochs, lr_decay_steps=settings.learner_lr_decay_steps)
 
 
 def build_trainer(settings: Settings) -> tuple[Trainer, dict]:

@@ -23,6 +23,8 @@ class Hyperparameters:
     max_grad_norm: float = 1.0
     dpo_beta: float = 0.1
     max_policy_lag: int = 2          # -1: keep every sample
+    epochs: int = 1                  # optimiser passes over each batch (the clipped ratio keeps them safe)
+    lr_decay_steps: int = 0          # linear decay to 10% of lr over this many steps; 0: constant
 
 
 @dataclass
@@ -80,6 +82,12 @@ class Trainer:
         self.version = version
         self.step_count = step
 
+    def learning_rate(self) -> float:
+        """lr_t = lr * max(0.1, 1 - 0.9 t / T): a late policy takes small steps and stays where it got to."""
+        if not self.hp.lr_decay_steps:
+            return self.hp.lr
+        return self.hp.lr * max(0.1, 1.0 - 0.9 * self.step_count / self.hp.lr_decay_steps)
+
     def fresh_enough(self, t: trajectory_pb2.Trajectory) -> bool:
         lag = self.version - t.verdict.rollout.policy_version
         return self.hp.max_policy_lag < 0 or lag <= self.hp.max_policy_lag
@@ -96,18 +104,27 @@ class Trainer:
             "samples": len(trajectories), "dropped_stale": result.dropped_stale, "learning_rate": self.hp.lr,
         }
         loss_value, stats, grad_norm, entropy = 0.0, {}, 0.0, 0.0
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics["learning_rate"] = lr
         if fresh:
             self.model.train()
-            if self.hp.objective == "dpo":
-                loss, stats, entropy = self._dpo(fresh)
-            else:
-                loss, stats, entropy = self._policy_gradient(fresh)
-            if loss is not None:
+            for epoch in range(self.hp.epochs):
+                if self.hp.objective == "dpo":
+                    loss, epoch_stats, epoch_entropy = self._dpo(fresh)
+                else:
+                    loss, epoch_stats, epoch_entropy = self._policy_gradient(fresh)
+                if epoch == 0:  # report the batch as it was sampled, before this step changed the policy
+                    stats, entropy = epoch_stats, epoch_entropy
+                if loss is None:
+                    break
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp.max_grad_norm))
+                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp.max_grad_norm))
                 self.optimizer.step()
-                loss_value = float(loss.detach())
+                if epoch == 0:
+                    grad_norm, loss_value = norm, float(loss.detach())
             self.model.eval()
         self.step_count += 1
         self.version += 1

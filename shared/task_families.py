@@ -1,0 +1,64 @@
+"""Built-in procedural task families for training runs, with a held-out split that is never trained on.
+
+`digits`: an op and a list of digits, e.g. "parity 4 7 1 9 =" -> "odd" (of the last digit),
+"size 4 7 1 9 =" -> "big" (the last digit is 5 or more), "last 4 7 1 9 =" -> "9", "max ..." ...
+10^n_digits instances per op; each instance falls in the held-out split by a stable hash of its
+text, so a held-out prompt can never appear in training, whatever the seeds. The training job
+uses parity and size: a 0.7M-parameter policy learns them from rewards in minutes on two
+cores, while the digit-copying ops need far longer.
+Scored by the `exact` kind; `prompt_format=raw` keeps the prompt as it is (a tiny policy
+does not read instructions).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+
+from crucible.v1 import task_pb2
+
+OPS = {
+    "parity": lambda d: "odd" if d[-1] % 2 else "even",
+    "size": lambda d: "big" if d[-1] >= 5 else "small",
+    "first": lambda d: d[0], "last": lambda d: d[-1], "max": max, "min": min,
+}
+ANSWERS = {"parity": ("odd", "even"), "size": ("big", "small")}  # the rest answer with a digit
+DEFAULT_OPS = ("parity",)
+HELDOUT_FRACTION = 0.2
+
+
+def split_of(prompt: str) -> str:
+    bucket = int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "heldout" if bucket < HELDOUT_FRACTION else "train"
+
+
+def digits_tasks(split: str, *, seed: int, ops: tuple[str, ...] = DEFAULT_OPS, n_digits: int = 4,
+                 group_size: int = 8) -> Iterator[task_pb2.Task]:
+    """An endless, seeded stream of `digits` tasks from one split."""
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise ValueError(f"unknown digits ops {unknown}: choose from {sorted(OPS)}")
+    rng = random.Random(seed)
+    while True:
+        op = rng.choice(ops)
+        digits = [rng.randrange(10) for _ in range(n_digits)]
+        prompt = f"{op} {' '.join(map(str, digits))} ="
+        if split_of(prompt) != split:
+            continue
+        answer = str(OPS[op](digits))
+        task_id = f"digits-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}-{rng.randrange(1 << 30):x}"
+        yield task_pb2.Task(id=task_id, kind="exact", prompt=prompt, group_size=group_size, split=split,
+                            answer=task_pb2.ExpectedAnswer(answer=answer),
+                            metadata={"family": "digits", "op": op, "prompt_format": "raw"})
+
+
+def format_examples(count: int, *, seed: int, ops: tuple[str, ...] = DEFAULT_OPS, n_digits: int = 4
+                    ) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs for the warm-start that teach the answer *format* only: each answer is
+    drawn at random from the answers the family's ops use, so the warm-started policy answers with
+    one well-formed word or digit and stops, but knows nothing yet of which answer is right. What
+    it learns about that, it learns from rewards."""
+    rng = random.Random(seed)
+    vocabulary = sorted({a for op in ops for a in ANSWERS.get(op, tuple("0123456789"))})
+    tasks = digits_tasks("train", seed=seed + 1, ops=ops, n_digits=n_digits)
+    return [(next(tasks).prompt, rng.choice(vocabulary)) for _ in range(count)]

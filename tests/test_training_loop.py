@@ -1,0 +1,35 @@
+"""Acceptance: the whole loop over real Kafka, all five services as processes, improves a held-out split.
+
+The built-in `digits` family (parity of the last of four digits) is warm-started on the answer
+format only (random answers), so the initial policy answers well-formed but at chance on the
+held-out split. Policy steps through generator -> verifier -> reward-aggregator -> learner
+(RLOO advantages, KL 0.05 to the warm-started policy) then teach it the task. Measured here
+with 60 steps: seed 0 0.500 -> 0.905, seed 1 0.540 -> 1.000, seed 2 0.490 -> 0.805, about a
+minute each. The test takes 80 steps and asks for a margin no lucky initial policy reaches:
++0.25 absolute.
+"""
+from __future__ import annotations
+
+import pytest
+
+from services.control.train import TrainOptions, train
+from shared import store
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store]
+
+
+async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
+    lines = []
+    settings = stack_settings.model_copy(update={"home": tmp_path})
+    report = await train(settings, TrainOptions(steps=80, minutes=8, seed=0, echo=lines.append))
+    assert report.steps >= 80
+    assert 0.3 <= report.heldout_before <= 0.7, "the warm-start taught the format, not the answers"
+    assert report.heldout_after >= report.heldout_before + 0.25, (report.heldout_before, report.heldout_after)
+    assert any("held-out pass rate after RL" in line for line in lines)
+    # The run left its trace in the store: every step and every sample.
+    client = store.connect(settings)
+    steps = client.query("SELECT count() FROM train_steps FINAL WHERE run_id = {r:String}",
+                         parameters={"r": report.run_id}).result_rows[0][0]
+    samples = client.query("SELECT count() FROM trajectories FINAL").result_rows[0][0]
+    assert steps >= 80
+    assert samples >= 80 * 16 * 8
