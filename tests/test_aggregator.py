@@ -56,6 +56,8 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
     service = asyncio.create_task(run(settings, stop, timer_interval_s=0.5))
     await asyncio.sleep(0.5)
     complete = [verdict("A", i, 4, r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
+    complete[1].tampered = True
+    complete[1].tamper_patterns.append("exit_before_tests")
     straggling = [verdict("B", i, 3, r) for i, r in enumerate([1.0, 0.0])]  # the third never comes
     try:
         async with bus.Producer(settings) as producer:
@@ -75,12 +77,16 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
         assert all(t.group_complete and t.group_received == 4 for t in by_group["A"])
         assert all(not t.group_complete and t.group_received == 2 for t in by_group["B"])
         assert {r.key for r in records} == {b"A", b"B"}
+        alerts = await read_raw(settings, "alerts", 1, timeout=30)
+        assert b"exit_before_tests" in alerts[0].value and alerts[0].key == b"tamper"
         dead = await read_raw(settings, "verdicts.dlq", 1, timeout=30)
         assert "undecodable" in dict(dead[0].headers)["dlq-reason"].decode()
 
         client = store.connect(settings)
         query = "SELECT group_id, count(), sum(reward) FROM trajectories FINAL GROUP BY group_id ORDER BY group_id"
         assert client.query(query).result_rows == [("A", 4, 2.0), ("B", 2, 1.0)]
+        assert client.query("SELECT kind, details['patterns'] FROM alerts FINAL").result_rows == [
+            ("tamper", "exit_before_tests")]
         # A replay of the same verdicts (a consumer restarting before its commit) duplicates nothing.
         async with bus.Producer(settings) as producer:
             for v in complete:

@@ -14,7 +14,7 @@ log = logging.getLogger("crucible.aggregator")
 
 async def prepare(settings: Settings):
     """Topics must exist before faust subscribes (it ignores missing ones); the store gets its schema."""
-    await bus.ensure_topics(["verdicts", "trajectories", "aggregator.expire"], settings=settings)
+    await bus.ensure_topics(["verdicts", "trajectories", "alerts", "aggregator.expire"], settings=settings)
     client = await asyncio.to_thread(store.connect, settings)
     await asyncio.to_thread(store.migrate, client)
     return client

@@ -20,8 +20,11 @@ from opentelemetry import trace
 
 from crucible.v1 import verdict_pb2
 from services.reward_aggregator.handler import (
+    ALERT_COLUMNS,
     TRAJECTORY_COLUMNS,
     RewardConfig,
+    alert_row,
+    alerts_for,
     check_verdict,
     group_trajectories,
     trajectory_row,
@@ -65,6 +68,8 @@ class Aggregator:
                                            key_serializer="raw")
         self.trajectories = self.app.topic(settings.topic("trajectories"), value_serializer="raw",
                                            key_serializer="raw")
+        self.alerts = self.app.topic(settings.topic("alerts"), value_serializer="raw", key_serializer="raw")
+        self.alerts_raised = 0
         self.dlq = self.app.topic(settings.topic("verdicts") + DLQ_SUFFIX, value_serializer="raw",
                                   key_serializer="raw")
         # group id -> JSON {"first_seen": unix seconds, "group_size": n, "verdicts": {index: base64 protobuf}}
@@ -90,6 +95,7 @@ class Aggregator:
                 await self._dead_letter(event, headers, f"rejected: {problem}")
                 continue
             group_id = verdict.rollout.group_id
+            await self._raise_alerts(verdict)
             with self.tracer.start_as_current_span("aggregate verdict", context=telemetry.extract_context(headers),
                                                    kind=trace.SpanKind.CONSUMER):
                 entry = self._entry(group_id.encode()) or {
@@ -140,6 +146,20 @@ class Aggregator:
         if not complete:
             self.incomplete_emitted += 1
             log.info("group %s timed out with %d of %d verdicts", group_id, len(verdicts), entry["group_size"])
+
+    async def _raise_alerts(self, verdict: verdict_pb2.Verdict) -> None:
+        alerts = alerts_for(verdict, self.settings.run_id)
+        if not alerts:
+            return
+        if self.store is not None:
+            await asyncio.to_thread(self.store.insert, "alerts", [alert_row(a) for a in alerts],
+                                    column_names=ALERT_COLUMNS)
+        for a in alerts:
+            log.warning("alert %s: %s", a.kind, a.message)
+            await self.alerts.send(key=a.kind.encode(), value=messages.encode(a),
+                                   headers={H_SCHEMA: messages.schema_name(a).encode(),
+                                            H_CONTENT_TYPE: messages.CONTENT_TYPE_PROTOBUF.encode()})
+        self.alerts_raised += len(alerts)
 
     async def _dead_letter(self, event, headers, reason: str) -> None:
         self.dead_lettered += 1

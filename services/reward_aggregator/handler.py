@@ -5,7 +5,7 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from crucible.v1 import trajectory_pb2, verdict_pb2
+from crucible.v1 import alert_pb2, trajectory_pb2, verdict_pb2
 from shared.advantages import advantages, weighted_reward
 
 TRAJECTORY_COLUMNS = [
@@ -78,3 +78,38 @@ def _violation_name(value: int) -> str:
     from crucible.v1 import execution_pb2
 
     return execution_pb2.Violation.Name(value).removeprefix("VIOLATION_").lower() if value else ""
+
+
+ALERT_COLUMNS = ["alert_id", "kind", "severity", "message", "details", "ts"]
+
+
+def alerts_for(verdict: verdict_pb2.Verdict, run_id: str) -> list[alert_pb2.Alert]:
+    """Reward-hacking signals one verdict carries on its own.
+
+    - `tamper`: the verifier caught the completion forging a pass (named patterns);
+    - `canary_passed`: a canary task (metadata canary=true) is built so that no honest answer
+      passes it; a pass means the reward can be earned without solving the task.
+    """
+    r = verdict.rollout
+    details = {"task_id": r.task.id, "group_id": r.group_id, "sample_index": str(r.sample_index),
+               "policy_version": str(r.policy_version)}
+    alerts = []
+    if verdict.tampered:
+        alerts.append(alert_pb2.Alert(
+            id=f"tamper/{r.id}", kind="tamper", severity=alert_pb2.SEVERITY_WARNING, run_id=run_id,
+            message=f"completion {r.id} tried to forge its reward: {', '.join(verdict.tamper_patterns) or 'unnamed'}",
+            details={**details, "patterns": ",".join(verdict.tamper_patterns)}))
+    if r.task.metadata.get("canary") == "true" and verdict.reward > 0 and not verdict.tampered:
+        alerts.append(alert_pb2.Alert(
+            id=f"canary/{r.id}", kind="canary_passed", severity=alert_pb2.SEVERITY_CRITICAL, run_id=run_id,
+            message=f"canary task {r.task.id} earned reward {verdict.reward:.2f}: the reward can be gamed",
+            details={**details, "reward": f"{verdict.reward:.4f}"}))
+    now = dt.datetime.now(dt.timezone.utc)
+    for a in alerts:
+        a.created_at.FromDatetime(now)
+    return alerts
+
+
+def alert_row(a: alert_pb2.Alert) -> list:
+    return [a.id, a.kind, alert_pb2.Severity.Name(a.severity).removeprefix("SEVERITY_").lower(), a.message,
+            dict(a.details), a.created_at.ToDatetime(tzinfo=dt.timezone.utc)]
