@@ -6,7 +6,9 @@ For each setting (1 worker; one worker per core) it runs every canonical
 HumanEval solution with its tests:
   - bare:    subprocess.run([python, file]) per check (the base interpreter), no isolation at all
              (N at a time from a thread pool when N workers are compared);
-  - sandbox: the jail pool (namespaces, tmpfs root, seccomp, rlimits, cgroups).
+  - sandbox: the jail pool (namespaces, tmpfs root, seccomp, rlimits, cgroups), each check a
+             tested job: the tamper-proof harness runs the tests in a process of its own and
+             calls the candidate's process over a pipe (harness.py).
 Prints executions/s (sandbox with two jobs outstanding per worker), p50/p99
 latency (one job per worker, like the bare runs) and the throughput ratio.
 Not a test: nothing gates on these numbers.

@@ -5,9 +5,7 @@ import datetime as dt
 
 from crucible.v1 import execution_pb2, rollout_pb2
 from services.sandbox_executor.pool import Job, Result
-from shared.tasks import python_program
-
-EXECUTED_KINDS = {"python_tests"}
+from shared import kinds
 
 VIOLATIONS = {
     "": execution_pb2.VIOLATION_NONE,
@@ -27,18 +25,19 @@ ISOLATION = {
 
 
 def needs_execution(rollout: rollout_pb2.Rollout) -> bool:
-    return rollout.task.kind in EXECUTED_KINDS
+    """Whether the task's kind runs code. Unknown kinds are not ours: the verifier dead-letters them."""
+    try:
+        return kinds.get(rollout.task.kind).needs_execution
+    except kinds.UnknownKind:
+        return False
 
 
 def job_for_rollout(rollout: rollout_pb2.Rollout) -> Job:
-    tests = rollout.task.python_tests
-    return Job(
-        code=python_program(rollout.task, rollout.completion),
-        language=tests.language or "python",
-        tests=tests.test_code,
-        entry_point=tests.entry_point,
-        timeout_s=tests.timeout_s,
-    )
+    """The job the task's kind asks for (ValueError when there is nothing to run)."""
+    request = kinds.get(rollout.task.kind).execution(rollout.task, rollout.completion)
+    if request is None:
+        raise ValueError(f"kind {rollout.task.kind!r} runs nothing in the sandbox")
+    return job_for_request(request)
 
 
 def job_for_request(request: execution_pb2.ExecuteRequest) -> Job:
@@ -46,7 +45,7 @@ def job_for_request(request: execution_pb2.ExecuteRequest) -> Job:
         raise ValueError("code is empty: nothing to execute")
     return Job(code=request.code, language=request.language or "python", tests=request.test_code,
                entry_point=request.entry_point, stdin=request.stdin, timeout_s=request.timeout_s,
-               memory_bytes=request.memory_bytes)
+               memory_bytes=request.memory_bytes, prelude=request.test_prelude)
 
 
 def result_message(result: Result) -> execution_pb2.ExecutionResult:
@@ -66,6 +65,7 @@ def result_message(result: Result) -> execution_pb2.ExecutionResult:
         missing_guarantees=result.missing_guarantees,
         violation=VIOLATIONS[result.violation],
         violation_detail=result.violation_detail,
+        tamper=[execution_pb2.TamperSignal(pattern=t["pattern"], detail=t["detail"]) for t in result.tamper],
     )
 
 

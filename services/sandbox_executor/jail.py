@@ -6,16 +6,27 @@ environment, so it never holds a secret of the service. It is a fork server:
     worker (this loop, root, never reads job code)
       └─ supervisor  (one per job: reads the job, sets up cgroups, collects output, enforces the wall clock)
            └─ jail   (pid 1 of fresh pid/mount/net/ipc/uts namespaces, tmpfs root, non-root uid,
-                      rlimits, seccomp; runs the code inside the already-loaded interpreter)
+                │     rlimits, seccomp; runs an untested program inside the already-loaded
+                │     interpreter, or, for a tested job, is the test harness)
+                └─ candidate  (a tested job's program, answering the harness's calls; unused otherwise)
 
-The next supervisor and its jail are forked and set up (namespaces, root) while
-the current job runs, so a job's latency holds no fork, unshare or mount.
+The next supervisor, its jail and the jail's candidate process are forked and
+set up (namespaces, root, cgroups) while the current job runs, so a job's
+latency holds no fork, unshare or mount. Each worker has three cgroup slots: the
+prepared jail sits in one, the running job fills another, the last job's
+teardown (after its result was sent) empties the third.
 
 Protocol on the worker's stdin/stdout: the pool writes a frame (4-byte length +
 JSON header, then `payload_len` bytes of JSON payload); the waiting supervisor
 reads header and payload itself, so job code and tests never enter the
 long-lived worker's memory (a later job cannot dig them out). Exactly one
 result frame comes back per job.
+
+The supervisor hands the jail the job as two frames on one pipe: the program,
+then (for a tested job) the tests. The jail reads only the first and passes it
+to the candidate's process, which never held the job pipe; the harness reads
+the tests after that (`harness.py`), so the process running the candidate's
+code never has them.
 
 Kept free of third-party imports on purpose: `-S` means no site-packages.
 """
@@ -25,6 +36,7 @@ import base64
 import builtins
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import resource
@@ -40,7 +52,7 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x10000000, 0x20000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 4, 38, 22
 SECCOMP_MODE_FILTER = 2
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 AUDIT_ARCH_X86_64 = 0xC000003E
@@ -62,11 +74,15 @@ FORBIDDEN_SYSCALLS_X86_64 = {
     "open_by_handle_at": 304, "name_to_handle_at": 303,
     "sethostname": 170, "setdomainname": 171, "settimeofday": 164, "clock_settime": 227, "adjtimex": 159,
     "iopl": 172, "ioperm": 173, "vhangup": 153, "personality": 135, "lookup_dcookie": 212,
+    # A tested job's candidate shares a uid with its harness: it must not take the harness's
+    # descriptors (the report, the tests) or compare its memory.
+    "pidfd_getfd": 438, "process_madvise": 440, "kcmp": 312,
 }
 SYS_CLONE, SYS_CLONE3 = 56, 435
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWCGROUP
 
 SECCOMP_PROGRAM = b""  # built once per worker, at start
+HARNESS = None  # harness.py, loaded once per worker at start (before the jail hides the host's files)
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -199,13 +215,15 @@ class Cgroups:
             pass
         return 0
 
-    def reset_memory_events(self) -> None:
+    def reset_memory_events(self) -> int:
+        """Zeroes the v1 counter; returns the count now (cgroup v2 counters only grow: compare to it)."""
         if "memory" in self.paths:
             try:
                 with open(os.path.join(self.paths["memory"], "memory.failcnt"), "w") as f:
                     f.write("0")
             except OSError:
                 pass
+        return self.memory_events()
 
 
 # --- the jail (pid 1 of the new namespaces) ----------------------------------------------------
@@ -296,11 +314,19 @@ def drop_privileges(cfg: dict, job: dict) -> None:
 
 
 def run_in_jail(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int,
-                ready_w: int) -> None:
-    """The jail process: prepares its root before any job exists, then runs one job; never returns."""
+                ready_w: int, attached_r: int) -> None:
+    """The jail process: prepares its root and its candidate process before any job exists, then
+    runs one job; never returns."""
     code = 120
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the supervisor's death ends the jail
+        # Wait until the supervisor has put us in our cgroups: the candidate forked below inherits them.
+        if os.read(attached_r, 1) != b"a":
+            os._exit(0)
+        os.close(attached_r)
+        # Not dumpable (nor after the uid drop): a tested job's candidate runs under the same uid as
+        # this process, its harness, and must not read its memory or take its descriptors.
+        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         os.setsid()
         name = b"sandbox"
         libc.sethostname(name, len(name))
@@ -308,28 +334,43 @@ def run_in_jail(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, rep
             enter_root(cfg)
         else:
             os.chdir(cfg["root_dir"])
+        # The candidate's process, ready for a tested job: forked now, off the job's latency. It
+        # holds neither the job pipe nor the report pipe, ever.
+        call_r, call_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        candidate_pid = os.fork()
+        if candidate_pid == 0:
+            for fd in (job_r, report_w, ready_w, call_w, reply_r):
+                os.close(fd)
+            run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w)
+        os.close(call_r)
+        os.close(reply_w)
         os.write(ready_w, b"r")
         os.close(ready_w)
-        # Blocks until the supervisor has a job for us and has put us in our cgroups.
-        chunks = []
-        while chunk := os.read(job_r, 1 << 20):
-            chunks.append(chunk)
-        if not chunks:
+        # Blocks until the supervisor has a job for us and has put us in our cgroups. Only the
+        # program's frame is read here; a tested job's tests stay in the pipe for the harness.
+        try:
+            job = read_frame(job_r)
+        except EOFError:
             os._exit(0)  # the worker is shutting down
-        job = json.loads(b"".join(chunks))
         write_files(cfg, job)
-        os.dup2(stdin_r, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.dup2(report_w, 3)
-        os.closerange(4, 65536)
+        tested = bool(job.get("has_tests"))
+        if tested:
+            write_frame(call_w, job)  # the program (no tests in this frame) to the candidate's process
+        # Final places: 0-2 stdio, 3 report, and for a tested job 4 the rest of the job pipe (the
+        # tests), 5 and 6 the call channel. Everything else closes; untested, the candidate's
+        # process sees its channel close and leaves.
+        keep = [(stdin_r, 0), (out_w, 1), (err_w, 2), (report_w, 3)]
+        if tested:
+            keep += [(job_r, 4), (call_w, 5), (reply_r, 6)]
+        place_fds(keep)
         drop_privileges(cfg, job)
         for sig in (signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)  # exceeding a file limit kills, so it is reported
         if cfg["seccomp"]:
             install_seccomp()
         os.environ.clear()
-        code = execute(job)
+        code = HARNESS.run(job, 3, 4, candidate_pid, 5, 6) if tested else execute(job)
     except BaseException as exc:  # setup failures must surface, not hang
         try:
             os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
@@ -340,8 +381,53 @@ def run_in_jail(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, rep
         os._exit(code)
 
 
+def place_fds(pairs: list[tuple[int, int]]) -> None:
+    """Moves each descriptor to its target number and closes every other one (from 0 up)."""
+    high = [(fcntl.fcntl(fd, fcntl.F_DUPFD, 64), target) for fd, target in pairs]  # clear of every target
+    for fd, target in high:
+        os.dup2(fd, target)
+    top = max(target for _, target in pairs) + 1
+    used = {target for _, target in pairs}
+    for fd in range(top):
+        if fd not in used:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    os.closerange(top, 65536)
+
+
+def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int, err_w: int) -> None:
+    """A tested job's candidate process: waits (as root, in the jail) for the program, then jails
+    itself like the harness (rlimits, uid, seccomp) and runs it; never returns."""
+    code = 122
+    try:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        job = read_frame(call_r)  # EOFError when the job is untested: nothing to do
+        place_fds([(stdin_r, 0), (out_w, 1), (err_w, 2), (call_r, 5), (reply_w, 6)])
+        drop_privileges(cfg, job)
+        for sig in (signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        if cfg["seccomp"]:
+            install_seccomp()
+        os.environ.clear()
+        HARNESS.candidate.serve(job, 5, 6)
+    except EOFError:
+        code = 0
+    except BaseException as exc:
+        try:
+            os.write(2, f"sandbox setup failed (candidate): {type(exc).__name__}: {exc}\n".encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
 def execute(job: dict) -> int:
-    """Runs the program (and its tests) in this already-jailed interpreter; returns the exit code."""
+    """Runs an untested program in this already-jailed interpreter; returns the exit code.
+
+    Tested jobs never come here: `harness.run` keeps the tests out of the program's process.
+    """
     sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
     sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
@@ -363,53 +449,12 @@ def execute(job: dict) -> int:
 
         traceback.print_exc()
         exit_code = 1
-    if "tests" in job:
-        exit_code = run_tests(job, namespace, exit_code)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:
         pass
     return exit_code & 0xFF if isinstance(exit_code, int) else 1
-
-
-def run_tests(job: dict, namespace: dict, exit_code: int) -> int:
-    """Runs the test code against the program's namespace; one outcome per test, written to fd 3.
-
-    HumanEval-style tests define check(candidate) and are called with the entry
-    point; other tests are every callable named test_*. (Candidate code shares
-    this process, so outcomes here are not tamper-proof: the verifier adds that.)
-    """
-    report = open(3, "w", encoding="utf-8", closefd=False, buffering=1)
-    if exit_code != 0:
-        report.write(json.dumps({"name": "program", "passed": False, "message": f"exit code {exit_code}"}) + "\n")
-        return exit_code
-    tests = []
-    try:
-        exec(compile(job["tests"], "/work/test_program.py", "exec"), namespace)
-        entry = job.get("entry_point") or ""
-        if "check" in namespace and callable(namespace["check"]) and entry:
-            if entry not in namespace:
-                raise NameError(f"entry point {entry!r} is not defined by the program")
-            candidate = namespace[entry]
-            tests.append(("check", lambda: namespace["check"](candidate)))
-        tests += [(n, f) for n, f in list(namespace.items()) if n.startswith("test_") and callable(f)]
-        if not tests:
-            raise LookupError("the tests define neither check(candidate) with an entry point nor test_* functions")
-    except BaseException as exc:
-        report.write(json.dumps({"name": "load_tests", "passed": False,
-                                 "message": f"{type(exc).__name__}: {exc}"[:1000]}) + "\n")
-        return 1
-    failed = 0
-    for name, test in tests:
-        try:
-            test()
-            outcome = {"name": name, "passed": True}
-        except BaseException as exc:
-            failed += 1
-            outcome = {"name": name, "passed": False, "message": f"{type(exc).__name__}: {exc}"[:1000]}
-        report.write(json.dumps(outcome) + "\n")
-    return 1 if failed else 0
 
 
 # --- the supervisor (one per job) ---------------------------------------------------------------
@@ -419,7 +464,7 @@ def supervisor(cfg: dict, cgroups: Cgroups, notify_w: int) -> None:
     writes the result frame to fd 1. Never returns."""
     job_id = None
     try:
-        prepared = prepare_jail(cfg)
+        prepared = prepare_jail(cfg, cgroups)
         try:
             header = read_frame(0)
         except EOFError:
@@ -427,39 +472,51 @@ def supervisor(cfg: dict, cgroups: Cgroups, notify_w: int) -> None:
         job_id = header["job_id"]
         payload = read_exact(0, header["payload_len"])
         # The job is off the shared pipe: the worker may start preparing the next supervisor now.
-        os.write(notify_w, json.dumps({"job_id": job_id, "wall_s": header["limits"]["wall_s"]}).encode())
-        os.close(notify_w)
-        result = run_job(prepared, header, payload, cgroups)
+        os.write(notify_w, (json.dumps({"job_id": job_id, "wall_s": header["limits"]["wall_s"]}) + "\n").encode())
+        result, teardown = run_job(prepared, header, payload, cgroups)
         write_frame(1, {"job_id": job_id, **result})
-        code = 0
+        os.write(notify_w, b"sent\n")  # from now on the worker must not answer for this job
     except BaseException as exc:
         code = 1
         try:
             write_frame(1, {"job_id": job_id, "error": f"{type(exc).__name__}: {exc}"})
         except BaseException:
             code = 2
+        os._exit(code)
+    # After the result, so the next job need not wait for this one's processes to vanish. Nothing
+    # may be written to the pool from here on: it has this job's frame and waits for the next.
+    try:
+        teardown()
+        code = 0
+    except BaseException:
+        code = 4
     os._exit(code)
 
 
-def prepare_jail(cfg: dict) -> dict:
-    """Forks the jail into fresh namespaces; it enters its root and waits for a job."""
+def prepare_jail(cfg: dict, cgroups: Cgroups) -> dict:
+    """Forks the jail into fresh namespaces and this slot's cgroups; it enters its root, forks its
+    candidate process and waits for a job."""
     job_r, job_w = os.pipe()
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     report_r, report_w = os.pipe()
     ready_r, ready_w = os.pipe()
+    attached_r, attached_w = os.pipe()
     if cfg["isolate"]:
         # The mount namespace is the jail's own (it unshares it itself): pivot_root moves every
         # process of a namespace, and the supervisor must keep seeing the host's cgroups.
         _check(libc.unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     pid = os.fork()
     if pid == 0:
-        for fd in (job_w, in_w, out_r, err_r, report_r, ready_r):
+        for fd in (job_w, in_w, out_r, err_r, report_r, ready_r, attached_w):
             os.close(fd)
-        run_in_jail(cfg, job_r, in_r, out_w, err_w, report_w, ready_w)
-    for fd in (job_r, in_r, out_w, err_w, report_w, ready_w):
+        run_in_jail(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r)
+    for fd in (job_r, in_r, out_w, err_w, report_w, ready_w, attached_r):
         os.close(fd)
+    cgroups.attach(pid)
+    os.write(attached_w, b"a")
+    os.close(attached_w)
     if os.read(ready_r, 1) != b"r":
         raise RuntimeError("the jail failed while preparing its root")
     os.close(ready_r)
@@ -470,17 +527,25 @@ def prepare_jail(cfg: dict) -> dict:
             "mnt_ns": mnt_ns}
 
 
-def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> dict:
+def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> tuple[dict, object]:
+    """Runs one job in the prepared jail: (the result, what is left to do once it has been sent).
+
+    A tested job is over when its harness reports `done` (it has killed the candidate by then):
+    the result goes out without waiting for the two processes' memory to be torn down, which is
+    most of a small job's time; the teardown (wait, empty the cgroup slot) follows.
+    """
     job = {**header, **json.loads(payload)}
     limits = job["limits"]
     pid = prepared["pid"]
     out_r, err_r, report_r, in_w = prepared["out_r"], prepared["err_r"], prepared["report_r"], prepared["in_w"]
-    cgroups.reset_memory_events()
-    cgroups.attach(pid)
+    memory_events = cgroups.reset_memory_events()
     started = time.monotonic()
-    view = memoryview(json.dumps(job).encode())
-    while view:
-        view = view[os.write(prepared["job_w"], view):]
+    tested = "tests" in job
+    program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
+    program["has_tests"] = tested
+    write_frame(prepared["job_w"], program)
+    if tested:  # read by the harness only after the candidate's process is forked
+        write_frame(prepared["job_w"], {"tests": job["tests"], "prelude": job.get("prelude") or ""})
     os.close(prepared["job_w"])
 
     stdin_data = base64.b64decode(job.get("stdin_b64") or "")
@@ -495,7 +560,8 @@ def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> d
         os.close(in_w)
     for fd in open_fds + write_fds:
         os.set_blocking(fd, False)
-    while open_fds:
+    done = None
+    while open_fds and done is None:
         left = deadline - time.monotonic()
         if left <= 0:
             violation, detail = "timeout", f"wall-clock limit of {limits['wall_s']}s reached"
@@ -511,6 +577,8 @@ def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> d
                 continue
             room = cap - len(out[fd])
             out[fd] += chunk[:room]
+            if fd == report_r and tested and b'{"done": ' in out[report_r][-4096:]:
+                done = harness_done(out[report_r])  # None until the line is whole
             if len(chunk) > room and fd == report_r:
                 truncated[fd] = True  # a flood of fake reports: keep reading, report stays capped
             elif len(chunk) > room:
@@ -528,21 +596,42 @@ def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> d
             if not stdin_data:
                 os.close(fd)
                 write_fds = []
-    if violation:
-        os.kill(pid, signal.SIGKILL)  # pid 1 of the namespace: its death takes every descendant along
-    _, status, usage = os.wait4(pid, 0)
-    duration_ms = (time.monotonic() - started) * 1000
-    for fd in write_fds:
-        os.close(fd)
-    killed_stragglers = reap_cgroup(cgroups)
-    for fd in (out_r, err_r, report_r):
-        os.close(fd)
+    if done is not None and not violation:
+        drain([out_r, err_r], out, truncated, cap)  # what the killed candidate wrote last
+        duration_ms = (time.monotonic() - started) * 1000
+        exit_code, sig = done["exit_code"], 0
+        user_s, system_s, max_rss = done["cpu_user_s"], done["cpu_system_s"], done["max_rss_bytes"]
+        killed_stragglers = 0
 
-    exit_code = os.waitstatus_to_exitcode(status)
-    sig = -exit_code if exit_code < 0 else 0
+        def teardown():
+            finish_jail(pid, limits["wall_s"])
+            reap_cgroup(cgroups)
+            for fd in write_fds + [out_r, err_r, report_r]:
+                os.close(fd)
+    else:
+        if violation:
+            os.kill(pid, signal.SIGKILL)  # pid 1 of the namespace: its death takes every descendant along
+        _, status, usage = os.wait4(pid, 0)
+        duration_ms = (time.monotonic() - started) * 1000
+        for fd in write_fds:
+            os.close(fd)
+        killed_stragglers = reap_cgroup(cgroups)
+        for fd in (out_r, err_r, report_r):
+            os.close(fd)
+        exit_code = os.waitstatus_to_exitcode(status)
+        sig = -exit_code if exit_code < 0 else 0
+        user_s, system_s, max_rss = usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024
+
+        def teardown():
+            pass
+
+    report = parse_report(bytes(out[report_r])) if tested else {"tests": [], "tamper": [], "candidate": {}}
     if not violation:
-        cpu_s = usage.ru_utime + usage.ru_stime
-        violation, detail = classify(sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s)
+        cpu_s = user_s + system_s
+        # In a tested job the harness outlives a candidate killed by a limit: classify by the candidate's end.
+        limit_sig = sig or report["candidate"].get("signal", 0)
+        violation, detail = classify(limit_sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s,
+                                     memory_events)
     return {
         "exit_code": exit_code if exit_code >= 0 else 128 + sig,
         "signal": sig,
@@ -550,32 +639,79 @@ def run_job(prepared: dict, header: dict, payload: bytes, cgroups: Cgroups) -> d
         "stderr_b64": base64.b64encode(bytes(out[err_r])).decode(),
         "stdout_truncated": truncated[out_r],
         "stderr_truncated": truncated[err_r],
-        "cpu_user_s": usage.ru_utime,
-        "cpu_system_s": usage.ru_stime,
-        "max_rss_bytes": usage.ru_maxrss * 1024,
+        "cpu_user_s": user_s,
+        "cpu_system_s": system_s,
+        "max_rss_bytes": max_rss,
         "duration_ms": duration_ms,
         "violation": violation,
         "violation_detail": detail,
         "stragglers_killed": killed_stragglers,
-        "tests": parse_report(bytes(out[report_r])) if "tests" in job else [],
-    }
+        "tests": report["tests"],
+        "tamper": report["tamper"],
+    }, teardown
 
 
-def parse_report(data: bytes) -> list[dict]:
-    """Per-test outcomes the harness wrote to fd 3, one JSON object per line; malformed lines are dropped."""
-    outcomes = []
-    for line in data.splitlines()[:1000]:
+def harness_done(report: bytes) -> dict | None:
+    """The harness's last line, once it is there: {"done": true, "exit_code", "cpu_user_s", ...}."""
+    for line in report.splitlines()[::-1]:
+        if line.startswith(b'{"done": '):
+            try:
+                done = json.loads(line)
+                return {"exit_code": int(done["exit_code"]), "cpu_user_s": float(done["cpu_user_s"]),
+                        "cpu_system_s": float(done["cpu_system_s"]), "max_rss_bytes": int(done["max_rss_bytes"])}
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def drain(fds: list[int], out: dict, truncated: dict, cap: int) -> None:
+    """Reads what is already in the pipes, without waiting for their writers to close."""
+    for fd in fds:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            room = cap - len(out[fd])
+            out[fd] += chunk[:room]
+            truncated[fd] = truncated[fd] or len(chunk) > room
+
+
+def finish_jail(pid: int, wall_s: float) -> None:
+    """Waits for a jail that said it is done to exit; kills it if it lingers."""
+    deadline = time.monotonic() + min(2.0, wall_s)
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def parse_report(data: bytes) -> dict:
+    """What the harness wrote to fd 3 (only it holds that descriptor): per-test outcomes, tamper
+    signals and how the candidate's process ended; malformed lines are dropped."""
+    tests, tamper, candidate = [], [], {}
+    for line in data.splitlines()[:2000]:
         try:
             item = json.loads(line)
-            outcomes.append({"name": str(item["name"])[:200], "passed": item["passed"] is True,
-                             "message": str(item.get("message", ""))[:1000]})
+            if "tamper" in item:
+                tamper.append({"pattern": str(item["tamper"])[:64], "detail": str(item.get("detail", ""))[:500]})
+            elif "candidate" in item:
+                candidate = {"exit_code": int(item["candidate"]["exit_code"]),
+                             "signal": int(item["candidate"]["signal"])}
+            else:
+                tests.append({"name": str(item["name"])[:200], "passed": item["passed"] is True,
+                              "message": str(item.get("message", ""))[:1000]})
         except (ValueError, KeyError, TypeError):
             continue
-    return outcomes
+    return {"tests": tests[:1000], "tamper": tamper[:100], "candidate": candidate}
 
 
 def classify(sig: int, exit_code: int, stderr: bytes, cgroups: Cgroups, limits: dict,
-             cpu_s: float) -> tuple[str, str]:
+             cpu_s: float, memory_events_before: int = 0) -> tuple[str, str]:
     """Names the limit a finished program ran into, from its signal, cgroup counters and last error.
 
     A program can only make itself look worse by faking the stderr patterns, so
@@ -586,7 +722,7 @@ def classify(sig: int, exit_code: int, stderr: bytes, cgroups: Cgroups, limits: 
         return "forbidden_syscall", "a forbidden system call was made (seccomp)"
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits["cpu_s"] - 0.05):
         return "cpu", f"CPU limit of {limits['cpu_s']}s reached"
-    if cgroups.memory_events() > 0 or (exit_code != 0 and tail.endswith(b"MemoryError")):
+    if cgroups.memory_events() > memory_events_before or (exit_code != 0 and tail.endswith(b"MemoryError")):
         return "memory", f"memory limit of {limits['memory_bytes']} bytes reached"
     if sig == signal.SIGXFSZ or (exit_code != 0 and b"[Errno 27] File too large" in tail):
         return "file_size", f"file size limit of {limits['file_bytes']} bytes reached"
@@ -616,10 +752,24 @@ def reap_cgroup(cgroups: Cgroups) -> int:
 
 # --- the worker loop ----------------------------------------------------------------------------
 
+def load_harness() -> None:
+    """Imports the test harness from this checkout; it and its modules are stdlib-only."""
+    global HARNESS
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, root)
+    try:
+        from services.sandbox_executor import harness
+
+        HARNESS = harness
+    finally:
+        sys.path.remove(root)
+
+
 def main() -> None:
     global SECCOMP_PROGRAM
     cfg = json.loads(sys.argv[1])
-    cgroups = Cgroups(cfg.get("cgroups", {}))
+    load_harness()
+    slots = [Cgroups(paths) for paths in cfg.get("cgroups") or [{}, {}, {}]]
     if cfg["isolate"]:
         build_template(cfg)
     if cfg["seccomp"]:
@@ -631,42 +781,57 @@ def main() -> None:
             __import__(name)
         except ImportError:
             pass
+    HARNESS.candidate.prepare()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     write_frame(1, {"ready": True, "pid": os.getpid()})
-    serve(cfg, cgroups)
+    serve(cfg, slots)
 
 
-def spawn_supervisor(cfg: dict, cgroups: Cgroups) -> dict:
+def spawn_supervisor(cfg: dict, slots: list[Cgroups], slot: int) -> dict:
     notify_r, notify_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(notify_r)
-        supervisor(cfg, cgroups, notify_w)
+        supervisor(cfg, slots[slot], notify_w)
     os.close(notify_w)
-    return {"pid": pid, "pidfd": os.pidfd_open(pid), "notify_r": notify_r, "job_id": None, "deadline": None}
+    return {"pid": pid, "pidfd": os.pidfd_open(pid), "notify_r": notify_r, "job_id": None, "deadline": None,
+            "slot": slot}
 
 
-def serve(cfg: dict, cgroups: Cgroups) -> None:
+def serve(cfg: dict, slots: list[Cgroups]) -> None:
     """The worker loop: always one supervisor prepared and waiting; the next is forked as soon as
-    the current one has taken its job, so jail set-up overlaps the previous job's run."""
-    waiting = spawn_supervisor(cfg, cgroups)
+    the current one has taken its job, so jail set-up overlaps the previous job's run.
+
+    Each supervisor takes a cgroup slot no other live supervisor holds. A supervisor sends its
+    result before it has torn its jail down, so with three slots the next jail is prepared in a
+    free one while the last job's teardown finishes in its own (and the running job fills the
+    third); if none is free, preparing waits until one is.
+    """
+    waiting: dict | None = spawn_supervisor(cfg, slots, 0)
     running: list[dict] = []
     while True:
-        watched = [waiting["notify_r"], waiting["pidfd"]] + [r["pidfd"] for r in running]
+        if waiting is None:
+            busy = {r["slot"] for r in running}
+            free = [i for i in range(len(slots)) if i not in busy]
+            if free:
+                waiting = spawn_supervisor(cfg, slots, free[0])
+        watched = [r["pidfd"] for r in running] + [r["notify_r"] for r in running if r["notify_r"] >= 0]
+        if waiting is not None:
+            watched += [waiting["notify_r"], waiting["pidfd"]]
         deadlines = [r["deadline"] for r in running]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         readable, _, _ = select.select(watched, [], [], timeout)
-        if waiting["notify_r"] in readable:
+        if waiting is not None and waiting["notify_r"] in readable:
             note = os.read(waiting["notify_r"], 4096)
             if note:
-                info = json.loads(note)
+                info = json.loads(note.split(b"\n")[0])
                 # The supervisor enforces the wall clock; this is the backstop if it hangs.
-                waiting.update(job_id=info["job_id"], deadline=time.monotonic() + info["wall_s"] + 10)
-                os.close(waiting["notify_r"])
+                waiting.update(job_id=info["job_id"], deadline=time.monotonic() + info["wall_s"] + 10,
+                               sent=b"sent\n" in note)
                 running.append(waiting)
-                waiting = spawn_supervisor(cfg, cgroups)
+                waiting = None
                 continue
-        if waiting["pidfd"] in readable:  # died before taking a job
+        if waiting is not None and waiting["pidfd"] in readable:  # died before taking a job
             _, status = os.waitpid(waiting["pid"], 0)
             os.close(waiting["pidfd"])
             os.close(waiting["notify_r"])
@@ -674,17 +839,38 @@ def serve(cfg: dict, cgroups: Cgroups) -> None:
                 for r in running:
                     os.waitpid(r["pid"], 0)
                 return  # stdin closed: the pool is shutting us down
-            waiting = spawn_supervisor(cfg, cgroups)
+            waiting = None
         now = time.monotonic()
         for r in list(running):
+            if r["notify_r"] in readable:
+                note = os.read(r["notify_r"], 4096)
+                r["sent"] = r["sent"] or b"sent\n" in note
+                if not note:
+                    os.close(r["notify_r"])
+                    r["notify_r"] = -1
             if r["pidfd"] in readable or now > r["deadline"]:
                 if r["pidfd"] not in readable:
                     os.kill(r["pid"], signal.SIGKILL)
                 _, status = os.waitpid(r["pid"], 0)
                 os.close(r["pidfd"])
+                if r["notify_r"] >= 0:
+                    r["sent"] = r["sent"] or b"sent\n" in _read_all(r["notify_r"])
+                    os.close(r["notify_r"])
                 running.remove(r)
-                if os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) == 2:
+                died = os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) == 2
+                if died and not r["sent"]:
                     write_frame(1, {"job_id": r["job_id"], "error": "the job's supervisor died"})
+
+
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    return b"".join(chunks)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ class Job:
     stdin: bytes = b""
     timeout_s: float = 0.0
     memory_bytes: int = 0
+    prelude: str = ""  # trusted code run before the tests, in the harness only (a HumanEval prompt's helpers)
 
 
 @dataclass
@@ -101,10 +102,12 @@ class Result:
     missing_guarantees: list[str] = field(default_factory=list)
     violation: str = ""
     violation_detail: str = ""
+    tamper: list[dict] = field(default_factory=list)  # {"pattern", "detail"} the harness saw the candidate try
 
     @property
     def passed(self) -> bool:
-        return self.exit_code == 0 and not self.violation and all(t["passed"] for t in self.tests)
+        return (self.exit_code == 0 and not self.violation and not self.tamper
+                and all(t["passed"] for t in self.tests))
 
 
 class _Worker:
@@ -113,7 +116,7 @@ class _Worker:
         self.pool = pool
         self.uid = pool.settings.sandbox_uid_base + index
         self.root_dir = pool.runtime_dir / f"w{index}"
-        self.cgroups: dict[str, str] = {}
+        self.cgroups: list[dict[str, str]] = []
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
@@ -227,10 +230,10 @@ class SandboxPool:
         """Runs one job; raises PoolFull when the queue is at its bound, JobRejected for a bad job."""
         limits = self.limits.narrowed(job.timeout_s, job.memory_bytes)
         files, main, tests = prepare(job)
-        payload = json.dumps({"files": files, "tests": tests, "entry_point": job.entry_point,
-                              "stdin_b64": base64.b64encode(job.stdin).decode()} if tests is not None else
-                             {"files": files, "entry_point": job.entry_point,
-                              "stdin_b64": base64.b64encode(job.stdin).decode()}).encode()
+        body = {"files": files, "entry_point": job.entry_point, "stdin_b64": base64.b64encode(job.stdin).decode()}
+        if tests is not None:
+            body.update(tests=tests, prelude=job.prelude)
+        payload = json.dumps(body).encode()
         if len(payload) > MAX_JOB_BYTES:
             raise JobRejected(f"job is {len(payload)} bytes; the limit is {MAX_JOB_BYTES}")
         header = {"job_id": next(self._ids), "main": main, "payload_len": len(payload),
@@ -270,6 +273,7 @@ class SandboxPool:
             max_rss_bytes=raw["max_rss_bytes"], duration_ms=raw["duration_ms"],
             isolation=self.report.level, missing_guarantees=self.report.missing_guarantees,
             violation=raw["violation"], violation_detail=raw["violation_detail"],
+            tamper=raw.get("tamper", []),
         )
         if has_tests and not result.tests:
             # The program ended (or was killed) before the harness could report anything.
@@ -279,42 +283,49 @@ class SandboxPool:
 
     # --- cgroups ---
 
-    def make_cgroups(self, index: int) -> dict[str, str]:
-        """Creates this worker's cgroups with the service's limits; {} where the host has none."""
-        version, controllers = isolation.cgroup_controllers()
-        made: dict[str, str] = {}
-        name = f"{self.runtime_dir.name}/w{index}"
+    def make_cgroups(self, index: int) -> list[dict[str, str]]:
+        """Creates this worker's three cgroup slots with the service's limits; [{}] * 3 where the host has none.
+
+        The jail prepared for the next job waits (with its candidate process, already inside)
+        in one slot, the running job fills another, and the last job's teardown, which follows
+        its result, empties the third: reaping after a job never touches another job.
+        """
         try:
-            if version == 1:
-                for ctrl, base in controllers.items():
-                    path = base / name
-                    path.mkdir(parents=True, exist_ok=True)
-                    self._cgroup_dirs += [path, path.parent]
-                    made[ctrl] = str(path)
-                if "memory" in made:
-                    _write(Path(made["memory"]) / "memory.limit_in_bytes", self.limits.memory_bytes + (64 << 20))
-                if "pids" in made:
-                    _write(Path(made["pids"]) / "pids.max", self.limits.processes + 8)
-                if "cpu" in made:
-                    _write(Path(made["cpu"]) / "cpu.cfs_period_us", 100_000)
-                    _write(Path(made["cpu"]) / "cpu.cfs_quota_us", 100_000)  # at most one core per job
-            elif version == 2 and controllers:
-                base = next(iter(controllers.values()))
-                parent = base / self.runtime_dir.name
-                parent.mkdir(exist_ok=True)
-                _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
-                _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
-                path = parent / f"w{index}"
-                path.mkdir(exist_ok=True)
-                self._cgroup_dirs += [path, parent]
-                _write(path / "memory.max", self.limits.memory_bytes + (64 << 20))
-                _write(path / "pids.max", self.limits.processes + 8)
-                _write(path / "cpu.max", "100000 100000")
-                made["unified"] = str(path)
+            return [self._make_slot(f"w{index}{slot}") for slot in "abc"]
         except OSError as exc:
             for ctrl in ("memory", "pids", "cpu"):
                 self.report.missing.setdefault(f"cgroup_{ctrl}", f"could not set up cgroups: {exc}")
-            return {}
+            return [{}, {}, {}]
+
+    def _make_slot(self, leaf: str) -> dict[str, str]:
+        version, controllers = isolation.cgroup_controllers()
+        made: dict[str, str] = {}
+        if version == 1:
+            for ctrl, base in controllers.items():
+                path = base / self.runtime_dir.name / leaf
+                path.mkdir(parents=True, exist_ok=True)
+                self._cgroup_dirs += [path, path.parent]
+                made[ctrl] = str(path)
+            if "memory" in made:
+                _write(Path(made["memory"]) / "memory.limit_in_bytes", self.limits.memory_bytes + (64 << 20))
+            if "pids" in made:
+                _write(Path(made["pids"]) / "pids.max", self.limits.processes + 8)
+            if "cpu" in made:
+                _write(Path(made["cpu"]) / "cpu.cfs_period_us", 100_000)
+                _write(Path(made["cpu"]) / "cpu.cfs_quota_us", 100_000)  # at most one core per job
+        elif version == 2 and controllers:
+            base = next(iter(controllers.values()))
+            parent = base / self.runtime_dir.name
+            parent.mkdir(exist_ok=True)
+            _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+            _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+            path = parent / leaf
+            path.mkdir(exist_ok=True)
+            self._cgroup_dirs += [path, parent]
+            _write(path / "memory.max", self.limits.memory_bytes + (64 << 20))
+            _write(path / "pids.max", self.limits.processes + 8)
+            _write(path / "cpu.max", "100000 100000")
+            made["unified"] = str(path)
         return made
 
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def _python(job: "Job") -> tuple[dict[str, str], str, str | None]:
-    if "\x00" in job.code or "\x00" in job.tests:
+    if "\x00" in job.code or "\x00" in job.tests or "\x00" in job.prelude:
         from services.sandbox_executor.pool import JobRejected
 
         raise JobRejected("code or tests contain a NUL byte")

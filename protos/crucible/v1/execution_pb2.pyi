@@ -56,7 +56,7 @@ class Execution(_message.Message):
     def __init__(self, id: _Optional[str] = ..., rollout: _Optional[_Union[_rollout_pb2.Rollout, _Mapping]] = ..., result: _Optional[_Union[ExecutionResult, _Mapping]] = ..., executor_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ExecutionResult(_message.Message):
-    __slots__ = ("exit_code", "signal", "tests", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "usage", "duration_ms", "isolation", "missing_guarantees", "violation", "violation_detail")
+    __slots__ = ("exit_code", "signal", "tests", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "usage", "duration_ms", "isolation", "missing_guarantees", "violation", "violation_detail", "tamper")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TESTS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class ExecutionResult(_message.Message):
     MISSING_GUARANTEES_FIELD_NUMBER: _ClassVar[int]
     VIOLATION_FIELD_NUMBER: _ClassVar[int]
     VIOLATION_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TAMPER_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     signal: int
     tests: _containers.RepeatedCompositeFieldContainer[TestOutcome]
@@ -83,7 +84,16 @@ class ExecutionResult(_message.Message):
     missing_guarantees: _containers.RepeatedScalarFieldContainer[str]
     violation: Violation
     violation_detail: str
-    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., tests: _Optional[_Iterable[_Union[TestOutcome, _Mapping]]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., duration_ms: _Optional[float] = ..., isolation: _Optional[_Union[IsolationLevel, str]] = ..., missing_guarantees: _Optional[_Iterable[str]] = ..., violation: _Optional[_Union[Violation, str]] = ..., violation_detail: _Optional[str] = ...) -> None: ...
+    tamper: _containers.RepeatedCompositeFieldContainer[TamperSignal]
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., tests: _Optional[_Iterable[_Union[TestOutcome, _Mapping]]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., duration_ms: _Optional[float] = ..., isolation: _Optional[_Union[IsolationLevel, str]] = ..., missing_guarantees: _Optional[_Iterable[str]] = ..., violation: _Optional[_Union[Violation, str]] = ..., violation_detail: _Optional[str] = ..., tamper: _Optional[_Iterable[_Union[TamperSignal, _Mapping]]] = ...) -> None: ...
+
+class TamperSignal(_message.Message):
+    __slots__ = ("pattern", "detail")
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    pattern: str
+    detail: str
+    def __init__(self, pattern: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TestOutcome(_message.Message):
     __slots__ = ("name", "passed", "message")
@@ -106,7 +116,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, cpu_user_s: _Optional[float] = ..., cpu_system_s: _Optional[float] = ..., max_rss_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "language", "code", "test_code", "entry_point", "stdin", "timeout_s", "memory_bytes")
+    __slots__ = ("request_id", "language", "code", "test_code", "entry_point", "stdin", "timeout_s", "memory_bytes", "test_prelude")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +125,7 @@ class ExecuteRequest(_message.Message):
     STDIN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEST_PRELUDE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     language: str
     code: str
@@ -123,7 +134,8 @@ class ExecuteRequest(_message.Message):
     stdin: bytes
     timeout_s: float
     memory_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., language: _Optional[str] = ..., code: _Optional[str] = ..., test_code: _Optional[str] = ..., entry_point: _Optional[str] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    test_prelude: str
+    def __init__(self, request_id: _Optional[str] = ..., language: _Optional[str] = ..., code: _Optional[str] = ..., test_code: _Optional[str] = ..., entry_point: _Optional[str] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., test_prelude: _Optional[str] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("request_id", "result", "error")

@@ -1,0 +1,422 @@
+"""The candidate's side of a tested job: runs the program, then answers the harness's calls.
+
+This process is forked by the jail (whose pid 1 becomes the harness) before
+any job exists, so the tests are never in its memory; it never holds the
+report descriptor or the job pipe. It gets calls (function name and
+plain-data arguments) on one pipe and answers with plain data on another.
+Nothing it does here can make the harness record a pass: the harness compares
+what comes back, rebuilt as exact builtin values, in its own process.
+
+What this module adds is *naming* attempts, so a verdict can say what was
+tried: an audit hook (which the program cannot remove) watches for frame and
+gc introspection, code patching, opening test-like files or descriptors,
+signalling the harness and native code; every preloaded module reports
+attribute writes, and a snapshot of builtins shows what the program replaced
+through the builtins dict. These signals run inside the
+candidate's process, so a determined program can blind them, but never turn
+them into a pass.
+
+Stdlib only: loaded into the sandbox worker, which has no site-packages.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+import resource
+import struct
+import sys
+import types
+
+from services.sandbox_executor import plain
+
+MODULE_NAME = "solution"  # not __main__: a completion's `if __name__ == "__main__":` self-test stays off
+MAX_FRAME = 8 << 20
+
+_ASSERT_WORDS = ("assert", "fail", "TestCase", "unittest", "AssertionError")
+_TESTLIKE = ("test", "check", "harness", "report", "result", "expected", "answer")
+_INTROSPECTION_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
+                                   "sys.settrace", "sys.setprofile", "sys.addaudithook"})
+_GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "__code__", "f_back"})
+_NATIVE_EVENTS = frozenset({"ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.addressof",
+                            "ctypes.string_at", "ctypes.wstring_at", "ctypes.PyObj_FromPtr"})
+_NATIVE_MODULES = ("ctypes", "_ctypes")
+_LOADED_NATIVE = ("ctypes", "ctypes._endian", "_ctypes")  # what the worker's own `import ctypes` loaded
+_WATCHED = (_INTROSPECTION_EVENTS | _GC_EVENTS | _NATIVE_EVENTS
+            | {"open", "os.listdir", "os.scandir", "object.__getattr__", "object.__setattr__",
+               "object.__delattr__", "os.kill", "os.killpg", "signal.pthread_kill", "import"})
+
+
+class Watch:
+    """Tamper signals of this process: audit events as they happen, state diffs on demand."""
+
+    def __init__(self, program_file: str):
+        self.program_file = program_file
+        self.work_dir = os.path.dirname(program_file) or "/work"
+        self.flags: list[tuple[str, str]] = []
+        self._seen: set[tuple[str, str]] = set()
+        self._builtins = BUILTINS_SNAPSHOT or dict(builtins.__dict__)
+        self._busy = False
+        self._getframe = sys._getframe
+        self._this_file = _THIS_FILE
+
+    def flag(self, pattern: str, detail: str) -> None:
+        key = (pattern, detail[:200])
+        if key not in self._seen:
+            self._seen.add(key)
+            self.flags.append(key)
+
+    def drain(self) -> list[tuple[str, str]]:
+        flags, self.flags = self.flags, []
+        return flags
+
+    def install(self) -> None:
+        global _ACTIVE
+        sys.addaudithook(self._hook)
+        _ACTIVE = self
+
+    def module_patched(self, module, name: str, action: str) -> None:
+        """A watched module's attribute was set or deleted (see _WatchedModule)."""
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            if self._from_program():
+                where = f"{module.__name__}.{name}"
+                pattern = "patched_builtins" if module is builtins else "patched_stdlib"
+                self.flag(pattern, f"{action} {where}")
+                if any(word in where for word in _ASSERT_WORDS):
+                    self.flag("assert_machinery", f"{action} {where}")
+        except Exception:
+            pass
+        finally:
+            self._busy = False
+
+    def _from_program(self) -> bool:
+        """Whether the code that raised the event is the program's (not the standard library's)."""
+        frame = self._getframe(1)
+        while frame is not None and frame.f_code.co_filename == self._this_file:
+            frame = frame.f_back  # out of the hook's own frames, to whoever raised the event
+        if frame is None:
+            return False
+        filename = frame.f_code.co_filename
+        return filename == self.program_file or (filename.startswith("<") and not filename.startswith("<frozen"))
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if event not in _WATCHED or self._busy:
+            return
+        self._busy = True  # sys._getframe below raises an event of its own
+        try:
+            self._classify(event, args)
+        except Exception:
+            pass  # a malformed event must not break the program's own behaviour
+        finally:
+            self._busy = False
+
+    def _classify(self, event: str, args: tuple) -> None:
+        if event == "open":
+            self._opened(args[0])
+        elif event in ("os.listdir", "os.scandir"):
+            path = args[0] if args else None
+            path = "." if path is None else os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
+            resolved = os.path.normpath(os.path.join(self.work_dir, path))
+            if resolved in (self.work_dir, "/", "/tmp", "/work"):
+                self.flag("reads_test_file", f"lists {resolved} looking for test files")
+        elif event in _GC_EVENTS:
+            self.flag("introspection", f"{event}() walks the interpreter's objects")
+        elif event in _INTROSPECTION_EVENTS:
+            if self._from_program():
+                self.flag("introspection", f"{event}()")
+        elif event == "object.__getattr__":
+            if args[1] in _FRAME_ATTRS and self._from_program():
+                self.flag("introspection", f"reads .{args[1]} of a {type(args[0]).__name__}")
+        elif event in ("object.__setattr__", "object.__delattr__"):
+            self._patched(args[0], args[1])
+        elif event in ("os.kill", "os.killpg", "signal.pthread_kill"):
+            target = args[0]
+            if target in (0, -1, 1, os.getppid()):
+                self.flag("kills_harness", f"{event}({target}, {args[1]})")
+        elif event in _NATIVE_EVENTS:
+            self.flag("native_code", f"{event}: ctypes reaches memory the interpreter protects")
+        elif event == "import":
+            if str(args[0]).split(".")[0] in _NATIVE_MODULES:
+                self.flag("native_code", f"imports {args[0]}: ctypes reaches memory the interpreter protects")
+
+    def _opened(self, path) -> None:
+        if isinstance(path, int):
+            if path >= 3:
+                self.flag("writes_report_fd", f"opens file descriptor {path} (the harness reports on its own)")
+            return
+        text = os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
+        resolved = os.path.normpath(os.path.join(self.work_dir, text))
+        if resolved.startswith(("/dev/fd/", "/proc/self/fd/")):
+            self.flag("writes_report_fd", f"opens {resolved}")
+        elif resolved.startswith("/proc/"):
+            self.flag("introspection", f"opens {resolved}")
+        elif resolved != self.program_file and resolved.startswith((self.work_dir + "/", "/tmp/")):
+            name = os.path.basename(resolved).lower()
+            if any(word in name for word in _TESTLIKE):
+                self.flag("reads_test_file", f"opens {resolved}")
+
+    def _patched(self, obj, name) -> None:
+        if name == "__code__":
+            self.flag("code_patching", f"replaces the code of {getattr(obj, '__qualname__', '?')}")
+            return
+        if not isinstance(obj, type) or not self._from_program():
+            return
+        module = getattr(obj, "__module__", "") or ""
+        if module == MODULE_NAME:
+            return  # the program's own classes are its business
+        where = f"{module}.{getattr(obj, '__qualname__', '?')}.{name}"
+        self.flag("patched_stdlib", f"sets {where}")
+        if any(word in where for word in _ASSERT_WORDS):
+            self.flag("assert_machinery", f"sets {where}")
+
+    def check_state(self) -> None:
+        """Names builtins the program replaced through the dict (`__builtins__[...] = ...`, which no
+        attribute hook sees).
+
+        Attribute patches of watched modules are caught as they happen (_WatchedModule); a full
+        diff of every module here would copy-on-write-fault thousands of objects (milliseconds a
+        job). Swaps in sys.modules are left to the verifier's reading of the source.
+        """
+        current = builtins.__dict__
+        keys = _KEY_BUILTINS if len(current) == len(self._builtins) else set(self._builtins) | set(current)
+        changed = sorted(k for k in keys if current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
+        if changed:
+            self.flag("patched_builtins", "replaces builtins." + ", builtins.".join(changed[:8]))
+            if any(word in k for k in changed for word in _ASSERT_WORDS):
+                self.flag("assert_machinery", "replaces builtins." + ", builtins.".join(
+                    k for k in changed if any(word in k for word in _ASSERT_WORDS)))
+
+
+_MISSING = object()
+_THIS_FILE = __file__
+# What a check leans on; looked at one by one (cheap) unless names were added or removed.
+_KEY_BUILTINS = ("AssertionError", "Exception", "BaseException", "SystemExit", "isinstance", "issubclass",
+                 "type", "len", "print", "repr", "str", "int", "float", "bool", "list", "tuple", "dict", "set",
+                 "abs", "round", "sorted", "sum", "min", "max", "all", "any", "open", "exit", "quit", "hash",
+                 "id", "getattr", "setattr", "__import__", "__build_class__", "object", "range", "zip", "map")
+_ACTIVE: Watch | None = None  # the Watch of this process, once a candidate runs in it
+BUILTINS_SNAPSHOT: dict = {}
+
+
+class _WatchedModule(types.ModuleType):
+    """A module whose attribute writes are reported to the active Watch (none in the worker or harness)."""
+
+    def __setattr__(self, name, value):
+        if _ACTIVE is not None:
+            _ACTIVE.module_patched(self, name, "sets")
+        types.ModuleType.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if _ACTIVE is not None:
+            _ACTIVE.module_patched(self, name, "deletes")
+        types.ModuleType.__delattr__(self, name)
+
+
+def prepare() -> None:
+    """Called once by the worker after preloading, before any job is forked.
+
+    Records builtins and makes every public module loaded so far report
+    attribute writes. Done here, not in the candidate's process, where copying
+    or touching thousands of objects would copy-on-write-fault every page of
+    them (milliseconds a job). Nothing more is imported for it: every module in
+    the worker makes every fork dearer (`unittest` alone pulls in a dozen), and
+    a patched `unittest.TestCase` is caught by the audit hook all the same.
+    """
+    global BUILTINS_SNAPSHOT
+    for name, module in list(sys.modules.items()):
+        if (type(module) is types.ModuleType and name not in ("sys", "__main__")
+                and not name.startswith("_") and not name.startswith("services")
+                and ("." not in name or name.split(".")[0] == "json")):
+            try:
+                module.__class__ = _WatchedModule
+            except TypeError:
+                pass
+    BUILTINS_SNAPSHOT = dict(builtins.__dict__)
+
+
+# --- framing (each side has its own copy of this code) ------------------------------------------
+
+def read_frame(fd: int) -> dict | None:
+    header = _read_exact(fd, 4)
+    if header is None:
+        return None
+    (n,) = struct.unpack(">I", header)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes")
+    data = _read_exact(fd, n)
+    if data is None:
+        return None
+    return plain.loads(data)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_frame(fd: int, obj: dict) -> None:
+    data = plain.dumps(obj)
+    if len(data) > MAX_FRAME:  # the harness would take a larger frame for a forgery on the channel
+        data = plain.dumps({"error": "non_plain", "message": f"the value is {len(data)} bytes as data; "
+                                                             f"at most {MAX_FRAME} cross", "flags": obj.get("flags", [])})
+    view = memoryview(struct.pack(">I", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# --- the candidate process ------------------------------------------------------------------------
+
+def serve(job: dict, call_r: int, reply_w: int) -> None:
+    """Runs the program, reports ready, answers calls until the harness is done; never returns."""
+    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+    sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    program_file = "/work/" + job["main"]
+    sys.argv = [program_file]
+    sys.path[:0] = ["/work"]
+    # The worker loaded ctypes for itself; forgetting it here makes the program's own import visible.
+    # (Named, not searched for: walking sys.modules would copy-on-write-fault a page per module.)
+    for name in _LOADED_NATIVE:
+        sys.modules.pop(name, None)
+    watch = Watch(program_file)
+    watch.install()
+    module = types.ModuleType(MODULE_NAME)
+    module.__file__ = program_file
+    sys.modules[MODULE_NAME] = module
+    sys.modules["__main__"] = module
+    namespace = module.__dict__
+    ready: dict = {"ready": True}
+    try:
+        exec(compile(job["files"][job["main"]], program_file, "exec"), namespace)
+    except SystemExit as exc:
+        ready["exit"] = _exit_code(exc.code)
+        if ready["exit"] == 0:
+            watch.flag("exit_before_tests", f"sys.exit({exc.code!r}) while the program was loading")
+    except BaseException as exc:
+        _print_traceback()
+        ready["error"] = _describe(exc)
+    _flush()
+    watch.check_state()
+    ready["functions"] = sorted(k for k, v in list(namespace.items())
+                                if isinstance(k, str) and not k.startswith("__") and callable(v)
+                                and not isinstance(v, type))
+    ready["flags"] = watch.drain()
+    ready["usage"] = _usage()
+    write_frame(reply_w, ready)
+    if "exit" in ready or "error" in ready:
+        os._exit(0)
+    while True:
+        request = read_frame(call_r)
+        if request is None:  # the harness is done (it ends this process as it leaves)
+            _flush()
+            os._exit(0)
+        reply = _call(namespace, request, watch)
+        _flush()
+        watch.check_state()  # after every call: the harness leaves without asking again
+        reply["flags"] = watch.drain()
+        reply["usage"] = _usage()
+        write_frame(reply_w, reply)
+
+
+def _call(namespace: dict, request: dict, watch: Watch) -> dict:
+    name = request.get("name")
+    fn = namespace.get(name) if isinstance(name, str) else None
+    if fn is None or not callable(fn):
+        return {"raise": "NameError", "message": f"the program does not define {name!r}"}
+    try:
+        args = plain.from_tree(request["args"])
+        kwargs = plain.from_tree(request["kwargs"])
+    except (KeyError, ValueError) as exc:
+        return {"raise": "TypeError", "message": f"arguments did not arrive: {exc}"}
+    try:
+        result = fn(*args, **kwargs)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        if code == 0:
+            watch.flag("exit_during_tests", f"{name}() raised SystemExit({exc.code!r})")
+        return {"raise": "SystemExit", "message": f"{name}() exited with code {code}"}
+    except BaseException as exc:
+        return {"raise": _exception_name(exc), "message": _describe(exc)}
+    flags: list = []
+    try:
+        tree = plain.to_tree(result, flags)
+    except plain.NotPlain as exc:
+        if exc.suspicious:
+            watch.flag("non_plain_return", f"{name}() returned {exc}")
+        return {"error": "non_plain", "message": f"{name}() returned {exc}, not plain data: only numbers, "
+                                                 "strings, bytes and lists, tuples, dicts and sets of them are checked"}
+    except RecursionError:
+        return {"error": "non_plain", "message": f"{name}() returned a value nested too deeply"}
+    except BaseException as exc:  # a value whose very type misbehaves when looked at
+        watch.flag("non_plain_return", f"{name}() returned a value that raised {type(exc).__name__} when read")
+        return {"error": "non_plain", "message": f"{name}() returned a value that could not be read"}
+    reply = {"ok": tree}
+    if request.get("mutable"):
+        try:
+            reply["args"] = plain.to_tree((list(args), kwargs), flags)
+        except plain.NotPlain as exc:
+            if exc.suspicious:
+                watch.flag("non_plain_return", f"{name}() left {exc} in its arguments")
+            return {"error": "non_plain", "message": f"{name}() left {exc} in its arguments, not plain data"}
+        except BaseException:
+            watch.flag("non_plain_return", f"{name}() left unreadable values in its arguments")
+            return {"error": "non_plain", "message": f"{name}() left unreadable values in its arguments"}
+    for pattern, detail in flags:
+        watch.flag(pattern, f"{name}() returned {detail}")
+    return reply
+
+
+def _usage() -> list:
+    """CPU seconds (user, system) and peak memory of this process, for the job's result."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return [own.ru_utime, own.ru_stime, own.ru_maxrss * 1024]
+
+
+def _exit_code(code) -> int:
+    if code is None or code is False:
+        return 0
+    if type(code) is int or code is True:
+        return int(code)
+    return 1
+
+
+def _exception_name(exc: BaseException) -> str:
+    cls = type(exc)
+    name = getattr(cls, "__name__", "")
+    return name if getattr(builtins, name, None) is cls else "Exception"
+
+
+def _describe(exc: BaseException) -> str:
+    cls = type(exc)
+    builtin = getattr(builtins, getattr(cls, "__name__", ""), None) is cls
+    try:  # a builtin exception's own __str__ (SyntaxError's names the line); the base one for the program's
+        text = cls.__str__(exc) if builtin else BaseException.__str__(exc)
+    except BaseException:
+        text = ""
+    return f"{getattr(cls, '__name__', 'Exception')}: {text}"[:1000]
+
+
+def _print_traceback() -> None:
+    try:
+        import traceback
+
+        traceback.print_exc()
+    except BaseException:
+        pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass

@@ -1,0 +1,438 @@
+"""The trusted test harness: pid 1 of a tested job's jail, where the candidate cannot reach.
+
+    harness (pid 1: holds the report descriptor, reads the tests, runs them)
+      └─ candidate (forked before any job existed: runs the program, answers calls)
+
+Order matters. The jail forks the candidate's process while it is prepared,
+before any job exists, without the job pipe or the report descriptor; at job
+time it hands the candidate the program and leaves the tests in the job pipe
+(in the kernel, not in any process's memory). Only then does the harness read
+the tests. The tests call the program's
+functions through proxies: arguments go over a pipe as plain data, and
+results come back as JSON rebuilt into exact builtin values (`plain.py`). So
+exiting early, objects whose `__eq__` is always true, patched builtins,
+`assert` or `unittest` machinery, hunting for the test file or for the
+expected values in memory, writing fake result lines: none of it reaches the
+process that decides, which is the only one that can write a result.
+
+Helpers the tests use that the task's prompt defines (HumanEval's
+`encode_cyclic`, `poly`, ...) come from running the trusted prompt (the
+`prelude`) here, never from the candidate's copy.
+
+Report lines (JSON, fd 3): one per test {"name", "passed", "message"}, one per
+tamper signal {"tamper", "detail"}, and {"candidate": {"exit_code", "signal"}}.
+
+Stdlib only: this module is loaded into the sandbox worker, which has no site-packages.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import os
+import resource
+import select
+import signal
+import struct
+
+from services.sandbox_executor import candidate, plain
+
+MAX_REPLY = 8 << 20
+
+
+class CandidateError(Exception):
+    """An exception the candidate raised whose class is its own (its name is in the message)."""
+
+
+# The two below derive from BaseException on purpose: a test's `except Exception:` (or
+# `except TypeError:`) must not turn "the candidate vanished" or "returned no data" into a pass.
+
+class CandidateGone(BaseException):
+    """The candidate's process ended, exited, or broke the call protocol; every later call fails too."""
+
+
+class NotPlainData(BaseException):
+    """The candidate returned something that is not plain data."""
+
+
+# Exceptions a test may legitimately expect from the candidate. StopIteration and its async twin are
+# left out: raised through `for r in map(candidate, cases)` they would end a test's loop early, silently.
+_REPLAYED = frozenset(name for name in dir(builtins)
+                      if isinstance(getattr(builtins, name), type) and issubclass(getattr(builtins, name), Exception)
+                      and name not in ("StopIteration", "StopAsyncIteration"))
+
+
+class Report:
+    """Outcome lines on the report descriptor, which only this process holds."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.tampered: set[tuple[str, str]] = set()
+        self.failed = 0
+
+    def _line(self, obj: dict) -> None:
+        # One write per line, unbuffered: what a wall-clock kill interrupts is only what came after.
+        view = memoryview((json.dumps(obj) + "\n").encode())
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def outcome(self, name: str, passed: bool, message: str = "") -> None:
+        self.failed += not passed
+        self._line({"name": name, "passed": passed, "message": message[:1000]})
+
+    def tamper(self, pattern: str, detail: str) -> None:
+        key = (str(pattern)[:64], str(detail)[:500])
+        if key not in self.tampered:
+            self.tampered.add(key)
+            self._line({"tamper": key[0], "detail": key[1]})
+
+    def candidate_status(self, exit_code: int, sig: int) -> None:
+        self._line({"candidate": {"exit_code": exit_code, "signal": sig}})
+
+    def done(self, exit_code: int, usage: tuple[float, float, int]) -> None:
+        """The last line: the supervisor sends the result on it, without waiting for the jail to vanish."""
+        self._line({"done": True, "exit_code": exit_code, "cpu_user_s": usage[0], "cpu_system_s": usage[1],
+                    "max_rss_bytes": usage[2]})
+
+
+class Candidate:
+    """The harness's end of the call channel to the candidate's process."""
+
+    def __init__(self, pid: int, call_w: int, reply_r: int, report: Report):
+        self.pid, self.call_w, self.reply_r, self.report = pid, call_w, reply_r, report
+        self.gone: str | None = None
+        self.status: tuple[int, int] | None = None
+        self.finishing = False
+        self.usage = (0.0, 0.0, 0)  # what the candidate last said it used (informational only)
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.pidfd = -1
+
+    def ready(self) -> dict:
+        """The candidate's first message: whether its program loaded, and the functions it defines."""
+        return self._receive(before_tests=True)
+
+    def call(self, name: str, args: tuple, kwargs: dict):
+        if self.gone:
+            raise CandidateGone(self.gone)
+        try:
+            request = {"op": "call", "name": name, "args": plain.to_tree(args), "kwargs": plain.to_tree(kwargs)}
+        except plain.NotPlain as exc:
+            raise TypeError(f"the test passes {exc} to {name}(); only plain data can cross to the candidate") from None
+        # Mutable arguments come back after the call and are written into the test's own objects,
+        # so a test sees in-place changes (or their absence) as it would in one process.
+        mutable = [v for v in (*args, *kwargs.values()) if type(v) in _MUTABLE]
+        request["mutable"] = bool(mutable)
+        self._send(request)
+        reply = self._receive(before_tests=False)
+        if "ok" in reply:
+            try:
+                value = plain.from_tree(reply["ok"])
+                if mutable:
+                    new_args, new_kwargs = plain.from_tree(reply["args"])
+                    _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)))
+                return value
+            except (ValueError, KeyError, TypeError) as exc:
+                self.report.tamper("forged_reply", f"{name}() answered with a malformed value: {exc}")
+                raise CandidateGone(f"{name}() answered with a malformed value") from None
+        if reply.get("error") == "non_plain":
+            raise NotPlainData(str(reply.get("message", "not plain data"))[:1000])
+        if "raise" in reply:
+            raised, message = str(reply["raise"]), str(reply.get("message", ""))[:1000]
+            if raised in ("SystemExit", "KeyboardInterrupt", "GeneratorExit"):
+                raise CandidateGone(f"{name}() raised {raised}: {message}")
+            raise _exception(raised, message)
+        self.report.tamper("forged_reply", f"{name}() answered with {sorted(reply)[:5]}")
+        raise CandidateGone("the candidate broke the call protocol")
+
+    def finish(self) -> None:
+        """Ends the candidate and everything it started. Its last tamper signals came with its last
+        reply (it checks after every call), so ending costs no round trip."""
+        self.finishing = True
+        if self.status:  # it ended on its own: the supervisor classifies a limit by how
+            self.report.candidate_status(*self.status)
+        # Killed now, the candidate tears its memory down while this process does the same,
+        # instead of after it (as pid 1, the jail's exit would end it and its children anyway).
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        if os.getpid() != 1:
+            self._reap(block=True)  # weak isolation, no pid namespace: nothing else will
+
+    # --- wire ---
+
+    def _send(self, obj: dict) -> None:
+        data = plain.dumps(obj)
+        view = memoryview(struct.pack(">I", len(data)) + data)
+        try:
+            while view:
+                view = view[os.write(self.call_w, view):]
+        except OSError:
+            self._lost(before_tests=False)
+
+    def _receive(self, before_tests: bool, timeout: float | None = None) -> dict:
+        header = self._read(4, before_tests, timeout)
+        (n,) = struct.unpack(">I", header)
+        if n > MAX_REPLY:  # the candidate's side caps its own replies: this was written by something else
+            self.report.tamper("forged_reply", f"the call channel announced a {n}-byte reply")
+            self.gone = "the candidate broke the call protocol"
+            raise CandidateGone(self.gone)
+        try:
+            reply = plain.loads(self._read(n, before_tests, timeout))
+        except ValueError as exc:
+            self.report.tamper("forged_reply", f"the call channel carried something that is not a reply: {exc}")
+            self.gone = "the candidate broke the call protocol"
+            raise CandidateGone(self.gone) from None
+        if type(reply) is not dict:
+            self.report.tamper("forged_reply", "the call channel carried something that is not a reply")
+            self.gone = "the candidate broke the call protocol"
+            raise CandidateGone(self.gone)
+        usage = reply.get("usage")
+        if type(usage) is list and len(usage) == 3 and all(type(u) in (int, float) for u in usage):
+            self.usage = (float(usage[0]), float(usage[1]), int(usage[2]))
+        flags = reply.get("flags")
+        if type(flags) is list:
+            for item in flags[:64]:
+                if type(item) is list and len(item) == 2:
+                    self.report.tamper(str(item[0]), str(item[1]))
+        return reply
+
+    def _read(self, n: int, before_tests: bool, timeout: float | None) -> bytes:
+        chunks, left = [], n
+        watched = [self.reply_r] + ([self.pidfd] if self.pidfd >= 0 else [])
+        while left:
+            readable, _, _ = select.select(watched, [], [], timeout)
+            if not readable:
+                self._lost(before_tests, why="did not answer in time")
+            if self.reply_r in readable:
+                chunk = os.read(self.reply_r, min(left, 1 << 20))
+                if chunk:
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                    continue
+            elif self.pidfd in readable:
+                # Exited, but a child of its own may still hold the pipe: drain what is there, then stop.
+                os.set_blocking(self.reply_r, False)
+                try:
+                    chunk = os.read(self.reply_r, min(left, 1 << 20))
+                except BlockingIOError:
+                    chunk = b""
+                os.set_blocking(self.reply_r, True)
+                if chunk:
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                    continue
+            self._lost(before_tests)
+        return b"".join(chunks)
+
+    def _lost(self, before_tests: bool, why: str = "") -> None:
+        """The candidate stopped answering: say how it ended and name an exit that claims success."""
+        if not why:
+            self._reap(block=True, grace_s=0.2)
+        status = self.status
+        if status and status[1] == 0 and status[0] == 0 and not self.finishing:
+            stage = "exit_before_tests" if before_tests else "exit_during_tests"
+            self.report.tamper(stage, "the program ended its own process with exit code 0 "
+                                      + ("before the tests ran" if before_tests else "while a test was calling it"))
+        if why:
+            self.gone = f"the candidate {why}"
+        elif status and status[1]:
+            self.gone = f"the candidate was killed by signal {_signal_name(status[1])}"
+        elif status:
+            self.gone = f"the candidate exited with code {status[0]}"
+        else:
+            self.gone = "the candidate closed the call channel"
+        raise CandidateGone(self.gone)
+
+    def _reap(self, block: bool, grace_s: float = 0.0) -> None:
+        if self.status is not None:
+            return
+        if grace_s and self.pidfd >= 0:
+            if not select.select([self.pidfd], [], [], grace_s)[0]:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)  # it closed the channel but lingers
+                except OSError:
+                    pass
+        try:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            code = os.waitstatus_to_exitcode(status)
+            self.status = (code, 0) if code >= 0 else (128 - code, -code)
+
+
+def run(job: dict, report_fd: int, tests_fd: int, candidate_pid: int, call_w: int, reply_r: int) -> int:
+    """Runs a tested job as the jail's pid 1; returns the jail's exit code (0: every test passed, nothing flagged).
+
+    The candidate's process (`candidate_pid`, forked by the jail before any job existed) has the
+    program already and never had `tests_fd`; only now are the tests read.
+    """
+    _harden()
+    report = Report(report_fd)
+    tests = _read_tests(tests_fd)
+    child = Candidate(candidate_pid, call_w, reply_r, report)
+    try:
+        _run_tests(job, tests, child, report)
+    finally:
+        child.finish()
+    code = 1 if report.failed or report.tampered else 0
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    report.done(code, (own.ru_utime + child.usage[0], own.ru_stime + child.usage[1],
+                       max(own.ru_maxrss * 1024, child.usage[2])))
+    return code
+
+
+def _harden() -> None:
+    # The jail made itself non-dumpable before the job arrived (no process of the same uid may read
+    # this one's memory or take its descriptors); seccomp forbids ptrace, process_vm_* and pidfd_getfd.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a candidate closing its end is an EPIPE, not our death
+
+
+def _read_tests(fd: int) -> dict:
+    frame = candidate.read_frame(fd)
+    os.close(fd)
+    if frame is None:
+        raise RuntimeError("the job pipe closed before the tests arrived")
+    return frame
+
+
+def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None:
+    namespace: dict = {"__name__": "__tests__", "__builtins__": builtins}
+    entry = job.get("entry_point") or ""
+    prelude = tests.get("prelude") or ""
+    try:
+        stubs: set[str] = set()
+        if prelude:
+            tree = ast.parse(prelude, "/work/prelude.py")
+            stubs = _stub_names(tree)
+            exec(compile(tree, "/work/prelude.py", "exec"), namespace)
+        trusted = set(namespace)
+        test_code = compile(tests["tests"], "/work/test_program.py", "exec")
+        exec(test_code, namespace)
+        defined_by_tests = set(namespace) - trusted
+        used_by_tests = _names(test_code)
+    except BaseException as exc:
+        report.outcome("load_tests", False, f"{type(exc).__name__}: {exc}")
+        return
+    selected = []
+    if entry and callable(namespace.get("check")):
+        selected.append(("check", lambda: namespace["check"](namespace[entry])))
+    selected += [(n, f) for n, f in list(namespace.items()) if n.startswith("test_") and callable(f)]
+    if not selected:
+        report.outcome("load_tests", False,
+                       "the tests define neither check(candidate) with an entry point nor test_* functions")
+        return
+
+    try:
+        ready = child.ready()
+        problem = _not_ready(ready)
+    except CandidateGone as exc:
+        problem = f"the program did not start: {exc}"
+    if problem:
+        for name, _ in selected:
+            report.outcome(name, False, problem)
+        return
+
+    # The tests see the entry point and the candidate's functions they name that nothing else
+    # defines: never a builtin (a candidate's own `abs` must not judge its answers) nor a name
+    # the tests or the trusted prelude define, stubs aside.
+    functions = ready.get("functions") if type(ready.get("functions")) is list else []
+    proxied = {entry} if entry else set()
+    for name in functions:
+        if type(name) is not str or name == entry or name not in used_by_tests:
+            continue
+        if name in _BUILTIN_NAMES:
+            report.tamper("shadows_builtins", f"defines {name}(), which the tests take from builtins")
+        elif name not in defined_by_tests and (name not in trusted or name in stubs):
+            proxied.add(name)
+    for name in proxied:
+        namespace[name] = _proxy(child, name)
+
+    for name, test in selected:
+        try:
+            test()
+        except (CandidateGone, NotPlainData) as exc:
+            report.outcome(name, False, str(exc))
+        except BaseException as exc:
+            report.outcome(name, False, f"{type(exc).__name__}: {exc}")
+        else:
+            report.outcome(name, True)
+
+
+def _not_ready(ready: dict) -> str:
+    if ready.get("ready") is not True:
+        return "the program did not start"
+    if "exit" in ready:
+        return f"the program exited (code {ready['exit']}) before the tests ran"
+    if "error" in ready:
+        return f"the program failed while loading: {str(ready['error'])[:500]}"
+    return ""
+
+
+def _proxy(child: Candidate, name: str):
+    def call(*args, **kwargs):
+        return child.call(name, args, kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _stub_names(prelude: ast.Module) -> set[str]:
+    """Functions the prompt only declares (docstring, pass, ...): the candidate's versions are the ones under test."""
+    stubs = set()
+    for node in prelude.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(
+                isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+                or isinstance(stmt, ast.Raise) for stmt in node.body):
+            stubs.add(node.name)
+    return stubs
+
+
+_MUTABLE = (list, dict, set, bytearray)
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def _names(code) -> set[str]:
+    """Every global or attribute name a code object and the code nested in it refer to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
+def _write_back(originals: tuple, updated: tuple) -> None:
+    """Copies the candidate's view of each mutable argument into the test's object, in place."""
+    if len(originals) != len(updated):
+        raise ValueError("argument count changed")
+    for old, new in zip(originals, updated):
+        if type(old) not in _MUTABLE:
+            continue
+        if type(new) is not type(old):
+            raise TypeError(f"a {type(old).__name__} argument came back as a {type(new).__name__}")
+        if old != new:
+            if type(old) is dict or type(old) is set:
+                old.clear()
+                old.update(new)
+            else:
+                old[:] = new
+
+
+def _exception(name: str, message: str) -> BaseException:
+    """The builtin exception the candidate raised, rebuilt here; CandidateError for anything else."""
+    if name in _REPLAYED:
+        try:
+            return getattr(builtins, name)(message)
+        except Exception:
+            pass  # e.g. UnicodeDecodeError wants five arguments
+    return CandidateError(f"{name}: {message}")
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)

