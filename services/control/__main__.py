@@ -3,21 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from crucible.v1 import control_pb2_grpc
 from services.control.handler import TASK_COLUMNS, check_consumed_task, task_row
 from services.control.servicer import ControlServicer
-from shared import bus, rpc, store, telemetry
-from shared.settings import get_settings
+from shared import bus, rpc, service, store, telemetry
 
 log = logging.getLogger("crucible.control")
 
 
 async def main() -> None:
-    settings = get_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s control %(levelname)s %(message)s")
-    telemetry.setup_telemetry("control", settings)
+    settings = service.setup("control")
     await bus.ensure_topics(bus.STANDARD_TOPICS, settings=settings)
     client = store.connect(settings)
     applied = store.migrate(client)
@@ -39,15 +35,8 @@ async def main() -> None:
         )
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
                                         settings=settings, producer=producer) as consumer:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
             log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
-            runner = asyncio.create_task(consumer.run())
-            await stop.wait()
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
+            await service.run_until(service.stop_event(), consumer.run())
 
 
 if __name__ == "__main__":

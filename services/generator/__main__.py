@@ -4,16 +4,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 
 from crucible.v1 import generator_pb2_grpc
 from services.generator.batcher import Batcher, LagBound
 from services.generator.handler import group_id_for, render_prompt, rollouts_for
 from services.generator.servicer import GeneratorServicer, sampling_params
-from shared import bus, rpc, telemetry
+from shared import bus, rpc, service
 from shared.policy.backends import create_backend
-from shared.settings import Settings, get_settings
+from shared.settings import Settings
 from shared.tasks import task_problems
 
 log = logging.getLogger("crucible.generator")
@@ -73,23 +72,13 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         policy = bus.Consumer(["policy"], f"{settings.consumer_group_prefix}generator-policy-{generator_id}",
                               policy_handler(batcher), settings=settings, producer=producer)
         async with tasks, policy:
-            runners = [asyncio.create_task(tasks.run()), asyncio.create_task(policy.run())]
-            await stop.wait()
-            for r in runners:
-                r.cancel()
-            await asyncio.gather(*runners, return_exceptions=True)
+            await service.run_until(stop, tasks.run(), policy.run())
     await batcher.stop()
 
 
 async def main() -> None:
-    settings = get_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s generator %(levelname)s %(message)s")
-    telemetry.setup_telemetry("generator", settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await run(settings, stop)
+    settings = service.setup("generator")
+    await run(settings, service.stop_event())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import signal
 from collections import OrderedDict
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -13,9 +12,9 @@ from crucible.v1 import policy_pb2, policy_pb2_grpc, trajectory_pb2
 from services.learner import checkpoints
 from services.learner.servicer import LearnerServicer
 from services.learner.trainer import Hyperparameters, Trainer
-from shared import bus, messages, rpc, store, telemetry
+from shared import bus, messages, rpc, service, store, telemetry
 from shared.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
-from shared.settings import Settings, get_settings
+from shared.settings import Settings
 
 log = logging.getLogger("crucible.learner")
 
@@ -182,13 +181,8 @@ def record_step(client, settings: Settings, trainer: Trainer, m: dict, uri: str)
 
 
 async def main() -> None:
-    settings = get_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s learner %(levelname)s %(message)s")
-    telemetry.setup_telemetry("learner", settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    settings = service.setup("learner")
+    stop = service.stop_event()
     servicer = LearnerServicer(settings.run_id)
     server = rpc.RpcServer([rpc.Service("crucible.v1.Learner", servicer, policy_pb2_grpc.add_LearnerServicer_to_server)],
                            host=settings.grpc_host, port=settings.learner_grpc_port)

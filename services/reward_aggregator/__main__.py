@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from services.reward_aggregator.app import Aggregator
-from shared import bus, store, telemetry
-from shared.settings import Settings, get_settings
+from shared import bus, service, store
+from shared.settings import Settings
 
 log = logging.getLogger("crucible.aggregator")
 
@@ -34,14 +33,8 @@ async def run(settings: Settings, stop: asyncio.Event, **options) -> Aggregator:
 
 
 async def main() -> None:
-    settings = get_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s aggregator %(levelname)s %(message)s")
-    telemetry.setup_telemetry("reward-aggregator", settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await run(settings, stop)
+    settings = service.setup("reward-aggregator")
+    await run(settings, service.stop_event())
 
 
 if __name__ == "__main__":

@@ -4,15 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import socket
 
 from crucible.v1 import execution_pb2_grpc
 from services.sandbox_executor.handler import execution_message, job_for_rollout, needs_execution
 from services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
 from services.sandbox_executor.servicer import SandboxServicer
-from shared import bus, rpc, telemetry
-from shared.settings import get_settings
+from shared import bus, rpc, service
 
 log = logging.getLogger("crucible.sandbox")
 
@@ -48,9 +46,7 @@ def rollout_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
 
 
 async def main(allow_weak: bool) -> None:
-    settings = get_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s sandbox %(levelname)s %(message)s")
-    telemetry.setup_telemetry("sandbox-executor", settings)
+    settings = service.setup("sandbox-executor")
     await bus.ensure_topics(["rollouts", "executions"], settings=settings)
     async with SandboxPool(settings, allow_weak=allow_weak or None) as pool:
         log.info("isolation: %s", pool.report.describe())
@@ -63,14 +59,7 @@ async def main(allow_weak: bool) -> None:
                                 settings=settings, concurrency=pool.size * 2)
         consumer_ref.append(consumer)
         async with server, consumer:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            runner = asyncio.create_task(consumer.run())
-            await stop.wait()
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
+            await service.run_until(service.stop_event(), consumer.run())
 
 
 if __name__ == "__main__":

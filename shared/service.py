@@ -1,0 +1,41 @@
+"""What every service's `__main__` does the same way: logging, telemetry, a stop on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable
+
+from shared import telemetry
+from shared.settings import Settings, get_settings
+
+
+def setup(name: str) -> Settings:
+    """Settings for the service `name`, with logging and OpenTelemetry configured for it."""
+    settings = get_settings()
+    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    telemetry.setup_telemetry(name, settings)
+    return settings
+
+
+def stop_event() -> asyncio.Event:
+    """An event set when the process is asked to stop (call from inside the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_until(stop: asyncio.Event, *work: Awaitable) -> None:
+    """Runs `work` (consumer loops, ...) until `stop` is set, then cancels it and waits for it to end."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        if task in done and task.exception() is not None:
+            waiter.cancel()
+            raise task.exception()  # a loop that died on its own must take the service down, loudly
+    for task in [waiter, *tasks]:
+        task.cancel()
+    await asyncio.gather(waiter, *tasks, return_exceptions=True)
