@@ -67,3 +67,28 @@ def test_advantage_estimators_by_hand():
     assert advantages.grpo([1.0]) == [0.0]
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         advantages.advantages("ppo", [1.0])
+
+
+def test_health_monitor_raises_each_signal_once():
+    from services.learner.monitors import HealthMonitor
+
+    monitor = HealthMonitor("run", kl_limit=1.0, entropy_floor=0.05, min_steps=2, window=3, reward_gain=0.2)
+    calm = {"kl": 0.1, "entropy": 1.0, "reward_mean": 0.1}
+    assert monitor.check(1, 1, {**calm, "kl": 9.0}) == []  # too early to judge
+    assert monitor.check(2, 2, calm) == []
+    [alert] = monitor.check(3, 3, {**calm, "kl": 2.5})
+    assert alert.kind == "kl_blowup" and "2.500" in alert.message
+    assert monitor.check(4, 4, {**calm, "kl": 3.0}) == []  # still firing: no second alert
+    assert monitor.check(5, 5, calm) == []                  # recovered
+    assert [a.kind for a in monitor.check(6, 6, {**calm, "kl": 5.0, "entropy": 0.01})] == ["kl_blowup",
+                                                                                           "entropy_collapse"]
+    # Reward up by 0.6 while the held-out pass rate stays put.
+    diverging = HealthMonitor("run", min_steps=0, window=3, reward_gain=0.2)
+    diverging.record_heldout(0, 0.5)
+    alerts = []
+    for step, reward in enumerate([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], start=1):
+        alerts += diverging.check(step, step, {**calm, "reward_mean": reward})
+    assert alerts == []  # one held-out point is not a trend
+    diverging.record_heldout(6, 0.5)
+    [alert] = diverging.check(7, 7, {**calm, "reward_mean": 0.7})
+    assert alert.kind == "reward_without_heldout"

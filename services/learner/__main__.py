@@ -10,6 +10,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from crucible.v1 import policy_pb2, policy_pb2_grpc, trajectory_pb2
 from services.learner import checkpoints
+from services.learner.monitors import HealthMonitor
 from services.learner.servicer import LearnerServicer
 from services.learner.trainer import Hyperparameters, Trainer
 from shared import bus, messages, rpc, service, store, telemetry
@@ -94,7 +95,7 @@ def policy_message(settings: Settings, trainer: Trainer, uri: str, metrics: dict
 
 async def run(settings: Settings, stop: asyncio.Event, *, servicer: LearnerServicer | None = None) -> Trainer:
     topic = settings.topic("trajectories")
-    await bus.ensure_topics(["trajectories", "policy"], settings=settings)
+    await bus.ensure_topics(["trajectories", "policy", "alerts"], settings=settings)
     client = await asyncio.to_thread(store.connect, settings)
     await asyncio.to_thread(store.migrate, client)
     trainer, meta = await asyncio.to_thread(build_trainer, settings)
@@ -126,6 +127,7 @@ async def run(settings: Settings, stop: asyncio.Event, *, servicer: LearnerServi
             await producer.send_and_wait("policy", current, key=settings.run_id)
             servicer.current = current
             buffer = GroupBuffer()
+            monitor = HealthMonitor(settings.run_id)
             consumed: dict[int, int] = {int(p): o for p, o in meta.get("offsets", {}).items()}
             log.info("learner ready: run %s, version %d, %d groups per step, objective %s", settings.run_id,
                      trainer.version, settings.learner_groups_per_step, settings.learner_objective)
@@ -160,6 +162,10 @@ async def run(settings: Settings, stop: asyncio.Event, *, servicer: LearnerServi
                     await producer.send_and_wait("policy", current, key=settings.run_id)
                     servicer.current = current
                     await asyncio.to_thread(record_step, client, settings, trainer, result.metrics, folder.as_uri())
+                    for alert in monitor.check(trainer.step_count, trainer.version, result.metrics):
+                        log.warning("alert %s: %s", alert.kind, alert.message)
+                        await producer.send_and_wait("alerts", alert, key=alert.kind)
+                        await asyncio.to_thread(record_alert, client, alert)
                     await consumer.commit({TopicPartition(topic, p): o for p, o in offsets.items()})
                     m = result.metrics
                     log.info("step %d -> version %d: reward %.3f pass %.3f loss %.4f kl %.4f (%d samples, "
@@ -168,6 +174,12 @@ async def run(settings: Settings, stop: asyncio.Event, *, servicer: LearnerServi
         finally:
             await consumer.stop()
     return trainer
+
+
+def record_alert(client, alert) -> None:
+    client.insert("alerts", [[alert.id, alert.kind, "warning", alert.message, dict(alert.details),
+                              alert.created_at.ToDatetime(tzinfo=dt.timezone.utc)]],
+                  column_names=["alert_id", "kind", "severity", "message", "details", "ts"])
 
 
 def record_step(client, settings: Settings, trainer: Trainer, m: dict, uri: str) -> None:

@@ -1,0 +1,69 @@
+"""Training-health signals the learner sees step by step, raised as Alerts.
+
+- `kl_blowup`: KL to the reference jumps above `kl_limit` (the policy left its anchor in one step);
+- `entropy_collapse`: mean token entropy falls below `entropy_floor` (the policy stopped exploring,
+  often the first sign of a reward being gamed by one fixed answer);
+- `reward_without_heldout`: the training reward keeps rising while the held-out pass rate reported
+  to the monitor does not (the policy fits the training distribution, or games its reward).
+Each kind fires once, then again only after the signal has recovered (no alert storms).
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+from crucible.v1 import alert_pb2
+
+
+@dataclass
+class HealthMonitor:
+    run_id: str
+    kl_limit: float = 1.0
+    entropy_floor: float = 0.05
+    min_steps: int = 5
+    window: int = 20
+    reward_gain: float = 0.2
+    active: set[str] = field(default_factory=set)
+    rewards: list[float] = field(default_factory=list)
+    heldout: list[tuple[int, float]] = field(default_factory=list)
+
+    def record_heldout(self, step: int, pass_rate: float) -> None:
+        self.heldout.append((step, pass_rate))
+
+    def check(self, step: int, version: int, metrics: dict) -> list[alert_pb2.Alert]:
+        self.rewards.append(metrics.get("reward_mean", 0.0))
+        if step < self.min_steps:
+            return []
+        signals = {
+            "kl_blowup": (metrics.get("kl", 0.0) > self.kl_limit,
+                          f"KL to the reference is {metrics.get('kl', 0.0):.3f} at step {step} "
+                          f"(limit {self.kl_limit})"),
+            "entropy_collapse": (0 < metrics.get("entropy", 1.0) < self.entropy_floor,
+                                 f"token entropy fell to {metrics.get('entropy', 0.0):.4f} at step {step} "
+                                 f"(floor {self.entropy_floor})"),
+            "reward_without_heldout": self._diverging(step),
+        }
+        alerts = []
+        for kind, (firing, message) in signals.items():
+            if firing and kind not in self.active:
+                self.active.add(kind)
+                alert = alert_pb2.Alert(
+                    id=f"{self.run_id}/{kind}/{step}", kind=kind, severity=alert_pb2.SEVERITY_WARNING,
+                    message=message, run_id=self.run_id,
+                    details={"step": str(step), "policy_version": str(version),
+                             **{k: f"{v:.6g}" for k, v in metrics.items() if isinstance(v, (int, float))}})
+                alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+                alerts.append(alert)
+            elif not firing:
+                self.active.discard(kind)
+        return alerts
+
+    def _diverging(self, step: int) -> tuple[bool, str]:
+        if len(self.rewards) < 2 * self.window or len(self.heldout) < 2:
+            return False, ""
+        early = sum(self.rewards[: self.window]) / self.window
+        late = sum(self.rewards[-self.window:]) / self.window
+        (_, first), (_, last) = self.heldout[0], self.heldout[-1]
+        firing = late - early >= self.reward_gain and last <= first
+        return firing, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
+                        f"{first:.3f} -> {last:.3f} by step {step}")
