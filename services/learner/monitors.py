@@ -19,7 +19,7 @@ from crucible.v1 import alert_pb2
 class HealthMonitor:
     run_id: str
     kl_limit: float = 1.0
-    entropy_floor: float = 0.05
+    entropy_floor: float = 0.01
     min_steps: int = 5
     window: int = 20
     reward_gain: float = 0.2
