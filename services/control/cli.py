@@ -24,38 +24,32 @@ def step(n: int, total: int, message: str) -> None:
 
 # --- the local stack -------------------------------------------------------------------------
 
+def _local_service(name: str, service, address: str, detail: str, args) -> int:
+    """start | stop | status for one background process of the local stack (exit 3: not running)."""
+    if args.action == "start":
+        took = service.start(echo=echo)
+        echo(f"{name} serving on {address} (pid {service.pid()}, started in {took:.1f}s; {detail})")
+    elif args.action == "stop":
+        echo(f"{name} stopped" if service.stop() else f"{name} was not running")
+    else:
+        pid = service.pid()
+        echo(f"{name} running on {address} (pid {pid})" if pid else f"{name} not running")
+        return 0 if pid else 3
+    return 0
+
+
 def cmd_kafka(args, settings: Settings) -> int:
     from services.control.stack import kafka
 
     broker = kafka(settings)
-    if args.action == "start":
-        took = broker.start(echo=echo)
-        echo(f"Kafka {settings.kafka_version} serving on {broker.bootstrap} (pid {broker.pid()}, "
-             f"started in {took:.1f}s; log {broker.log_file})")
-    elif args.action == "stop":
-        echo("Kafka stopped" if broker.stop() else "Kafka was not running")
-    else:
-        pid = broker.pid()
-        echo(f"Kafka running on {broker.bootstrap} (pid {pid})" if pid else "Kafka not running")
-        return 0 if pid else 3
-    return 0
+    return _local_service(f"Kafka {settings.kafka_version}", broker, broker.bootstrap, f"log {broker.log_file}", args)
 
 
 def cmd_store(args, settings: Settings) -> int:
     from services.control.stack import store
 
     st = store(settings)
-    if args.action == "start":
-        took = st.start(echo=echo)
-        echo(f"store (chDB) serving ClickHouse HTTP on {st.url} (pid {st.pid()}, started in {took:.1f}s; "
-             f"data {st.root / 'data'})")
-    elif args.action == "stop":
-        echo("store stopped" if st.stop() else "store was not running")
-    else:
-        pid = st.pid()
-        echo(f"store running on {st.url} (pid {pid})" if pid else "store not running")
-        return 0 if pid else 3
-    return 0
+    return _local_service("store (chDB, ClickHouse HTTP)", st, st.url, f"data {st.root / 'data'}", args)
 
 
 def cmd_up(args, settings: Settings) -> int:
