@@ -52,6 +52,21 @@ def cmd_store(args, settings: Settings) -> int:
     return _local_service("store (chDB, ClickHouse HTTP)", st, st.url, f"data {st.root / 'data'}", args)
 
 
+def ensure_stack(settings: Settings) -> list:
+    """Starts Kafka and the store where they are not running; returns those started here (to stop later)."""
+    from services.control.stack import kafka, store
+
+    started_here = []
+    for name, service in (("Kafka", kafka(settings)), ("store", store(settings))):
+        if service.pid() is None:
+            took = service.start(echo=lambda m: echo("      " + m))
+            started_here.append(service)
+            echo(f"      {name} started in {took:.1f}s")
+        else:
+            echo(f"      {name} already running (pid {service.pid()})")
+    return started_here
+
+
 def cmd_up(args, settings: Settings) -> int:
     from services.control.stack import kafka, store
 
@@ -74,25 +89,11 @@ def cmd_down(args, settings: Settings) -> int:
 
 def cmd_demo(args, settings: Settings) -> int:
     """Starts the stack and the control service, submits a task, and shows it consumed and stored."""
-    from services.control.stack import kafka, store
-
     total = 6
-    broker, st = kafka(settings), store(settings)
-    started_here = []
-    if broker.pid() is None:
-        step(1, total, f"starting Apache Kafka {settings.kafka_version} (KRaft) on {settings.kafka_bootstrap}")
-        took = broker.start(echo=lambda m: echo("      " + m))
-        started_here.append(broker)
-        echo(f"      Kafka answered after {took:.1f}s")
-    else:
-        step(1, total, f"Kafka already running on {settings.kafka_bootstrap}")
-    if st.pid() is None:
-        step(2, total, f"starting the chDB store on {settings.clickhouse_url}")
-        took = st.start(echo=lambda m: echo("      " + m))
-        started_here.append(st)
-        echo(f"      store answered after {took:.1f}s (data in {st.root / 'data'})")
-    else:
-        step(2, total, f"store already running on {settings.clickhouse_url}")
+    step(1, total, f"Apache Kafka {settings.kafka_version} (KRaft) on {settings.kafka_bootstrap} and "
+                   f"the chDB store on {settings.clickhouse_url}")
+    started_here = ensure_stack(settings)
+    step(2, total, "stack ready")
 
     control_log = settings.home / "control.log"
     step(3, total, f"starting the control service (log {control_log})")
@@ -205,16 +206,9 @@ def _tail(path: Path, n: int = 20) -> str:
 
 def cmd_train(args, settings: Settings) -> int:
     """Runs a real RL job on the embedded stack and reports the held-out pass rate before and after."""
-    from services.control.stack import kafka, store
     from services.control.train import TrainOptions, train
 
-    broker, st = kafka(settings), store(settings)
-    started_here = []
-    for name, service in (("Kafka", broker), ("store", st)):
-        if service.pid() is None:
-            took = service.start(echo=lambda m: echo("      " + m))
-            started_here.append(service)
-            echo(f"      {name} started in {took:.1f}s")
+    started_here = ensure_stack(settings)
     options = TrainOptions(steps=args.steps, minutes=args.minutes, seed=args.seed, echo=echo)
     try:
         report = asyncio.run(train(settings, options))
