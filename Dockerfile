@@ -1,4 +1,4 @@
-# One image for every Crucible service: `python -m services.<name>` picks the service.
+# One image for every Crucible service: `python -m crucible.services.<name>` picks the service.
 FROM python:3.11-slim
 WORKDIR /app
 COPY requirements.lock .

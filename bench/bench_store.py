@@ -27,9 +27,9 @@ from clickhouse_connect.datatypes.registry import get_from_name  # noqa: E402
 from clickhouse_connect.driver.insert import InsertContext  # noqa: E402
 from clickhouse_connect.driver.transform import NativeTransform  # noqa: E402
 
-from shared.settings import Settings  # noqa: E402
-from shared.store.client import connect  # noqa: E402
-from shared.store.launcher import free_port, spawn_store, stop_store, wait_ready  # noqa: E402
+from crucible.shared.settings import Settings  # noqa: E402
+from crucible.shared.store.client import connect  # noqa: E402
+from crucible.local.store.launcher import free_port, spawn_store, stop_store, wait_ready  # noqa: E402
 
 COLUMNS = [
     ("id", "UInt64"),

@@ -25,13 +25,13 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
 
 from crucible.v1 import rollout_pb2, verdict_pb2  # noqa: E402
-from services.sandbox_executor.handler import job_for_request, result_message  # noqa: E402
-from services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
-from services.verifier import handler  # noqa: E402
-from services.verifier.scorer_pool import ScorerPool  # noqa: E402
-from shared import kinds  # noqa: E402
-from shared.kinds import builtin_sets  # noqa: E402
-from shared.settings import Settings  # noqa: E402
+from crucible.services.sandbox_executor.handler import job_for_request, result_message  # noqa: E402
+from crucible.services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
+from crucible.services.verifier import handler  # noqa: E402
+from crucible.services.verifier.scorer_pool import ScorerPool  # noqa: E402
+from crucible.ml import kinds  # noqa: E402
+from crucible.ml.kinds import builtin_sets  # noqa: E402
+from crucible.shared.settings import Settings  # noqa: E402
 
 
 def answer_requests(n: int) -> list[verdict_pb2.VerifyRequest]:
@@ -81,7 +81,7 @@ async def pooled(requests, workers: int) -> dict[str, float]:
 
 def in_process(requests) -> dict[str, float]:
     """The same, scored one after another in this process (caches as cold as the pool's)."""
-    import shared.kinds.reasoning_gym_kind as rg
+    import crucible.ml.kinds.reasoning_gym_kind as rg
 
     rg._instance.cache_clear()
     rates = {}

@@ -20,10 +20,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch  # noqa: E402
 
-from shared.policy.backends import create_backend  # noqa: E402
-from shared.policy.checkpoint import fresh_policy, save_checkpoint  # noqa: E402
-from shared.policy.model import sequence_logprobs  # noqa: E402
-from shared.policy.sampling import SamplingParams  # noqa: E402
+from crucible.ml.policy.backends import create_backend  # noqa: E402
+from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint  # noqa: E402
+from crucible.ml.policy.model import sequence_logprobs  # noqa: E402
+from crucible.ml.policy.sampling import SamplingParams  # noqa: E402
 
 
 def rate(backend, prompts, group, params) -> tuple[float, list]:

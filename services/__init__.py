@@ -1,1 +1,1 @@
-"""Crucible's services; each runs as `python -m services.<name>` and imports only `shared`."""
+"""Crucible's services; each runs as `python -m crucible.services.<name>` and imports only `crucible.shared` and `crucible.ml`."""

@@ -1,1 +1,1 @@
-"""The library every Crucible service imports: settings, bus, rpc, store, telemetry."""
+"""The library every Crucible service imports: settings, bus, rpc, store client, telemetry, framing, worker processes."""

@@ -21,8 +21,8 @@ from aiokafka.errors import TopicAlreadyExistsError
 from google.protobuf.message import Message
 from opentelemetry import trace
 
-from shared import messages, telemetry
-from shared.settings import Settings, get_settings
+from crucible.shared import messages, telemetry
+from crucible.shared.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 

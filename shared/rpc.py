@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from shared import telemetry
+from crucible.shared import telemetry
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import logging
 import signal
 from collections.abc import Awaitable
 
-from shared import telemetry
-from shared.settings import Settings, get_settings
+from crucible.shared import telemetry
+from crucible.shared.settings import Settings, get_settings
 
 
 def setup(name: str) -> Settings:

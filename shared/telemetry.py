@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.settings import Settings, get_settings
+from crucible.shared.settings import Settings, get_settings
 
 _propagator = TraceContextTextMapPropagator()
 _configured_service: str | None = None

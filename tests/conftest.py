@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from shared.local_kafka import LocalKafka
-from shared.settings import Settings
+from crucible.local.kafka import LocalKafka
+from crucible.shared.settings import Settings
 
 pytest_plugins = ["tests.fixtures_store"]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import Settings
-from shared.store.client import connect
-from shared.store.launcher import free_port, log_tail, spawn_store, stop_store, wait_ready
+from crucible.shared.settings import Settings
+from crucible.shared.store.client import connect
+from crucible.local.store.launcher import free_port, log_tail, spawn_store, stop_store, wait_ready
 
 EXTERNAL_URL_ENV = "CRUCIBLE_TEST_CLICKHOUSE_URL"
 

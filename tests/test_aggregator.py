@@ -7,9 +7,9 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from crucible.v1 import rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
-from services.reward_aggregator.__main__ import run
-from services.reward_aggregator.handler import RewardConfig, group_trajectories
-from shared import bus, messages, store
+from crucible.services.reward_aggregator.__main__ import run
+from crucible.services.reward_aggregator.handler import RewardConfig, group_trajectories
+from crucible.shared import bus, messages, store
 from tests.test_bus import read_raw
 
 

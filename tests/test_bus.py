@@ -17,7 +17,7 @@ from crucible.v1 import (
     trajectory_pb2,
     verdict_pb2,
 )
-from shared import bus, messages, telemetry
+from crucible.shared import bus, messages, telemetry
 
 pytestmark = pytest.mark.kafka
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from crucible.v1 import generator_pb2, generator_pb2_grpc, policy_pb2, rollout_pb2, task_pb2
-from services.generator.__main__ import run
-from shared import bus, messages, rpc
-from shared.policy.checkpoint import fresh_policy, save_checkpoint
-from shared.policy.model import sequence_logprobs
+from crucible.services.generator.__main__ import run
+from crucible.shared import bus, messages, rpc
+from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
+from crucible.ml.policy.model import sequence_logprobs
 from tests.test_bus import read_raw
 
 pytestmark = pytest.mark.kafka

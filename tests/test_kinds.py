@@ -6,13 +6,13 @@ import json
 import pytest
 
 from crucible.v1 import execution_pb2, task_pb2
-from services.sandbox_executor import plain
-from shared import kinds
-from shared.kinds import builtin_sets, tamper_scan
-from shared.kinds.extract import final_answer
-from shared.kinds.python_tests import program
-from shared.kinds.reasoning_gym_kind import generators, instance
-from shared.tasks import task_problems
+from crucible.services.sandbox_executor import plain
+from crucible.ml import kinds
+from crucible.ml.kinds import builtin_sets, tamper_scan
+from crucible.ml.kinds.extract import final_answer
+from crucible.ml.kinds.python_tests import program
+from crucible.ml.kinds.reasoning_gym_kind import generators, instance
+from crucible.ml.tasks import task_problems
 
 
 def answer_task(kind: str, answer: str, case_sensitive: bool = False) -> task_pb2.Task:

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from crucible.v1 import policy_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
-from services.learner import checkpoints
-from services.learner.__main__ import run
-from shared import bus, messages, store
-from shared.policy.backends import create_backend
-from shared.policy.checkpoint import load_checkpoint
-from shared.policy.sampling import SamplingParams
+from crucible.services.learner import checkpoints
+from crucible.services.learner.__main__ import run
+from crucible.shared import bus, messages, store
+from crucible.ml.policy.backends import create_backend
+from crucible.ml.policy.checkpoint import load_checkpoint
+from crucible.ml.policy.sampling import SamplingParams
 from tests.test_bus import read_raw
 
 pytestmark = [pytest.mark.kafka, pytest.mark.store]

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from shared import advantages
-from shared.policy.losses import dpo_loss, grpo_loss, k3_kl, ppo_loss
+from crucible.ml import advantages
+from crucible.ml.policy.losses import dpo_loss, grpo_loss, k3_kl, ppo_loss
 
 
 def t(*rows):
@@ -70,7 +70,7 @@ def test_advantage_estimators_by_hand():
 
 
 def test_health_monitor_raises_each_signal_once():
-    from services.learner.monitors import HealthMonitor
+    from crucible.services.learner.monitors import HealthMonitor
 
     monitor = HealthMonitor("run", kl_limit=1.0, entropy_floor=0.05, min_steps=2, window=3, reward_gain=0.2)
     calm = {"kl": 0.1, "entropy": 1.0, "reward_mean": 0.1}

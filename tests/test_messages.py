@@ -2,7 +2,7 @@
 import pytest
 
 from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
-from shared import messages
+from crucible.shared import messages
 
 
 def test_protobuf_round_trip_and_deterministic_encoding():

@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from services.generator.batcher import Batcher, LagBound
-from shared.policy.backends import create_backend
-from shared.policy.checkpoint import fresh_policy, load_checkpoint, save_checkpoint
-from shared.policy.model import causal_mask, sequence_logprobs
-from shared.policy.sampling import SamplingParams, sample
-from shared.policy.sft import warm_start
-from shared.policy.tokenizer import EOS_ID, ByteTokenizer
+from crucible.services.generator.batcher import Batcher, LagBound
+from crucible.ml.policy.backends import create_backend
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, save_checkpoint
+from crucible.ml.policy.model import causal_mask, sequence_logprobs
+from crucible.ml.policy.sampling import SamplingParams, sample
+from crucible.ml.policy.sft import warm_start
+from crucible.ml.policy.tokenizer import EOS_ID, ByteTokenizer
 
 TEXTS = ["", "plain ascii 123", "héllo wörld — ∑ 漢字 🙂", "tabs\tand\nnewlines  "]
 

@@ -6,8 +6,8 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from crucible.v1 import control_pb2, control_pb2_grpc, policy_pb2, policy_pb2_grpc, task_pb2
-from services.control.servicer import ControlServicer
-from shared import bus, rpc, telemetry
+from crucible.services.control.servicer import ControlServicer
+from crucible.shared import bus, rpc, telemetry
 
 
 class _TraceEchoLearner(policy_pb2_grpc.LearnerServicer):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from services.sandbox_executor import isolation
-from services.sandbox_executor.pool import Job, JobRejected, PoolFull, SandboxPool
-from shared.settings import Settings
+from crucible.services.sandbox_executor import isolation
+from crucible.services.sandbox_executor.pool import Job, JobRejected, PoolFull, SandboxPool
+from crucible.shared.settings import Settings
 
 pytestmark = pytest.mark.sandbox
 

@@ -8,11 +8,11 @@ import pytest
 import pytest_asyncio
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2
-from services.sandbox_executor.__main__ import rollout_handler
-from services.sandbox_executor.pool import SandboxPool
-from services.sandbox_executor.servicer import SandboxServicer
-from shared import bus, rpc
-from shared.settings import Settings
+from crucible.services.sandbox_executor.__main__ import rollout_handler
+from crucible.services.sandbox_executor.pool import SandboxPool
+from crucible.services.sandbox_executor.servicer import SandboxServicer
+from crucible.shared import bus, rpc
+from crucible.shared.settings import Settings
 from tests.test_bus import read_raw
 
 pytestmark = pytest.mark.sandbox

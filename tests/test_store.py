@@ -22,10 +22,10 @@ import pytest
 from backports import zstd
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from shared.settings import Settings
-from shared.store.client import connect
-from shared.store.lock import LOCK_NAME
-from shared.store.migrate import MigrationError, migrations_directory, load_migrations, migrate
+from crucible.shared.settings import Settings
+from crucible.shared.store.client import connect
+from crucible.local.store.lock import LOCK_NAME
+from crucible.shared.store.migrate import MigrationError, migrations_directory, load_migrations, migrate
 from tests.fixtures_store import external_clickhouse_url
 
 pytestmark = pytest.mark.store

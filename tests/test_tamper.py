@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 
 from crucible.v1 import task_pb2
-from services.sandbox_executor.handler import job_for_request, result_message
-from services.sandbox_executor.pool import SandboxPool
-from shared import kinds
-from shared.kinds import builtin_sets
-from shared.settings import Settings
+from crucible.services.sandbox_executor.handler import job_for_request, result_message
+from crucible.services.sandbox_executor.pool import SandboxPool
+from crucible.ml import kinds
+from crucible.ml.kinds import builtin_sets
+from crucible.shared.settings import Settings
 
 pytestmark = pytest.mark.sandbox
 

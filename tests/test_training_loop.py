@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.control.train import TrainOptions, train
-from shared import store
+from crucible.cli.train import TrainOptions, train
+from crucible.shared import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store]
 

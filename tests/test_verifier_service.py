@@ -8,15 +8,15 @@ import pytest
 import pytest_asyncio
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2, verdict_pb2, verdict_pb2_grpc
-from services.sandbox_executor.pool import SandboxPool
-from services.sandbox_executor.servicer import SandboxServicer
-from services.verifier import handler
-from services.verifier.consumer import TOPICS, verdict_handler
-from services.verifier.scorer_pool import ScorerPool
-from services.verifier.servicer import VerifierServicer
-from shared import bus, rpc
-from shared.kinds import builtin_sets
-from shared.settings import Settings
+from crucible.services.sandbox_executor.pool import SandboxPool
+from crucible.services.sandbox_executor.servicer import SandboxServicer
+from crucible.services.verifier import handler
+from crucible.services.verifier.consumer import TOPICS, verdict_handler
+from crucible.services.verifier.scorer_pool import ScorerPool
+from crucible.services.verifier.servicer import VerifierServicer
+from crucible.shared import bus, rpc
+from crucible.ml.kinds import builtin_sets
+from crucible.shared.settings import Settings
 from tests.conftest import free_port
 from tests.test_bus import read_raw
 

@@ -1,13 +1,13 @@
-"""python -m services.control: Control gRPC plus the task log (crucible.tasks -> ClickHouse `tasks`)."""
+"""python -m crucible.services.control: Control gRPC plus the task log (crucible.tasks -> ClickHouse `tasks`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
 from crucible.v1 import control_pb2_grpc
-from services.control.handler import TASK_COLUMNS, check_consumed_task, task_row
-from services.control.servicer import ControlServicer
-from shared import bus, rpc, service, store, telemetry
+from crucible.services.control.handler import TASK_COLUMNS, check_consumed_task, task_row
+from crucible.services.control.servicer import ControlServicer
+from crucible.shared import bus, rpc, service, store, telemetry
 
 log = logging.getLogger("crucible.control")
 

@@ -5,9 +5,9 @@ import datetime as dt
 import uuid
 
 from crucible.v1 import task_pb2
-from shared import bus, messages
-from shared.settings import Settings
-from shared.tasks import task_problems
+from crucible.shared import bus, messages
+from crucible.shared.settings import Settings
+from crucible.ml.tasks import task_problems
 
 TASK_COLUMNS = ["task_id", "kind", "split", "prompt", "group_size", "payload_json", "metadata",
                 "trace_id", "submitted_at"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import grpc
 
 from crucible.v1 import control_pb2, control_pb2_grpc
-from services.control.handler import prepare_submission
-from shared import bus, rpc
-from shared.settings import Settings
+from crucible.services.control.handler import prepare_submission
+from crucible.shared import bus, rpc
+from crucible.shared.settings import Settings
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):

@@ -1,4 +1,4 @@
-"""python -m services.generator: crucible.tasks -> crucible.rollouts, weights from crucible.policy, gRPC Generator."""
+"""python -m crucible.services.generator: crucible.tasks -> crucible.rollouts, weights from crucible.policy, gRPC Generator."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +7,13 @@ import os
 import socket
 
 from crucible.v1 import generator_pb2_grpc
-from services.generator.batcher import Batcher, LagBound
-from services.generator.handler import group_id_for, render_prompt, rollouts_for
-from services.generator.servicer import GeneratorServicer, sampling_params
-from shared import bus, rpc, service
-from shared.policy.backends import create_backend
-from shared.settings import Settings
-from shared.tasks import task_problems
+from crucible.services.generator.batcher import Batcher, LagBound
+from crucible.services.generator.handler import group_id_for, render_prompt, rollouts_for
+from crucible.services.generator.servicer import GeneratorServicer, sampling_params
+from crucible.shared import bus, rpc, service
+from crucible.ml.policy.backends import create_backend
+from crucible.shared.settings import Settings
+from crucible.ml.tasks import task_problems
 
 log = logging.getLogger("crucible.generator")
 

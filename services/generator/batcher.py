@@ -6,8 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from shared.policy.backends.base import Completion, PolicyBackend
-from shared.policy.sampling import SamplingParams
+from crucible.ml.policy.backends.base import Completion, PolicyBackend
+from crucible.ml.policy.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

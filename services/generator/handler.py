@@ -5,7 +5,7 @@ import datetime as dt
 import hashlib
 
 from crucible.v1 import rollout_pb2, task_pb2
-from shared.policy.backends.base import Completion
+from crucible.ml.policy.backends.base import Completion
 
 FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
 
@@ -17,7 +17,7 @@ def group_id_for(task_id: str, source: str) -> str:
 
 def render_prompt(task: task_pb2.Task) -> str:
     """What the policy sees for a task: its kind renders it (a format hint unless metadata asks for raw)."""
-    from shared.kinds import registry
+    from crucible.ml.kinds import registry
 
     return registry.kind_of(task).render_prompt(task)
 

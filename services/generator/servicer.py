@@ -4,12 +4,12 @@ from __future__ import annotations
 import uuid
 
 from crucible.v1 import generator_pb2, generator_pb2_grpc
-from services.generator.batcher import Batcher
-from services.generator.handler import group_id_for, render_prompt, rollouts_for
-from shared import rpc
-from shared.policy.sampling import SamplingParams
-from shared.settings import Settings
-from shared.tasks import task_problems
+from crucible.services.generator.batcher import Batcher
+from crucible.services.generator.handler import group_id_for, render_prompt, rollouts_for
+from crucible.shared import rpc
+from crucible.ml.policy.sampling import SamplingParams
+from crucible.shared.settings import Settings
+from crucible.ml.tasks import task_problems
 
 
 def sampling_params(settings: Settings, requested: generator_pb2.SamplingParams | None = None) -> SamplingParams:

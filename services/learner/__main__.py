@@ -1,4 +1,4 @@
-"""python -m services.learner: crucible.trajectories -> policy steps -> checkpoints + crucible.policy + ClickHouse."""
+"""python -m crucible.services.learner: crucible.trajectories -> policy steps -> checkpoints + crucible.policy + ClickHouse."""
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +9,13 @@ from collections import OrderedDict
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from crucible.v1 import policy_pb2, policy_pb2_grpc, trajectory_pb2
-from services.learner import checkpoints
-from services.learner.monitors import HealthMonitor
-from services.learner.servicer import LearnerServicer
-from services.learner.trainer import Hyperparameters, Trainer
-from shared import bus, messages, rpc, service, store, telemetry
-from shared.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
-from shared.settings import Settings
+from crucible.services.learner import checkpoints
+from crucible.services.learner.monitors import HealthMonitor
+from crucible.services.learner.servicer import LearnerServicer
+from crucible.services.learner.trainer import Hyperparameters, Trainer
+from crucible.shared import bus, messages, rpc, service, store, telemetry
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
+from crucible.shared.settings import Settings
 
 log = logging.getLogger("crucible.learner")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from shared.policy.checkpoint import load_checkpoint, save_checkpoint
-from shared.settings import Settings
+from crucible.ml.policy.checkpoint import load_checkpoint, save_checkpoint
+from crucible.shared.settings import Settings
 
 OPTIMIZER_FILE = "optimizer.pt"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")

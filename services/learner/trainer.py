@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from crucible.v1 import trajectory_pb2
-from shared.policy.losses import dpo_loss, grpo_loss, masked_mean, ppo_loss
-from shared.policy.model import Policy, sequence_logprobs
-from shared.policy.tokenizer import PAD_ID
+from crucible.ml.policy.losses import dpo_loss, grpo_loss, masked_mean, ppo_loss
+from crucible.ml.policy.model import Policy, sequence_logprobs
+from crucible.ml.policy.tokenizer import PAD_ID
 
 
 @dataclass

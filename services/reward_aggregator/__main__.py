@@ -1,12 +1,12 @@
-"""python -m services.reward_aggregator: crucible.verdicts -> crucible.trajectories + ClickHouse `trajectories`."""
+"""python -m crucible.services.reward_aggregator: crucible.verdicts -> crucible.trajectories + ClickHouse `trajectories`."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from services.reward_aggregator.app import Aggregator
-from shared import bus, service, store
-from shared.settings import Settings
+from crucible.services.reward_aggregator.app import Aggregator
+from crucible.shared import bus, service, store
+from crucible.shared.settings import Settings
 
 log = logging.getLogger("crucible.aggregator")
 

@@ -19,7 +19,7 @@ import faust
 from opentelemetry import trace
 
 from crucible.v1 import verdict_pb2
-from services.reward_aggregator.handler import (
+from crucible.services.reward_aggregator.handler import (
     ALERT_COLUMNS,
     TRAJECTORY_COLUMNS,
     RewardConfig,
@@ -29,9 +29,9 @@ from services.reward_aggregator.handler import (
     group_trajectories,
     trajectory_row,
 )
-from shared import messages, telemetry
-from shared.bus import DLQ_SUFFIX, H_CONTENT_TYPE, H_DLQ_REASON, H_DLQ_SOURCE, H_SCHEMA
-from shared.settings import Settings
+from crucible.shared import messages, telemetry
+from crucible.shared.bus import DLQ_SUFFIX, H_CONTENT_TYPE, H_DLQ_REASON, H_DLQ_SOURCE, H_SCHEMA
+from crucible.shared.settings import Settings
 
 log = logging.getLogger("crucible.aggregator")
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from crucible.v1 import alert_pb2, trajectory_pb2, verdict_pb2
-from shared.advantages import advantages, weighted_reward
+from crucible.ml.advantages import advantages, weighted_reward
 
 TRAJECTORY_COLUMNS = [
     "trajectory_id", "task_id", "group_id", "sample_index", "task_kind", "policy_version", "prompt",

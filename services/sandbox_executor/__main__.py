@@ -1,4 +1,4 @@
-"""python -m services.sandbox_executor: the jail pool behind gRPC Sandbox and crucible.rollouts -> crucible.executions."""
+"""python -m crucible.services.sandbox_executor: the jail pool behind gRPC Sandbox and crucible.rollouts -> crucible.executions."""
 from __future__ import annotations
 
 import argparse
@@ -7,10 +7,10 @@ import logging
 import socket
 
 from crucible.v1 import execution_pb2_grpc
-from services.sandbox_executor.handler import execution_message, job_for_rollout, needs_execution
-from services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
-from services.sandbox_executor.servicer import SandboxServicer
-from shared import bus, rpc, service
+from crucible.services.sandbox_executor.handler import execution_message, job_for_rollout, needs_execution
+from crucible.services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
+from crucible.services.sandbox_executor.servicer import SandboxServicer
+from crucible.shared import bus, rpc, service
 
 log = logging.getLogger("crucible.sandbox")
 
@@ -63,7 +63,7 @@ async def main(allow_weak: bool) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m services.sandbox_executor")
+    parser = argparse.ArgumentParser(prog="python -m crucible.services.sandbox_executor")
     parser.add_argument("--allow-weak-isolation", action="store_true",
                         help="run even where a primitive is missing (every result names what is missing)")
     asyncio.run(main(parser.parse_args().allow_weak_isolation))

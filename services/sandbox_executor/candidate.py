@@ -27,7 +27,7 @@ import struct
 import sys
 import types
 
-from services.sandbox_executor import plain
+from crucible.services.sandbox_executor import plain
 
 MODULE_NAME = "solution"  # not __main__: a completion's `if __name__ == "__main__":` self-test stays off
 MAX_FRAME = 8 << 20
@@ -228,7 +228,7 @@ def prepare() -> None:
     global BUILTINS_SNAPSHOT
     for name, module in list(sys.modules.items()):
         if (type(module) is types.ModuleType and name not in ("sys", "__main__")
-                and not name.startswith("_") and not name.startswith("services")
+                and not name.startswith("_") and not name.startswith("crucible")
                 and ("." not in name or name.split(".")[0] == "json")):
             try:
                 module.__class__ = _WatchedModule

@@ -4,8 +4,8 @@ from __future__ import annotations
 import datetime as dt
 
 from crucible.v1 import execution_pb2, rollout_pb2
-from services.sandbox_executor.pool import Job, Result
-from shared import kinds
+from crucible.services.sandbox_executor.pool import Job, Result
+from crucible.ml import kinds
 
 VIOLATIONS = {
     "": execution_pb2.VIOLATION_NONE,

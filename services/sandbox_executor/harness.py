@@ -35,7 +35,7 @@ import select
 import signal
 import struct
 
-from services.sandbox_executor import candidate, plain
+from crucible.services.sandbox_executor import candidate, plain
 
 MAX_REPLY = 8 << 20
 

@@ -758,7 +758,7 @@ def load_harness() -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
     try:
-        from services.sandbox_executor import harness
+        from crucible.services.sandbox_executor import harness
 
         HARNESS = harness
     finally:

@@ -18,9 +18,9 @@ import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.sandbox_executor import isolation
-from services.sandbox_executor.runners import prepare
-from shared.settings import Settings, get_settings
+from crucible.services.sandbox_executor import isolation
+from crucible.services.sandbox_executor.runners import prepare
+from crucible.shared.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.sandbox_executor.pool import Job
+    from crucible.services.sandbox_executor.pool import Job
 
 
 def _python(job: "Job") -> tuple[dict[str, str], str, str | None]:
     if "\x00" in job.code or "\x00" in job.tests or "\x00" in job.prelude:
-        from services.sandbox_executor.pool import JobRejected
+        from crucible.services.sandbox_executor.pool import JobRejected
 
         raise JobRejected("code or tests contain a NUL byte")
     if job.tests and not job.entry_point and "def test_" not in job.tests:
-        from services.sandbox_executor.pool import JobRejected
+        from crucible.services.sandbox_executor.pool import JobRejected
 
         raise JobRejected("tests given without an entry_point: HumanEval-style check(candidate) needs one")
     return {"main.py": job.code}, "main.py", (job.tests or None)
@@ -30,7 +30,7 @@ def prepare(job: "Job") -> tuple[dict[str, str], str, str | None]:
     """(files to write in /work, the main file, test code or None) for the job's language."""
     runner = RUNNERS.get(job.language or "python")
     if runner is None:
-        from services.sandbox_executor.pool import JobRejected
+        from crucible.services.sandbox_executor.pool import JobRejected
 
         raise JobRejected(f"language {job.language!r} is not supported; supported: {', '.join(sorted(RUNNERS))}")
     return runner(job)

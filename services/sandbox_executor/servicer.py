@@ -6,9 +6,9 @@ import asyncio
 import grpc
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc
-from services.sandbox_executor.handler import job_for_request, result_message
-from services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
-from shared import rpc
+from crucible.services.sandbox_executor.handler import job_for_request, result_message
+from crucible.services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
+from crucible.shared import rpc
 
 
 class SandboxServicer(execution_pb2_grpc.SandboxServicer):

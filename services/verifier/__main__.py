@@ -1,14 +1,14 @@
-"""python -m services.verifier: crucible.executions + answer-only crucible.rollouts -> crucible.verdicts, gRPC Verifier."""
+"""python -m crucible.services.verifier: crucible.executions + answer-only crucible.rollouts -> crucible.verdicts, gRPC Verifier."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
 from crucible.v1 import verdict_pb2_grpc
-from services.verifier.consumer import TOPICS, verdict_handler
-from services.verifier.scorer_pool import ScorerPool
-from services.verifier.servicer import VerifierServicer
-from shared import bus, rpc, service
+from crucible.services.verifier.consumer import TOPICS, verdict_handler
+from crucible.services.verifier.scorer_pool import ScorerPool
+from crucible.services.verifier.servicer import VerifierServicer
+from crucible.shared import bus, rpc, service
 
 log = logging.getLogger("crucible.verifier")
 

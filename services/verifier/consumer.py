@@ -1,9 +1,9 @@
 """The Kafka side: crucible.executions and answer-only crucible.rollouts -> crucible.verdicts."""
 from __future__ import annotations
 
-from services.verifier import handler
-from services.verifier.scorer_pool import ScorerPool
-from shared import bus
+from crucible.services.verifier import handler
+from crucible.services.verifier.scorer_pool import ScorerPool
+from crucible.shared import bus
 
 TOPICS = ["executions", "rollouts"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import datetime as dt
 
 from crucible.v1 import execution_pb2, rollout_pb2, verdict_pb2
-from shared import kinds
+from crucible.ml import kinds
 
 VERIFIER_VERSION = "crucible-verifier/1"
 

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from crucible.v1 import verdict_pb2
-from services.verifier import handler
-from services.verifier.scorer_worker import ERROR, OK, UNVERIFIABLE
-from shared.settings import Settings, get_settings
+from crucible.services.verifier import handler
+from crucible.services.verifier.scorer_worker import ERROR, OK, UNVERIFIABLE
+from crucible.shared.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class _Process:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "protos"), env.get("PYTHONPATH", "")])
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.verifier.scorer_worker",
+            sys.executable, "-m", "crucible.services.verifier.scorer_worker",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT),
             limit=64 << 20)
         status, payload = await self._read()

@@ -1,4 +1,4 @@
-"""python -m services.verifier.scorer_worker: one scoring process of the verifier's ScorerPool.
+"""python -m crucible.services.verifier.scorer_worker: one scoring process of the verifier's ScorerPool.
 
 Reads length-prefixed VerifyRequest bytes on stdin, writes one reply frame per
 request on stdout: a status byte (0 verdict, 1 unverifiable, 2 error) and the
@@ -29,7 +29,7 @@ def _write(stream, status: int, payload: bytes) -> None:
 
 def main() -> None:
     from crucible.v1 import verdict_pb2
-    from services.verifier.handler import Unverifiable, verify
+    from crucible.services.verifier.handler import Unverifiable, verify
 
     # Import what scoring needs before saying ready, so a request never pays for it.
     import math_verify  # noqa: F401

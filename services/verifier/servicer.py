@@ -4,9 +4,9 @@ from __future__ import annotations
 import grpc
 
 from crucible.v1 import execution_pb2_grpc, verdict_pb2, verdict_pb2_grpc
-from services.verifier import handler
-from services.verifier.scorer_pool import ScorerPool, ScoringError
-from shared import rpc
+from crucible.services.verifier import handler
+from crucible.services.verifier.scorer_pool import ScorerPool, ScoringError
+from crucible.shared import rpc
 
 # Sandbox answers passed on as they are: the caller's request was bad, or the sandbox is full.
 _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -13,8 +13,8 @@ import clickhouse_connect
 from clickhouse_connect.driver.binding import quote_identifier
 from clickhouse_connect.driver.client import Client
 
-from shared.settings import Settings, get_settings
-from shared.store.launcher import ping
+from crucible.shared.settings import Settings, get_settings
+from crucible.local.store.launcher import ping
 
 _DEFAULT_PORTS = {"http": 8123, "https": 8443}
 
@@ -89,6 +89,6 @@ def wait_until_ready(url: str | None = None, timeout: float = 30.0) -> None:
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"ClickHouse at {url} did not answer /ping within {timeout:.0f} s; start the store "
-                "(python -m shared.store.server --data DIR) or fix CRUCIBLE_CLICKHOUSE_URL"
+                "(python -m crucible.local.store.server --data DIR) or fix CRUCIBLE_CLICKHOUSE_URL"
             )
         time.sleep(0.1)

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared.store.sqltext import split_statements
+from crucible.local.store.sqltext import split_statements
 
 if TYPE_CHECKING:  # the store process imports this module and has no use for clickhouse-connect
     from clickhouse_connect.driver.client import Client
@@ -53,7 +53,7 @@ class Migration:
 
 def migrations_directory() -> Path:
     """Where the migration files shipped with this package live."""
-    return Path(str(resources.files("shared.store") / "migrations"))
+    return Path(str(resources.files("crucible.shared.store") / "migrations"))
 
 
 def load_migrations(directory: Path | None = None) -> list[Migration]:

@@ -1,0 +1,1 @@
+"""The `crucible` command: the local stack, `crucible train`, the demo, the tests, code generation."""

@@ -1,0 +1,309 @@
+"""The `crucible` command: run the local stack, the demo job, the tests, and code generation."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from crucible.shared.settings import Settings, get_settings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def echo(message: str = "") -> None:
+    print(message, flush=True)
+
+
+def step(n: int, total: int, message: str) -> None:
+    echo(f"[{n}/{total}] {message}")
+
+
+# --- the local stack -------------------------------------------------------------------------
+
+def _local_service(name: str, service, address: str, detail: str, args) -> int:
+    """start | stop | status for one background process of the local stack (exit 3: not running)."""
+    if args.action == "start":
+        took = service.start(echo=echo)
+        echo(f"{name} serving on {address} (pid {service.pid()}, started in {took:.1f}s; {detail})")
+    elif args.action == "stop":
+        echo(f"{name} stopped" if service.stop() else f"{name} was not running")
+    else:
+        pid = service.pid()
+        echo(f"{name} running on {address} (pid {pid})" if pid else f"{name} not running")
+        return 0 if pid else 3
+    return 0
+
+
+def cmd_kafka(args, settings: Settings) -> int:
+    from crucible.local.stack import kafka
+
+    broker = kafka(settings)
+    return _local_service(f"Kafka {settings.kafka_version}", broker, broker.bootstrap, f"log {broker.log_file}", args)
+
+
+def cmd_store(args, settings: Settings) -> int:
+    from crucible.local.stack import store
+
+    st = store(settings)
+    return _local_service("store (chDB, ClickHouse HTTP)", st, st.url, f"data {st.root / 'data'}", args)
+
+
+def ensure_stack(settings: Settings) -> list:
+    """Starts Kafka and the store where they are not running; returns those started here (to stop later)."""
+    from crucible.local.stack import kafka, store
+
+    started_here = []
+    for name, service in (("Kafka", kafka(settings)), ("store", store(settings))):
+        if service.pid() is None:
+            took = service.start(echo=lambda m: echo("      " + m))
+            started_here.append(service)
+            echo(f"      {name} started in {took:.1f}s")
+        else:
+            echo(f"      {name} already running (pid {service.pid()})")
+    return started_here
+
+
+def cmd_up(args, settings: Settings) -> int:
+    from crucible.local.stack import kafka, store
+
+    took = kafka(settings).start(echo=echo)
+    echo(f"Kafka on {settings.kafka_bootstrap} ({took:.1f}s)")
+    took = store(settings).start(echo=echo)
+    echo(f"store on {settings.clickhouse_url} ({took:.1f}s)")
+    return 0
+
+
+def cmd_down(args, settings: Settings) -> int:
+    from crucible.local.stack import kafka, store
+
+    echo("store stopped" if store(settings).stop() else "store was not running")
+    echo("Kafka stopped" if kafka(settings).stop() else "Kafka was not running")
+    return 0
+
+
+# --- the demo job ----------------------------------------------------------------------------
+
+def cmd_demo(args, settings: Settings) -> int:
+    """Starts the stack and the control service, submits a task, and shows it consumed and stored."""
+    total = 6
+    step(1, total, f"Apache Kafka {settings.kafka_version} (KRaft) on {settings.kafka_bootstrap} and "
+                   f"the chDB store on {settings.clickhouse_url}")
+    started_here = ensure_stack(settings)
+    step(2, total, "stack ready")
+
+    control_log = settings.home / "control.log"
+    step(3, total, f"starting the control service (log {control_log})")
+    with open(control_log, "ab") as log:
+        control = subprocess.Popen([sys.executable, "-m", "crucible.services.control"], stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        return asyncio.run(_demo_job(settings, control, total))
+    finally:
+        control.terminate()
+        try:
+            control.wait(10)
+        except subprocess.TimeoutExpired:
+            control.kill()
+        if not args.keep:
+            for service in reversed(started_here):
+                service.stop()
+            if started_here:
+                echo("stopped what the demo started (use --keep to leave Kafka and the store running)")
+
+
+async def _demo_job(settings: Settings, control: subprocess.Popen, total: int) -> int:
+    from aiokafka import AIOKafkaProducer
+
+    from crucible.v1 import control_pb2, control_pb2_grpc, task_pb2
+    from crucible.shared import rpc, store
+
+    target = f"{settings.grpc_host}:{settings.control_grpc_port}"
+    try:
+        await rpc.wait_serving(target, "crucible.v1.Control", timeout=60)
+    except TimeoutError as exc:
+        echo(f"control service did not come up: {exc}\n{_tail(settings.home / 'control.log')}")
+        return 1
+    echo(f"      gRPC health of crucible.v1.Control at {target}: SERVING")
+
+    task = task_pb2.Task(
+        id=f"demo-{uuid.uuid4().hex[:8]}", kind="exact", prompt="What is 17 + 25? Answer with the number only.",
+        answer=task_pb2.ExpectedAnswer(answer="42"), group_size=4, metadata={"source": "crucible demo"},
+    )
+    async with rpc.channel(target) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        reply = await stub.SubmitTasks(control_pb2.SubmitTasksRequest(tasks=[task]), timeout=30)
+    step(4, total, f"submitted task {reply.task_ids[0]} through Control.SubmitTasks -> {settings.topic('tasks')}")
+
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(settings.topic("tasks"), b'{"id": "hand-written", "kind": "exact"}',
+                                     headers=[("content-type", b"application/json")])
+    finally:
+        await producer.stop()
+    echo("      and published a hand-written JSON task with no prompt, to show the dead-letter path")
+
+    client = store.connect(settings)
+    deadline = time.monotonic() + 60
+    rows = []
+    while time.monotonic() < deadline and not rows:
+        if control.poll() is not None:
+            echo(f"control service exited with {control.returncode}:\n{_tail(settings.home / 'control.log')}")
+            return 1
+        try:
+            rows = client.query(
+                "SELECT task_id, kind, group_size, prompt, trace_id FROM tasks FINAL WHERE task_id = {id:String}",
+                parameters={"id": task.id}).result_rows
+        except Exception:  # the table appears once the control service has migrated
+            rows = []
+        if not rows:
+            await asyncio.sleep(0.3)
+    if not rows:
+        echo("the task was not stored within 60s; see " + str(settings.home / "control.log"))
+        return 1
+    task_id, kind, group_size, prompt, trace_id = rows[0]
+    step(5, total, f"consumed from Kafka and stored in ClickHouse table {settings.clickhouse_database}.tasks:")
+    echo(f"      task_id={task_id} kind={kind} group_size={group_size} trace_id={trace_id}")
+    echo(f"      prompt={prompt!r}")
+
+    reason = await _dlq_reason(settings, "hand-written")
+    step(6, total, f"dead-lettered to {settings.topic('tasks.dlq')}: {reason}")
+    total_rows = client.query("SELECT count() FROM tasks FINAL").result_rows[0][0]
+    echo(f"done: {total_rows} task(s) stored so far at {settings.clickhouse_url}")
+    return 0
+
+
+async def _dlq_reason(settings: Settings, task_id: str, timeout: float = 30.0) -> str:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(settings.topic("tasks.dlq"), bootstrap_servers=settings.kafka_bootstrap,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for r in records:
+                    if task_id.encode() in (r.value or b""):
+                        return dict(r.headers).get("dlq-reason", b"").decode()
+        return "(not seen within the timeout)"
+    finally:
+        await consumer.stop()
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def cmd_train(args, settings: Settings) -> int:
+    """Runs a real RL job on the embedded stack and reports the held-out pass rate before and after."""
+    from crucible.cli.train import TrainOptions, train
+
+    started_here = ensure_stack(settings)
+    options = TrainOptions(steps=args.steps, minutes=args.minutes, seed=args.seed, echo=echo)
+    try:
+        report = asyncio.run(train(settings, options))
+    finally:
+        if not args.keep:
+            for service in reversed(started_here):
+                service.stop()
+    echo("")
+    echo(f"run {report.run_id}: {report.steps} policy steps in {report.seconds:.0f}s "
+         f"({report.trajectories_per_s:.0f} trajectories/s, learner step p50 {report.learner_step_ms:.0f} ms)")
+    echo(f"training pass rate  : {report.train_pass_first:.3f} at step 1 -> {report.train_pass_last:.3f} "
+         f"at step {report.steps}")
+    echo(f"held-out pass rate  : {report.heldout_before:.3f} before RL -> {report.heldout_after:.3f} after")
+    echo(f"checkpoint          : {report.checkpoint}")
+    return 0
+
+
+# --- development -------------------------------------------------------------------------------
+
+def cmd_test(args, settings: Settings) -> int:
+    """Runs the test suite; the session starts its own Kafka broker and store on free ports."""
+    from crucible.local.kafka import ensure_jars
+
+    ensure_jars(settings, echo=echo)
+    pytest_args = list(args.pytest_args)
+    if pytest_args[:1] == ["--"]:
+        pytest_args = pytest_args[1:]
+    if args.quick:
+        pytest_args = ["-m", "not slow", *pytest_args]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args]
+    echo("running: " + " ".join(cmd))
+    return subprocess.call(cmd, cwd=REPO_ROOT)
+
+
+def cmd_protos(args, settings: Settings) -> int:
+    from crucible.shared import protogen
+
+    if args.check:
+        stale = protogen.stale_files()
+        echo("generated code is fresh" if not stale else f"stale: {', '.join(stale)} (run `crucible protos`)")
+        return 1 if stale else 0
+    written = protogen.regenerate()
+    echo(f"wrote {len(written)} generated files under {protogen.PROTO_ROOT}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crucible", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, func, help_text in [("kafka", cmd_kafka, "the local Apache Kafka broker"),
+                                  ("store", cmd_store, "the local chDB store (ClickHouse HTTP)")]:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("action", choices=["start", "stop", "status"])
+        p.set_defaults(func=func)
+    sub.add_parser("up", help="start Kafka and the store").set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop the store and Kafka").set_defaults(func=cmd_down)
+    p = sub.add_parser("demo", help="start the stack, submit a task, show it consumed and stored")
+    p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("train", help="train the built-in policy with RL through all five services")
+    p.add_argument("--steps", type=int, default=80, help="policy steps to take (default 80)")
+    p.add_argument("--minutes", type=float, default=15.0, help="stop after this long in any case")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("test", help="run the test suite (starts its own broker and store)")
+    p.add_argument("--quick", action="store_true", help="skip tests marked slow")
+    p.set_defaults(func=cmd_test)  # any other argument goes to pytest
+    p = sub.add_parser("protos", help="regenerate the protobuf/gRPC code under protos/")
+    p.add_argument("--check", action="store_true", help="only report stale generated files")
+    p.set_defaults(func=cmd_protos)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "test":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = extra
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        return args.func(args, settings) or 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # errors a user can act on, without a traceback wall
+        from crucible.local.kafka import KafkaError
+        from crucible.local.stack import StackError
+
+        if isinstance(exc, (KafkaError, StackError, TimeoutError, RuntimeError)):
+            echo(f"crucible {args.command}: {exc}")
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Start, wait for, and stop a store process from Python (services, tests, benchmarks).
+
+Kept apart from the server module so that launching a store never imports chDB into the caller.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `shared` package
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it); good enough for tests and local runs."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def spawn_store(
+    data_dir: str | os.PathLike,
+    host: str = "127.0.0.1",
+    port: int = 8123,
+    log_path: str | os.PathLike | None = None,
+    extra_args: list[str] | None = None,
+) -> subprocess.Popen:
+    """Start `python -m crucible.local.store.server` on data_dir; returns at once (see wait_ready).
+
+    With log_path, the store's stdout and stderr are appended to that file (the path is kept on the
+    returned object as `log_path` so wait_ready can quote it); otherwise they go to ours.
+    """
+    cmd = [sys.executable, "-m", "crucible.local.store.server", "--data", str(data_dir), "--host", host, "--port", str(port)]
+    cmd += extra_args or []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    log_file = None
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=str(_REPO_ROOT), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file
+        )
+    finally:
+        if log_file is not None:
+            log_file.close()  # the child has its own copy of the descriptor
+    proc.log_path = Path(log_path) if log_path is not None else None  # type: ignore[attr-defined]
+    proc.url = f"http://{host}:{port}"  # type: ignore[attr-defined]
+    return proc
+
+
+def log_tail(proc: subprocess.Popen | None, lines: int = 30) -> str:
+    """The last lines of a store's log, for error messages ('' when it logs to our stderr)."""
+    path = getattr(proc, "log_path", None)
+    if not path:
+        return ""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def ping(url: str, timeout: float = 2.0) -> bool:
+    """True if a ClickHouse HTTP endpoint (the store or a server) answers /ping with Ok."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc.rpartition("@")[2]  # /ping needs no credentials
+        ping_url = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/ping", "", ""))
+        with urllib.request.urlopen(ping_url, timeout=timeout) as response:
+            return response.status == 200 and response.read().startswith(b"Ok.")
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_ready(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll url/ping until it answers; fail fast, with the log tail, if proc exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if ping(url, timeout=1.0):
+            return
+        if proc is not None and proc.poll() is not None:
+            tail = log_tail(proc)
+            raise RuntimeError(
+                f"the store process for {url} exited with status {proc.returncode} before it was ready"
+                + (f"; last log lines ({proc.log_path}):\n{tail}" if tail else "")  # type: ignore[attr-defined]
+            )
+        if time.monotonic() >= deadline:
+            tail = log_tail(proc)
+            raise TimeoutError(
+                f"the store at {url} did not answer /ping within {timeout:.0f} s"
+                + (f"; last log lines:\n{tail}" if tail else "")
+            )
+        time.sleep(0.1)
+
+
+def stop_store(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM, wait for the graceful stop, SIGKILL if it does not come; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

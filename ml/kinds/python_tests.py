@@ -1,0 +1,165 @@
+"""`python_tests`: code checked by unit tests in the sandbox (HumanEval style).
+
+The completion either continues the prompt (a signature and docstring, then
+the body) or is a whole program defining the entry point; a fenced ```python
+block is taken out of surrounding prose. The sandbox runs the tests in its
+harness, where the candidate's process cannot reach the results; the prompt
+goes along as the harness's trusted prelude (helpers the tests call come from
+it, never from the candidate). The verdict adds what reading the source and
+the output shows (`tamper_scan.py`); any tamper signal pays zero.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import re
+
+from crucible.v1 import execution_pb2, task_pb2
+from crucible.ml.kinds import tamper_scan
+from crucible.ml.kinds.registry import Kind, Score, register
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+TIMED_OUT = {execution_pb2.VIOLATION_TIMEOUT, execution_pb2.VIOLATION_CPU}
+
+
+def _defines(code: str, entry: str) -> bool:
+    return bool(entry) and re.search(rf"^[ \t]*(async[ \t]+)?def[ \t]+{re.escape(entry)}[ \t]*\(", code,
+                                     re.MULTILINE) is not None
+
+
+def code_of(task: task_pb2.Task, completion: str) -> str:
+    """The code in a completion: a fenced block if there is one (the one defining the entry point first)."""
+    blocks = _FENCE.findall(completion)
+    if not blocks:
+        return completion
+    entry = task.python_tests.entry_point
+    return next((b for b in blocks if _defines(b, entry)), blocks[0])
+
+
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "<prompt>", "exec")
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def continues_prompt(task: task_pb2.Task) -> bool:
+    """Whether the prompt is code the completion continues (a signature and docstring, maybe without a body)."""
+    return _compiles(task.prompt) or _compiles(task.prompt + "    pass\n")
+
+
+def program(task: task_pb2.Task, completion: str) -> tuple[str, int]:
+    """(the program a completion stands for, the first line that is the completion's own).
+
+    A completion that defines the entry point, or answers a prompt that is not
+    code, is a whole program; otherwise it continues the prompt.
+    """
+    code = code_of(task, completion)
+    entry = task.python_tests.entry_point
+    if not entry or _defines(code, entry) or not continues_prompt(task):
+        return code, 1
+    return task.prompt + code, task.prompt.count("\n") + 1
+
+
+def prelude(task: task_pb2.Task) -> str:
+    """The prompt, when it is Python and the tests use something it defines (HumanEval/38's tests call
+    the prompt's encode_cyclic): run by the harness before the tests, never by the candidate.
+    Empty otherwise, which spares the harness parsing a prompt no test needs."""
+    return task.prompt if _tests_use_prompt(task.prompt, task.python_tests.test_code,
+                                            task.python_tests.entry_point) else ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _tests_use_prompt(prompt: str, tests: str, entry_point: str) -> bool:
+    try:
+        prompt_tree, tests_tree = ast.parse(prompt), ast.parse(tests)
+    except (SyntaxError, ValueError):
+        return False
+    defined = set()
+    for node in prompt_tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    used = {n.id for n in ast.walk(tests_tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bool((defined - {entry_point}) & used)
+
+
+class PythonTestsKind(Kind):
+    name = "python_tests"
+    payload = "python_tests"
+
+    def problems(self, task: task_pb2.Task) -> list[str]:
+        problems = super().problems(task)
+        if problems:
+            return problems
+        tests = task.python_tests
+        if tests.language not in ("", "python"):
+            problems.append(f"python_tests.language {tests.language!r} is not supported: use 'python'")
+        if not tests.test_code.strip():
+            problems.append("python_tests.test_code is empty: give check(candidate) or test_* functions")
+        else:
+            try:
+                compile(tests.test_code, "<tests>", "exec")
+            except SyntaxError as exc:
+                problems.append(f"python_tests.test_code does not compile: {exc.msg} (line {exc.lineno})")
+            if not tests.entry_point and "def test_" not in tests.test_code:
+                problems.append("python_tests.entry_point is empty: check(candidate) needs the function to test")
+        if tests.timeout_s < 0:
+            problems.append("python_tests.timeout_s must be >= 0 (0: the sandbox's default)")
+        return problems
+
+    def render_prompt(self, task: task_pb2.Task) -> str:
+        if continues_prompt(task) or task.metadata.get("prompt_format") == "raw":
+            return task.prompt  # code to continue, HumanEval style
+        return (f"{task.prompt.rstrip()}\n\nAnswer with a complete Python program in a ```python block "
+                f"that defines `{task.python_tests.entry_point}`.")
+
+    def execution(self, task: task_pb2.Task, completion: str) -> execution_pb2.ExecuteRequest:
+        tests = task.python_tests
+        code, _ = program(task, completion)
+        return execution_pb2.ExecuteRequest(
+            language=tests.language or "python", code=code, test_code=tests.test_code,
+            entry_point=tests.entry_point, timeout_s=tests.timeout_s, test_prelude=prelude(task))
+
+    def score(self, task: task_pb2.Task, completion: str,
+              execution: execution_pb2.ExecutionResult | None = None) -> Score:
+        if execution is None:
+            raise ValueError("a python_tests completion is scored from its sandbox run: pass the execution result")
+        code, first_line = program(task, completion)
+        try:
+            compile(code, "<candidate>", "exec")
+            compiled = 1.0
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            compiled = 0.0
+        signals = [(t.pattern, t.detail) for t in execution.tamper]
+        if execution.violation == execution_pb2.VIOLATION_FORBIDDEN_SYSCALL:
+            # Sockets, ptrace, namespaces, stealing descriptors: nothing a solution needs, all an escape wants.
+            signals.append(("forbidden_syscall", execution.violation_detail or "a forbidden system call"))
+        signals += tamper_scan.scan_source(code, first_line)
+        signals += tamper_scan.scan_output(execution.stdout, execution.stderr)
+        passed = sum(t.passed for t in execution.tests)
+        total = len(execution.tests)
+        timed_out = float(execution.violation in TIMED_OUT)
+        components = {"tests_passed": float(passed), "tests_total": float(total), "compiled": compiled,
+                      "format_ok": compiled, "timed_out": timed_out, "tampered": float(bool(signals))}
+        failed = [t for t in execution.tests if not t.passed]
+        detail = f"{passed}/{total} tests passed"
+        if failed:
+            detail += f"; {failed[0].name}: {failed[0].message[:200]}"
+        if execution.violation:
+            detail += f"; {execution_pb2.Violation.Name(execution.violation)}: {execution.violation_detail}"
+        if execution.isolation != execution_pb2.ISOLATION_LEVEL_FULL:
+            detail += f"; isolation {execution_pb2.IsolationLevel.Name(execution.isolation)}"
+        if signals:
+            detail += "; tampering: " + "; ".join(f"{p}: {d}" for p, d in signals[:5])
+        patterns = tuple(dict.fromkeys(p for p, _ in signals))
+        return Score(components, passed / total if total else 0.0, tampered=bool(signals), patterns=patterns,
+                     detail=detail[:2000])
+
+
+register(PythonTestsKind())

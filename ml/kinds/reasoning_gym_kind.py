@@ -1,0 +1,84 @@
+"""`reasoning_gym`: any of reasoning-gym's seeded generators, scored by that generator's own scorer.
+
+A task's GeneratorSpec names the generator, a seed and an optional config
+(JSON); the instance is `create_dataset(name, seed=seed, size=1, **config)[0]`,
+re-created here rather than read back from `entry_json`, so the scorer sees
+exactly the types the generator made (a JSON round trip turns ARC's tuple
+grids into lists, which its scorer then rejects). `entry_json` travels for
+people and stores to read.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+from crucible.v1 import execution_pb2, task_pb2
+from crucible.ml.kinds.extract import final_answer
+from crucible.ml.kinds.registry import Kind, Score, register
+
+FORMAT_HINT = "Give only the final answer between <answer> and </answer>."
+
+
+def generators() -> list[str]:
+    """Every generator the installed reasoning-gym offers."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _instance(name: str, seed: int, config_json: str) -> tuple[object, dict]:
+    from reasoning_gym.factory import create_dataset
+
+    config = json.loads(config_json) if config_json else {}
+    dataset = create_dataset(name, **{**config, "seed": seed, "size": 1})
+    return dataset, dataset[0]
+
+
+def instance(spec: task_pb2.GeneratorSpec) -> tuple[object, dict]:
+    """(the dataset, the generated entry) a spec stands for; cached, since a group's rollouts share one task
+    (building some generators' datasets takes milliseconds: word lists, puzzles)."""
+    return _instance(spec.name, spec.seed, spec.config_json)
+
+
+def spec_problems(spec: task_pb2.GeneratorSpec) -> list[str]:
+    known = generators()
+    if spec.name not in known:
+        return [f"generator.name {spec.name!r} is not a reasoning-gym generator: known ones include "
+                f"{', '.join(known[:12])}, ... ({len(known)} in all)"]
+    if spec.config_json:
+        try:
+            config = json.loads(spec.config_json)
+        except json.JSONDecodeError as exc:
+            return [f"generator.config_json is not JSON: {exc}"]
+        if not isinstance(config, dict):
+            return ["generator.config_json must be a JSON object of the generator's config fields"]
+    try:
+        instance(spec)
+    except Exception as exc:  # the generator's own validation: bad config fields or values
+        return [f"generator {spec.name!r} rejects seed {spec.seed} with config {spec.config_json or '{}'}: "
+                f"{type(exc).__name__}: {exc}"]
+    return []
+
+
+class ReasoningGymKind(Kind):
+    name = "reasoning_gym"
+    payload = "generator"
+    format_hint = FORMAT_HINT
+
+    def problems(self, task: task_pb2.Task) -> list[str]:
+        return super().problems(task) or spec_problems(task.generator)
+
+    def score(self, task: task_pb2.Task, completion: str,
+              execution: execution_pb2.ExecutionResult | None = None) -> Score:
+        dataset, entry = instance(task.generator)
+        found = final_answer(completion)
+        raw = dataset.score_answer(found.text, entry)
+        value = float(raw) if isinstance(raw, (int, float)) and math.isfinite(raw) else 0.0
+        value = min(1.0, max(0.0, value))
+        return Score({"answer_correct": float(value >= 1.0), "score": value, "format_ok": float(found.marked)},
+                     value, detail=f"{task.generator.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}")
+
+
+register(ReasoningGymKind())

@@ -1,0 +1,54 @@
+"""The default backend: the built-in policy in torch, on the CPU."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from crucible.ml.policy.backends.base import Completion, PolicyBackend
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri
+from crucible.ml.policy.model import PolicyConfig
+from crucible.ml.policy.sampling import SamplingParams, sample
+from crucible.ml.policy.tokenizer import ByteTokenizer
+
+
+class TorchBackend(PolicyBackend):
+    name = "torch"
+
+    def __init__(self, checkpoint: str | None = None, seed: int = 0, config: PolicyConfig | None = None,
+                 max_batch: int = 256, sample_seed: int | None = None):
+        self.tokenizer = ByteTokenizer()
+        self.max_batch = max_batch
+        self._lock = threading.Lock()  # sampling and weight swaps never overlap
+        self._generator = torch.Generator()
+        self._generator.manual_seed(sample_seed if sample_seed is not None else torch.seed())
+        if checkpoint:
+            self.model, meta = load_checkpoint(path_from_uri(checkpoint))
+            self.version = int(meta.get("version", 0))
+        else:
+            self.model = fresh_policy(seed, config)
+            self.version = 0
+        self.model.eval()
+
+    def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
+        out: list[list[Completion]] = [[] for _ in prompts]
+        with self._lock:
+            generator = self._generator
+            if params.seed is not None:
+                generator = torch.Generator()
+                generator.manual_seed(params.seed)
+            for start in range(0, len(flat), self.max_batch):
+                chunk = flat[start:start + self.max_batch]
+                samples = sample(self.model, [ids for _, ids in chunk], params, generator, self.tokenizer)
+                for (i, ids), s in zip(chunk, samples):
+                    out[i].append(Completion(s.text, ids, s.token_ids, s.logprobs, s.finish_reason))
+        return out
+
+    def load_weights(self, version: int, uri: str) -> None:
+        model, _ = load_checkpoint(path_from_uri(uri))
+        model.eval()
+        with self._lock:
+            self.model = model
+            self.version = version

@@ -1,0 +1,68 @@
+"""vLLM on a GPU: the same checkpoint folders, weights reloaded when a new policy version arrives.
+
+Imported only when selected, so machines without a GPU (and CI) never need vllm.
+"""
+from __future__ import annotations
+
+import threading
+
+from crucible.ml.policy.backends.base import Completion, PolicyBackend
+from crucible.ml.policy.checkpoint import path_from_uri
+from crucible.ml.policy.sampling import SamplingParams
+
+
+class VLLMBackend(PolicyBackend):
+    name = "vllm"
+
+    def __init__(self, checkpoint: str, gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, **_):
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("the vllm backend needs `pip install vllm` on a machine with an NVIDIA GPU; "
+                               "use CRUCIBLE_GENERATOR_BACKEND=torch elsewhere") from exc
+        self.options = {"gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len}
+        self._lock = threading.Lock()
+        self.llm = self._engine(checkpoint)
+        self.version = 0
+
+    def _engine(self, uri: str):
+        from vllm import LLM
+
+        return LLM(model=str(path_from_uri(uri)), dtype="float32", enforce_eager=True, seed=0, **self.options)
+
+    def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
+        from vllm import SamplingParams as VSamplingParams
+
+        vparams = VSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+                                  max_tokens=params.max_tokens, stop=list(params.stop) or None,
+                                  seed=params.seed, logprobs=0)  # 0: the sampled token's own log-prob
+        with self._lock:
+            results = self.llm.generate(prompts, vparams, use_tqdm=False)
+        out = []
+        for result in results:
+            group = []
+            for c in result.outputs:
+                logprobs = [step[token].logprob for step, token in zip(c.logprobs or [], c.token_ids)]
+                group.append(Completion(c.text, list(result.prompt_token_ids), list(c.token_ids), logprobs,
+                                        "stop" if c.finish_reason == "stop" else "length"))
+            out.append(group)
+        return out
+
+    def load_weights(self, version: int, uri: str) -> None:
+        """Reloads in place when the engine exposes its model; otherwise rebuilds the engine."""
+        from safetensors.torch import load_file
+
+        folder = path_from_uri(uri)
+        state = load_file(str(folder / "model.safetensors"))
+        with self._lock:
+            try:
+                self.llm.collective_rpc(_load_into_worker, args=(state,))
+            except Exception:  # an engine without that hook: start over from the new folder
+                del self.llm
+                self.llm = self._engine(uri)
+            self.version = version
+
+
+def _load_into_worker(worker, state):
+    """Runs inside each vLLM worker: feeds the new tensors to the model's own weight loader."""
+    worker.model_runner.model.load_weights(weights=iter(state.items()))

@@ -1,0 +1,80 @@
+"""Checkpoints in Hugging Face's layout (config.json, model.safetensors, tokenizer files), written atomically.
+
+The same folder loads in transformers (`AutoModelForCausalLM.from_pretrained`) and vLLM.
+`crucible.json` beside them records what Crucible needs to resume (version, step, ...).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from crucible.ml.policy.model import Policy, PolicyConfig
+from crucible.ml.policy.tokenizer import ByteTokenizer
+
+META_FILE = "crucible.json"
+
+
+def path_from_uri(uri: str) -> Path:
+    """A local folder from `file:///abs/path` or a plain path; other schemes are refused clearly."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return Path(parsed.path if parsed.scheme else uri)
+    raise ValueError(f"checkpoint URI {uri!r}: only local paths and file:// URIs are supported")
+
+
+def save_checkpoint(model: Policy, folder: Path, meta: dict | None = None, extra: dict | None = None) -> Path:
+    """Writes the checkpoint into a temporary sibling, then renames it into place (never half-written).
+
+    `extra` maps file names to tensors dicts saved alongside (e.g. optimizer state) with torch.save.
+    """
+    folder = Path(folder)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": model.config.to_hf()["bos_token_id"], "eos_token_id": model.config.to_hf()["eos_token_id"],
+         "pad_token_id": model.config.to_hf()["pad_token_id"]}, indent=1))
+    ByteTokenizer().save(tmp)
+    for name, obj in (extra or {}).items():
+        torch.save(obj, tmp / name)
+    (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=1))
+    with open(tmp / META_FILE) as f:  # make the files durable before the rename publishes them
+        os.fsync(f.fileno())
+    if folder.exists():
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+        folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(folder)
+    return folder
+
+
+def load_checkpoint(folder: Path | str) -> tuple[Policy, dict]:
+    folder = path_from_uri(str(folder)) if isinstance(folder, str) else Path(folder)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder} is not a checkpoint: config.json is missing")
+    config = PolicyConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    model = Policy(config)
+    state = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
+    meta = json.loads((folder / META_FILE).read_text()) if (folder / META_FILE).exists() else {}
+    return model, meta
+
+
+def fresh_policy(seed: int, config: PolicyConfig | None = None) -> Policy:
+    return Policy(config or PolicyConfig()).init_weights(seed)

@@ -1,0 +1,212 @@
+"""A small decoder-only transformer laid out exactly like Hugging Face's LlamaForCausalLM.
+
+Parameter names, RoPE convention, RMSNorm and SwiGLU match transformers'
+Llama, so a checkpoint saved from here loads unchanged in transformers and
+vLLM; the code here is only what a tiny CPU policy needs (batched forward with
+a KV cache for sampling, full-sequence forward for training).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crucible.ml.policy.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+
+
+@dataclass
+class PolicyConfig:
+    vocab_size: int = VOCAB_SIZE
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf(self) -> dict:
+        """config.json for transformers/vLLM (LlamaForCausalLM)."""
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+            "head_dim": self.head_dim, "rope_scaling": None, "use_cache": True,
+            **asdict(self),
+        }
+
+    @classmethod
+    def from_hf(cls, data: dict) -> "PolicyConfig":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for integer positions [B, T] -> [B, 1, T, head_dim]."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: dict | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:
+            # Preallocated buffers (cache["capacity"] positions) filled in place: growing them with
+            # torch.cat at every step costs more than the attention itself at this size.
+            if "k" not in cache:
+                shape = (b, self.kv_heads, cache.get("capacity", t), self.head_dim)
+                cache["k"], cache["v"], cache["len"] = k.new_empty(shape), v.new_empty(shape), 0
+            start = cache["len"]
+            cache["k"][:, :, start:start + t] = k
+            cache["v"][:, :, start:start + t] = v
+            cache["len"] = start + t
+            k, v = cache["k"][:, :, : start + t], cache["v"][:, :, : start + t]
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Policy(nn.Module):
+    """forward(ids, positions, mask, caches) -> logits; `model.` / `lm_head` names as in LlamaForCausalLM."""
+
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    def init_weights(self, seed: int) -> "Policy":
+        """Seeded normal init with std = initializer_range (small on purpose: a wide init makes the
+        untrained policy put almost all its mass on one token, and sampling collapses)."""
+        generator = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                nn.init.ones_(p)
+            else:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+        return self
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                caches: list[dict] | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rotary(positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, caches[i] if caches is not None else None)
+        return self.lm_head(self.model.norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def causal_mask(valid: torch.Tensor, query_len: int) -> torch.Tensor:
+    """Boolean attention mask [B, 1, Tq, Tk]: key j is visible to query i when it is valid and not in the future.
+
+    `valid` [B, Tk] marks real (non-padding) keys; the last `query_len` keys are the queries.
+    """
+    tk = valid.shape[1]
+    q_pos = torch.arange(tk - query_len, tk)[:, None]
+    k_pos = torch.arange(tk)[None, :]
+    allowed = (k_pos <= q_pos)[None, None] & valid[:, None, None, :].bool()
+    # A fully masked row (a padding query) would give NaN; let it see itself instead.
+    diag = (k_pos == q_pos)[None, None]
+    return allowed | (diag & ~allowed.any(-1, keepdim=True))
+
+
+def sequence_logprobs(model: Policy, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of each token given the ones before it, and the entropy of each prediction.
+
+    ids/valid: [B, T] (valid marks real tokens; padding may be on either side). Returns two [B, T-1]
+    tensors aligned with ids[:, 1:].
+    """
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(ids, positions, causal_mask(valid, ids.shape[1]))[:, :-1].float()
+    logp = F.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
+
+
+def count_to_str(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"

@@ -1,0 +1,116 @@
+"""Batched autoregressive sampling with a KV cache, returning token ids and their log-probabilities.
+
+The log-probability reported for a sampled token is log softmax(logits / temperature) at that
+token: the sampling distribution before any top-p truncation (with temperature 1 and top_p 1,
+the default for RL, exactly the policy's own probability). Greedy decoding (temperature 0)
+reports log softmax(logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from crucible.ml.policy.model import Policy, causal_mask
+from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def validate(self, max_tokens_limit: int = 4096) -> None:
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError(f"temperature {self.temperature} must be in [0, 10]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p {self.top_p} must be in (0, 1]")
+        if not 1 <= self.max_tokens <= max_tokens_limit:
+            raise ValueError(f"max_tokens {self.max_tokens} must be in [1, {max_tokens_limit}]")
+
+
+@dataclass
+class Sample:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (end-of-sequence or a stop string) or "length"
+    text: str = ""
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zeroes every token outside the smallest set whose probability reaches top_p."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_p.cumsum(-1) - sorted_p > top_p
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
+
+
+@torch.no_grad()
+def sample(model: Policy, prompts: list[list[int]], params: SamplingParams,
+           generator: torch.Generator | None = None, tokenizer: ByteTokenizer | None = None) -> list[Sample]:
+    """Samples one completion per prompt (token id lists), all prompts in one batch."""
+    tokenizer = tokenizer or ByteTokenizer()
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+    model.eval()
+    b = len(prompts)
+    width = max(len(p) for p in prompts)
+    if width + params.max_tokens > model.config.max_position_embeddings:
+        raise ValueError(f"prompt of {width} tokens + max_tokens {params.max_tokens} exceeds the model's "
+                         f"{model.config.max_position_embeddings} positions")
+    ids = torch.full((b, width), PAD_ID, dtype=torch.long)
+    valid = torch.zeros((b, width), dtype=torch.bool)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, width - len(p):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    caches: list[dict] = [{"capacity": width + params.max_tokens} for _ in model.model.layers]
+    logits = model(ids, positions, causal_mask(valid, width), caches)[:, -1].float()
+    next_pos = valid.sum(-1)
+
+    out_tokens = torch.full((b, params.max_tokens), PAD_ID, dtype=torch.long)
+    out_logp = torch.zeros((b, params.max_tokens))
+    lengths = torch.zeros(b, dtype=torch.long)
+    stopped = torch.zeros(b, dtype=torch.bool)
+    done = torch.zeros(b, dtype=torch.bool)
+    texts = [""] * b
+    for step in range(params.max_tokens):
+        if params.temperature == 0:
+            logp = F.log_softmax(logits, dim=-1)
+            tokens = logp.argmax(-1)
+        else:
+            logp = F.log_softmax(logits / params.temperature, dim=-1)
+            probs = logp.exp()
+            if params.top_p < 1.0:
+                probs = _nucleus(probs, params.top_p)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        live = ~done
+        out_tokens[live, step] = tokens[live]
+        out_logp[live, step] = logp.gather(-1, tokens[:, None]).squeeze(-1)[live]
+        lengths += live.long()
+        ended = live & (tokens == EOS_ID)
+        if params.stop:  # stop strings need text: decode only the rows still running
+            for i in live.nonzero().flatten().tolist():
+                texts[i] = tokenizer.decode(out_tokens[i, : step + 1].tolist())
+                if any(texts[i].endswith(stop) for stop in params.stop):
+                    ended[i] = True
+        stopped |= ended
+        done |= ended
+        if bool(done.all()):
+            break
+        step_ids = torch.where(done, torch.full_like(tokens, PAD_ID), tokens)[:, None]
+        valid = torch.cat((valid, torch.ones((b, 1), dtype=torch.bool)), dim=1)
+        logits = model(step_ids, next_pos[:, None], causal_mask(valid, 1), caches)[:, -1].float()
+        next_pos = next_pos + 1
+    samples = []
+    for i in range(b):
+        n = int(lengths[i])
+        ids = out_tokens[i, :n].tolist()
+        samples.append(Sample(ids, out_logp[i, :n].tolist(), "stop" if stopped[i] else "length",
+                              tokenizer.decode(ids)))
+    return samples

@@ -1,0 +1,37 @@
+"""Structural checks every service applies to a Task before acting on it."""
+from __future__ import annotations
+
+from crucible.v1 import task_pb2
+from crucible.ml import kinds
+from crucible.shared.settings import Settings, get_settings
+
+
+def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list[str]:
+    """Everything wrong with `task`, each as a sentence a publisher can act on; [] when it is fine."""
+    settings = settings or get_settings()
+    problems = []
+    if not task.id.strip():
+        problems.append("id is empty: give every task a unique id")
+    elif len(task.id) > 256:
+        problems.append(f"id is {len(task.id)} characters long: at most 256")
+    if not task.prompt.strip():
+        problems.append("prompt is empty")
+    elif len(task.prompt) > settings.max_prompt_chars:
+        problems.append(f"prompt is {len(task.prompt)} characters long: at most {settings.max_prompt_chars}")
+    if task.group_size < 1:
+        problems.append("group_size must be at least 1")
+    elif task.group_size > settings.max_group_size:
+        problems.append(f"group_size {task.group_size} is above the limit of {settings.max_group_size} "
+                        "(CRUCIBLE_MAX_GROUP_SIZE)")
+    try:
+        problems += kinds.get(task.kind).problems(task)
+    except kinds.UnknownKind as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def python_program(task: task_pb2.Task, completion: str) -> str:
+    """The program a python_tests completion stands for (see crucible.ml.kinds.python_tests.program)."""
+    from crucible.ml.kinds.python_tests import program
+
+    return program(task, completion)[0]
