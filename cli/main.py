@@ -206,10 +206,10 @@ def _tail(path: Path, n: int = 20) -> str:
 
 def cmd_train(args, settings: Settings) -> int:
     """Runs a real RL job on the embedded stack and reports the held-out pass rate before and after."""
-    from crucible.cli.train import TrainOptions, train
+    from crucible.cli.train import TrainOptions, builtin_config, train
 
     started_here = ensure_stack(settings)
-    options = TrainOptions(steps=args.steps, minutes=args.minutes, seed=args.seed, echo=echo)
+    options = TrainOptions(steps=args.steps, minutes=args.minutes, config=builtin_config(args.seed), echo=echo)
     try:
         report = asyncio.run(train(settings, options))
     finally:
@@ -244,7 +244,7 @@ def cmd_test(args, settings: Settings) -> int:
 
 
 def cmd_protos(args, settings: Settings) -> int:
-    from crucible.shared import protogen
+    from crucible.local import protogen
 
     if args.check:
         stale = protogen.stale_files()

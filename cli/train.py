@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,29 +26,45 @@ from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_fr
 from crucible.ml.policy.sampling import SamplingParams, sample
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.policy.tokenizer import ByteTokenizer
-from crucible.shared.settings import Settings
+from crucible.shared.procs import free_port, stop_processes
+from crucible.shared.settings import RunConfig, Settings
 from crucible.ml.task_families import DEFAULT_OPS, digits_tasks, format_examples
 
 SERVICES = ("sandbox_executor", "verifier", "reward_aggregator", "learner", "generator")
 
 
+def builtin_config(seed: int = 0) -> RunConfig:
+    """The built-in recipe's run configuration: where it departs from the defaults, and why."""
+    return RunConfig(
+        seed=seed,
+        max_tokens=8,            # a digits answer is a few bytes
+        max_policy_lag=0,
+        # A KL pull towards the warm-started policy keeps the answer format while rewards
+        # reshape which answer is given (without it a few noisy steps can unlearn the format).
+        kl_coef=0.05,
+        # Leave-one-out advantages stay within [-1, 1]; GRPO's division by a small group std
+        # turned the last few wrong answers of a nearly solved group into huge updates.
+        estimator="rloo",
+    )
+
+
 @dataclass
 class TrainOptions:
+    """The built-in job: the run configuration plus what only `crucible train` decides."""
+
     steps: int = 80
     minutes: float = 15.0
-    seed: int = 0
+    config: RunConfig = field(default_factory=builtin_config)
     ops: tuple[str, ...] = DEFAULT_OPS
     group_size: int = 8
-    groups_per_step: int = 16
     heldout_size: int = 200
     eval_every: int = 20
     warm_start_steps: int = 100
-    lr: float = 1e-3
-    epochs: int = 1
-    max_policy_lag: int = 0
-    estimator: str = "rloo"
-    kl_coef: float = 0.05
     echo: callable = print
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
 
 
 @dataclass
@@ -67,19 +82,13 @@ class TrainReport:
     learner_step_ms: float = 0.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def heldout_pass_rate(checkpoint: Path, tasks) -> float:
     """Greedy answers of the checkpoint's policy to the held-out tasks, scored by their task kind."""
     model, _ = load_checkpoint(checkpoint)
     tok = ByteTokenizer()
     prompts = [tok.encode(registry.kind_of(t).render_prompt(t)) for t in tasks]
     out = sample(model, prompts, SamplingParams(max_tokens=8, temperature=0.0))
-    return sum(registry.kind_of(t).score(t, s.text).reward >= 1.0 for t, s in zip(tasks, out)) / len(tasks)
+    return sum(registry.kind_of(t).score(t, s.text).passed for t, s in zip(tasks, out)) / len(tasks)
 
 
 def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, str]:
@@ -90,6 +99,8 @@ def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, s
         "CRUCIBLE_CLICKHOUSE_URL": settings.clickhouse_url,
         "CRUCIBLE_CLICKHOUSE_DATABASE": settings.clickhouse_database,
         "CRUCIBLE_LOG_LEVEL": settings.log_level,
+        **({"CRUCIBLE_OTEL_ENDPOINT": settings.otel_endpoint} if settings.otel_endpoint else {}),
+        **({"CRUCIBLE_OTEL_SPAN_FILE": str(settings.otel_span_file)} if settings.otel_span_file else {}),
         **run_settings,
     })
     return env
@@ -100,7 +111,7 @@ class Run:
         self.options = options
         self.run_id = f"train-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.settings = settings.model_copy(update={
-            "run_id": self.run_id, "topic_prefix": f"crucible.{self.run_id}.",
+            **options.config.model_dump(), "run_id": self.run_id, "topic_prefix": f"crucible.{self.run_id}.",
             "consumer_group_prefix": f"crucible-{self.run_id}-",
         })
         self.dir = settings.home / "runs" / self.run_id
@@ -109,30 +120,17 @@ class Run:
         self.echo = options.echo
 
     def start_services(self, init_uri: str) -> None:
-        o = self.options
         s = self.settings
+        config = s.run_config().model_copy(update={
+            "init_checkpoint": init_uri,
+            "lr_decay_steps": self.options.steps,  # the learning rate decays over the whole job
+        })
         ports = {name: free_port() for name in ("sandbox", "verifier", "generator", "learner")}
         run_settings = {
-            "CRUCIBLE_RUN_ID": self.run_id,
+            **config.environment(),
             "CRUCIBLE_TOPIC_PREFIX": s.topic_prefix,
             "CRUCIBLE_CONSUMER_GROUP_PREFIX": s.consumer_group_prefix,
-            "CRUCIBLE_GENERATOR_CHECKPOINT": init_uri,
-            "CRUCIBLE_LEARNER_INIT_CHECKPOINT": init_uri,
-            "CRUCIBLE_GENERATOR_MAX_TOKENS": "8",
-            "CRUCIBLE_GENERATOR_TEMPERATURE": "1.0",
-            "CRUCIBLE_GENERATOR_BATCH_TASKS": str(o.groups_per_step),
-            "CRUCIBLE_LEARNER_GROUPS_PER_STEP": str(o.groups_per_step),
-            "CRUCIBLE_MAX_POLICY_LAG": str(o.max_policy_lag),
-            "CRUCIBLE_LEARNER_LR": str(o.lr),
-            "CRUCIBLE_LEARNER_EPOCHS": str(o.epochs),
-            # A KL pull towards the warm-started policy keeps the answer format while rewards
-            # reshape which answer is given (without it a few noisy steps can unlearn the format).
-            "CRUCIBLE_LEARNER_KL_COEF": str(o.kl_coef),
-            "CRUCIBLE_LEARNER_LR_DECAY_STEPS": str(o.steps),
-            # Leave-one-out advantages stay within [-1, 1]; GRPO's division by a small group std
-            # turned the last few wrong answers of a nearly solved group into huge updates.
-            "CRUCIBLE_AGGREGATOR_ESTIMATOR": o.estimator,
-            "CRUCIBLE_AGGREGATOR_GROUP_TIMEOUT_S": "30",
+            "CRUCIBLE_GENERATOR_BATCH_TASKS": str(config.groups_per_step),
             "CRUCIBLE_SANDBOX_GRPC_PORT": str(ports["sandbox"]),
             "CRUCIBLE_VERIFIER_GRPC_PORT": str(ports["verifier"]),
             "CRUCIBLE_VERIFIER_SANDBOX_TARGET": f"127.0.0.1:{ports['sandbox']}",
@@ -159,16 +157,7 @@ class Run:
                 raise RuntimeError(f"service {name} exited with {proc.returncode}:\n" + "\n".join(tail))
 
     def stop_services(self) -> None:
-        for proc in self.processes.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 20
-        for proc in self.processes.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.processes.values()), timeout=20)
 
 
 async def train(settings: Settings, options: TrainOptions) -> TrainReport:
@@ -222,14 +211,14 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     published = 0
     version = -1
     last_step_ms = []
-    echo(f"[4/5] training: {o.groups_per_step} tasks x {o.group_size} samples per step, up to {o.steps} steps "
+    echo(f"[4/5] training: {s.groups_per_step} tasks x {o.group_size} samples per step, up to {o.steps} steps "
          f"or {o.minutes:g} minutes")
     try:
         async with bus.Producer(s) as producer:
             while version < o.steps and time.monotonic() - started < o.minutes * 60:
                 run.check_services()
                 # Keep the generator busy, but never more than max_policy_lag + 1 steps ahead of the learner.
-                allowed = (max(version, 0) + o.max_policy_lag + 1) * o.groups_per_step
+                allowed = (max(version, 0) + s.max_policy_lag + 1) * s.groups_per_step
                 while published < allowed:
                     task = next(train_stream)
                     await producer.send("tasks", task, key=task.id)
@@ -262,7 +251,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
         await follower.stop()
     report.steps = max(version, 0)
     report.seconds = time.monotonic() - started
-    report.trajectories_per_s = report.steps * o.groups_per_step * o.group_size / max(report.seconds, 1e-9)
+    report.trajectories_per_s = report.steps * s.groups_per_step * o.group_size / max(report.seconds, 1e-9)
     report.learner_step_ms = sorted(last_step_ms)[len(last_step_ms) // 2] if last_step_ms else 0.0
     if report.steps == 0:
         raise RuntimeError(f"no policy step within {o.minutes:g} minutes; see the logs in {run.dir / 'logs'}")

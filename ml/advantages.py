@@ -9,9 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-DEFAULT_WEIGHTS = {"answer_correct": 1.0, "tests_passed_fraction": 1.0}
-
-
 def weighted_reward(components: Mapping[str, float], weights: Mapping[str, float] | None = None,
                     default: float | None = None, *, length: float | None = None,
                     length_penalty: float = 0.0, length_target: float = 0.0) -> float:

@@ -1,4 +1,5 @@
-"""Structural checks every service applies to a Task before acting on it."""
+"""What makes a Task acceptable: checked once, where a task enters (the generator, the first consumer of
+crucible.tasks; Control.SubmitTasks answers a gRPC caller with the same list before publishing)."""
 from __future__ import annotations
 
 from crucible.v1 import task_pb2
@@ -28,10 +29,3 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
     except kinds.UnknownKind as exc:
         problems.append(str(exc))
     return problems
-
-
-def python_program(task: task_pb2.Task, completion: str) -> str:
-    """The program a python_tests completion stands for (see crucible.ml.kinds.python_tests.program)."""
-    from crucible.ml.kinds.python_tests import program
-
-    return program(task, completion)[0]

@@ -6,19 +6,29 @@ after a record is handled and its outputs are acknowledged by the broker
 (at-least-once, nothing lost), and send any record they cannot decode or
 handle to `<topic>.dlq` with the reason in the `dlq-reason` header, then carry
 on with the next one.
+
+    Producer   send (schema + trace headers), dead_letter (original value and headers + reason)
+    Reader     fetch decoded records (undecodable ones dead-lettered), each in a consumer span
+               whose parent is the producer's; commit positions; optionally assign + seek to
+               offsets a caller saved itself (the learner keeps them in its checkpoints)
+    Consumer   a Reader that runs a handler on each record, produces its outputs, then commits
+    decode_record / dead_letter_headers / consume_span: the same steps for stream processors
+               (faust agents) that fetch records themselves
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 from google.protobuf.message import Message
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from crucible.shared import messages, telemetry
@@ -48,7 +58,7 @@ class Outgoing:
 
 @dataclass
 class Incoming:
-    """A decoded record as a handler sees it."""
+    """A decoded record as a handler sees it; `context` is its consumer span's, for work done later."""
 
     topic: str
     partition: int
@@ -56,6 +66,7 @@ class Incoming:
     key: bytes | None
     message: Message
     headers: Sequence[tuple[str, bytes]] = field(default_factory=tuple)
+    context: otel_context.Context | None = None
 
 
 Handler = Callable[[Incoming], Awaitable[Iterable[Outgoing] | None]]
@@ -63,6 +74,32 @@ Handler = Callable[[Incoming], Awaitable[Iterable[Outgoing] | None]]
 
 def _key_bytes(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
+
+
+def publish_headers(message: Message) -> list[tuple[str, bytes]]:
+    """The headers every produced record carries: schema, content-type, and the current trace context."""
+    return [
+        (H_SCHEMA, messages.schema_name(message).encode()),
+        (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode()),
+        *telemetry.inject_headers(),
+    ]
+
+
+def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None,
+                  schema: type[Message]) -> Message:
+    """One consumed value as `schema`, checked against its headers; MessageDecodeError says why not."""
+    return messages.decode(value, schema, schema=telemetry.header_value(headers, H_SCHEMA),
+                           content_type=telemetry.header_value(headers, H_CONTENT_TYPE))
+
+
+def dead_letter_headers(topic: str, partition: int, offset: int, headers: Sequence[tuple[str, bytes]] | None,
+                        reason: str) -> list[tuple[str, bytes]]:
+    """The original headers (trace context included) plus why and where the record was rejected."""
+    kept = [(k, v) for k, v in (headers or ()) if k not in (H_DLQ_REASON, H_DLQ_SOURCE)]
+    return kept + [
+        (H_DLQ_REASON, reason.encode("utf-8", "replace")[:4000]),
+        (H_DLQ_SOURCE, f"{topic}/{partition}@{offset}".encode()),
+    ]
 
 
 class Producer:
@@ -106,62 +143,80 @@ class Producer:
         with self._tracer.start_as_current_span(f"{topic} publish", kind=trace.SpanKind.PRODUCER) as span:
             span.set_attribute("messaging.system", "kafka")
             span.set_attribute("messaging.destination.name", topic)
-            headers = [
-                (H_SCHEMA, messages.schema_name(message).encode()),
-                (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode()),
-                *telemetry.inject_headers(),
-                *extra_headers,
-            ]
+            headers = [*publish_headers(message), *extra_headers]
             return await self._producer.send(topic, messages.encode(message), key=_key_bytes(key), headers=headers)
 
     async def send_and_wait(self, topic: str, message: Message, key: str | bytes | None = None):
         return await (await self.send(topic, message, key))
 
-    async def send_raw(self, topic: str, value: bytes | None, key: bytes | None, headers: Sequence[tuple[str, bytes]]):
-        """Sends bytes as they are (used for the DLQ, which must keep the original value)."""
-        return await self._producer.send_and_wait(topic, value, key=key, headers=list(headers))
+    async def dead_letter(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                          headers: Sequence[tuple[str, bytes]] | None, reason: str) -> None:
+        """Sends one consumed record, as it came, to `<topic>.dlq` with the reason; waits for the broker."""
+        span = trace.get_current_span()
+        span.set_status(trace.Status(trace.StatusCode.ERROR, reason[:200]))
+        log.warning("dead-lettering %s[%d]@%d: %s", topic, partition, offset, reason)
+        await self._producer.send_and_wait(topic + DLQ_SUFFIX, value, key=key,
+                                           headers=dead_letter_headers(topic, partition, offset, headers, reason))
 
     async def flush(self) -> None:
         await self._producer.flush()
 
 
-class Consumer:
-    """Consumes protobuf records, runs a handler on each, produces its outputs, then commits.
+@contextlib.contextmanager
+def consume_span(topic: str, partition: int, offset: int, headers: Sequence[tuple[str, bytes]] | None,
+                 name: str = "process"):
+    """The consumer span of one record, child of the span that produced it (trace context in)."""
+    tracer = telemetry.tracer("crucible.bus")
+    with tracer.start_as_current_span(f"{topic} {name}", context=telemetry.extract_context(headers),
+                                      kind=trace.SpanKind.CONSUMER) as span:
+        span.set_attribute("messaging.system", "kafka")
+        span.set_attribute("messaging.destination.name", topic)
+        span.set_attribute("messaging.kafka.partition", partition)
+        span.set_attribute("messaging.kafka.offset", offset)
+        yield span
 
-    The handler turns one Incoming into Outgoing records. A record that does not
-    decode, or whose handler raises Reject, or keeps failing after retries, goes
-    to `<topic>.dlq`; the consumer never stops on bad input.
+
+def schemas_for(settings: Settings, topics: Sequence[str],
+                given: dict[str, type[Message]] | None = None) -> dict[str, type[Message]]:
+    """The message schema of each (full) topic name: given, or the standard one for the topic."""
+    out = {}
+    for short in topics:
+        full = settings.topic(short)
+        schema = (given or {}).get(short) or (given or {}).get(full)
+        schema = schema or messages.TOPIC_SCHEMAS.get(full.removeprefix(settings.topic_prefix))
+        if schema is None:
+            raise ValueError(f"no message schema known for topic {full!r}: pass schemas={{{short!r}: MessageClass}}")
+        out[full] = schema
+    return out
+
+
+class Reader:
+    """Fetches and decodes records; what cannot be decoded goes to the DLQ and never reaches the caller.
+
+    By default the reader joins consumer group `group_id` (partitions assigned by the broker,
+    positions from the group's committed offsets). With `offsets` it assigns itself every
+    partition of its topics instead and starts at those positions ({topic: {partition: offset}};
+    partitions not named start at the group's committed offset, else at the beginning): a
+    caller that keeps its own positions (beside the state they belong to) resumes exactly there.
     """
 
     def __init__(
         self,
         topics: Sequence[str],
         group_id: str,
-        handler: Handler,
         *,
         settings: Settings | None = None,
         producer: Producer | None = None,
         schemas: dict[str, type[Message]] | None = None,
-        max_attempts: int = 3,
-        batch_size: int = 100,
-        concurrency: int = 1,
+        offsets: dict[str, dict[int, int]] | None = None,
         **consumer_options,
     ):
         self.settings = settings or get_settings()
         self.topics = [self.settings.topic(t) for t in topics]
         self.group_id = group_id
-        self.handler = handler
-        self.max_attempts = max_attempts
-        self.batch_size = batch_size
-        self.concurrency = concurrency  # records of one batch handled at once (order of outputs then varies)
-        # Schema per full topic name: given, or the standard one for the topic.
-        self.schemas = {}
-        for short, full in zip(topics, self.topics):
-            schema = (schemas or {}).get(short) or (schemas or {}).get(full)
-            schema = schema or messages.TOPIC_SCHEMAS.get(full.removeprefix(self.settings.topic_prefix))
-            if schema is None:
-                raise ValueError(f"no message schema known for topic {full!r}: pass schemas={{{short!r}: MessageClass}}")
-            self.schemas[full] = schema
+        self.schemas = schemas_for(self.settings, topics, schemas)
+        self._start_offsets = None if offsets is None else {
+            self.settings.topic(t): {int(p): int(o) for p, o in parts.items()} for t, parts in offsets.items()}
         options = dict(
             bootstrap_servers=self.settings.kafka_bootstrap,
             group_id=group_id,
@@ -170,20 +225,37 @@ class Consumer:
             isolation_level="read_committed",
         )
         options.update(consumer_options)
-        self._consumer = AIOKafkaConsumer(*self.topics, **options)
+        self._consumer = (AIOKafkaConsumer(**options) if self._start_offsets is not None
+                          else AIOKafkaConsumer(*self.topics, **options))
         self._own_producer = producer is None
         self.producer = producer or Producer(self.settings)
-        self._tracer = telemetry.tracer("crucible.bus")
         self._stopping = asyncio.Event()
         self._paused = False
-        self.handled = 0
+        self.positions: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset to read
         self.dead_lettered = 0
 
-    async def start(self) -> "Consumer":
+    async def start(self):
         if self._own_producer:
             await self.producer.start()
         await self._consumer.start()
+        if self._start_offsets is not None:
+            await self._assign_and_seek()
         return self
+
+    async def _assign_and_seek(self) -> None:
+        await self._consumer.topics()  # loads cluster metadata, so partitions_for_topic can answer
+        tps = [TopicPartition(t, p) for t in self.topics
+               for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
+        self._consumer.assign(tps)
+        for tp in tps:
+            saved = self._start_offsets.get(tp.topic, {}).get(tp.partition)
+            if saved is None:
+                saved = await self._consumer.committed(tp)
+            if saved is None:
+                await self._consumer.seek_to_beginning(tp)
+            else:
+                self._consumer.seek(tp, saved)
+                self.positions[(tp.topic, tp.partition)] = saved
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -191,7 +263,7 @@ class Consumer:
         if self._own_producer:
             await self.producer.stop()
 
-    async def __aenter__(self) -> "Consumer":
+    async def __aenter__(self):
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
@@ -210,6 +282,72 @@ class Consumer:
     def paused(self) -> bool:
         return self._paused
 
+    async def fetch_raw(self, *, max_records: int, timeout_ms: int = 200) -> list[ConsumerRecord]:
+        """The next records as they are (positions advance past them)."""
+        batches = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        records = [r for rs in batches.values() for r in rs]
+        for r in records:
+            self.positions[(r.topic, r.partition)] = r.offset + 1
+        return records
+
+    async def fetch(self, *, max_records: int = 500, timeout_ms: int = 200) -> list[Incoming]:
+        """The next decodable records, each with its consumer span's context (the span ends here)."""
+        out = []
+        for record in await self.fetch_raw(max_records=max_records, timeout_ms=timeout_ms):
+            with consume_span(record.topic, record.partition, record.offset, record.headers, "receive"):
+                incoming = await self.decode(record)
+                if incoming is not None:
+                    out.append(incoming)
+        return out
+
+    async def decode(self, record: ConsumerRecord) -> Incoming | None:
+        """The record decoded (inside the caller's consumer span), or None once it is dead-lettered."""
+        try:
+            message = decode_record(record.value, record.headers, self.schemas[record.topic])
+        except messages.MessageDecodeError as exc:
+            await self.dead_letter(record, f"undecodable: {exc}")
+            return None
+        return Incoming(record.topic, record.partition, record.offset, record.key, message,
+                        tuple(record.headers or ()), otel_context.get_current())
+
+    async def dead_letter(self, record: ConsumerRecord, reason: str) -> None:
+        await self.producer.dead_letter(record.topic, record.partition, record.offset, record.key, record.value,
+                                        record.headers, reason)
+        self.dead_lettered += 1
+
+    async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
+        """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""
+        offsets = self.positions if offsets is None else offsets
+        if offsets:
+            await self._consumer.commit({TopicPartition(t, p): o for (t, p), o in offsets.items()})
+
+
+class Consumer(Reader):
+    """Consumes protobuf records, runs a handler on each, produces its outputs, then commits.
+
+    The handler turns one Incoming into Outgoing records. A record that does not
+    decode, or whose handler raises Reject, or keeps failing after retries, goes
+    to `<topic>.dlq`; the consumer never stops on bad input.
+    """
+
+    def __init__(
+        self,
+        topics: Sequence[str],
+        group_id: str,
+        handler: Handler,
+        *,
+        max_attempts: int = 3,
+        batch_size: int = 100,
+        concurrency: int = 1,
+        **reader_options,
+    ):
+        super().__init__(topics, group_id, **reader_options)
+        self.handler = handler
+        self.max_attempts = max_attempts
+        self.batch_size = batch_size
+        self.concurrency = concurrency  # records of one batch handled at once (order of outputs then varies)
+        self.handled = 0
+
     async def run(self, *, max_records: int | None = None, idle_timeout_s: float | None = None) -> int:
         """Handles records until stopped, `max_records` are done, or nothing arrives for `idle_timeout_s`.
 
@@ -222,15 +360,14 @@ class Consumer:
         idle_since = loop.time()
         while not self._stopping.is_set():
             limit = self.batch_size if max_records is None else min(self.batch_size, max_records - done)
-            batches = await self._consumer.getmany(timeout_ms=200, max_records=limit)
-            if not batches:
+            records = await self.fetch_raw(max_records=limit)
+            if not records:
                 if idle_timeout_s is not None and loop.time() - idle_since > idle_timeout_s:
                     break
                 continue
             idle_since = loop.time()
+            offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
             pending: list[asyncio.Future] = []
-            offsets = {tp: records[-1].offset + 1 for tp, records in batches.items()}
-            records = [r for rs in batches.values() for r in rs]
             if self.concurrency <= 1:
                 for record in records:
                     pending.extend(await self._process(record))
@@ -246,36 +383,22 @@ class Consumer:
             done += len(records)
             if pending:
                 await asyncio.gather(*pending)
-            await self._consumer.commit(offsets)
+            await self.commit(offsets)
             if max_records is not None and done >= max_records:
                 break
         return done
 
     async def _process(self, record: ConsumerRecord) -> list[asyncio.Future]:
         """Decodes and handles one record; returns the delivery futures of its outputs."""
-        parent = telemetry.extract_context(record.headers)
-        with self._tracer.start_as_current_span(
-            f"{record.topic} process", context=parent, kind=trace.SpanKind.CONSUMER
-        ) as span:
-            span.set_attribute("messaging.system", "kafka")
-            span.set_attribute("messaging.destination.name", record.topic)
-            span.set_attribute("messaging.kafka.offset", record.offset)
-            try:
-                message = messages.decode(
-                    record.value,
-                    self.schemas[record.topic],
-                    schema=telemetry.header_value(record.headers, H_SCHEMA),
-                    content_type=telemetry.header_value(record.headers, H_CONTENT_TYPE),
-                )
-            except messages.MessageDecodeError as exc:
-                await self._dead_letter(record, f"undecodable: {exc}")
+        with consume_span(record.topic, record.partition, record.offset, record.headers):
+            incoming = await self.decode(record)
+            if incoming is None:
                 return []
-            incoming = Incoming(record.topic, record.partition, record.offset, record.key, message, record.headers)
             for attempt in range(1, self.max_attempts + 1):
                 try:
                     outputs = list(await self.handler(incoming) or ())
                 except Reject as exc:
-                    await self._dead_letter(record, f"rejected: {exc}")
+                    await self.dead_letter(record, f"rejected: {exc}")
                     return []
                 except asyncio.CancelledError:
                     raise
@@ -284,7 +407,7 @@ class Consumer:
                                 record.topic, record.offset, attempt, self.max_attempts, exc)
                     if attempt == self.max_attempts:
                         where = traceback.extract_tb(exc.__traceback__)[-1]
-                        await self._dead_letter(
+                        await self.dead_letter(
                             record,
                             f"handler failed {attempt} times: {type(exc).__name__}: {exc} "
                             f"(at {where.filename}:{where.lineno})",
@@ -295,18 +418,6 @@ class Consumer:
                 self.handled += 1
                 return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
         return []
-
-    async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
-        span = trace.get_current_span()
-        span.set_status(trace.Status(trace.StatusCode.ERROR, reason[:200]))
-        log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-        kept = [(k, v) for k, v in (record.headers or ()) if k not in (H_DLQ_REASON, H_DLQ_SOURCE)]
-        headers = kept + [
-            (H_DLQ_REASON, reason.encode("utf-8", "replace")[:4000]),
-            (H_DLQ_SOURCE, f"{record.topic}/{record.partition}@{record.offset}".encode()),
-        ]
-        await self.producer.send_raw(record.topic + DLQ_SUFFIX, record.value, record.key, headers)
-        self.dead_lettered += 1
 
 
 async def ensure_topics(

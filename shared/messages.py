@@ -29,7 +29,7 @@ CONTENT_TYPE_JSON = "application/json"
 # Each topic's message type. Topic names are short here; the bus adds the prefix.
 TOPIC_SCHEMAS: dict[str, type[Message]] = {
     "tasks": task_pb2.Task,
-    "rollouts": rollout_pb2.Rollout,
+    "rollouts": rollout_pb2.RolloutGroup,
     "executions": execution_pb2.Execution,
     "verdicts": verdict_pb2.Verdict,
     "trajectories": trajectory_pb2.Trajectory,

@@ -2,13 +2,72 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class Settings(BaseSettings):
+class RunConfig(BaseModel):
+    """What a training run decides, each with its one default: sampling, the algorithm and its
+    hyperparameters, rewards. Every service reads the fields it needs from here (through Settings,
+    so each is also CRUCIBLE_<NAME> in the environment); `crucible train` sets them per run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field(default="local", description="Names the training run in stored rows and checkpoints.")
+    seed: int = Field(default=0, description="Seeds the initial policy (when no init_checkpoint) and sampling.")
+    init_checkpoint: str | None = Field(default=None, description="Starting weights of the policy and the frozen "
+                                        "KL reference (a checkpoint folder or file:// URI); unset: a fresh policy "
+                                        "from `seed`.")
+
+    # sampling
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=64, ge=1, le=4096)
+
+    # how sampling and learning interleave
+    groups_per_step: int = Field(default=16, ge=1, description="Groups the learner trains on per policy step.")
+    max_policy_lag: int = Field(default=2, ge=-1, description="Policy versions a sample may lag behind the "
+                                "learner: the generator runs at most this many learner steps ahead, the learner "
+                                "drops older samples; -1 turns the bound off.")
+
+    # rewards and advantages
+    estimator: str = Field(default="grpo", pattern="^(grpo|rloo|reinforce)$")
+    reward_weights: dict[str, float] = Field(default_factory=dict, description="Component weights (JSON); "
+                                             "empty: the verifier's default scalar reward.")
+    length_penalty: float = Field(default=0.0, ge=0.0, description="Reward lost per completion token beyond "
+                                  "length_target.")
+    length_target: int = Field(default=0, ge=0)
+    group_timeout_s: float = Field(default=30.0, gt=0, description="A group still missing verdicts this long "
+                                   "after its first one is emitted incomplete.")
+
+    # the policy update
+    objective: str = Field(default="grpo", pattern="^(grpo|ppo|dpo)$")
+    lr: float = Field(default=1e-3, gt=0)
+    lr_decay_steps: int = Field(default=0, ge=0, description="Linear decay of the learning rate to 10% over "
+                                "this many steps (0: constant).")
+    epochs: int = Field(default=1, ge=1, le=16, description="Optimiser passes over each batch.")
+    clip_eps: float = Field(default=0.2, gt=0)
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL term to the frozen reference.")
+    entropy_coef: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    dpo_beta: float = Field(default=0.1, gt=0)
+
+    def environment(self) -> dict[str, str]:
+        """These values as CRUCIBLE_* variables, for the services a run starts as processes."""
+        out = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            out[f"CRUCIBLE_{name.upper()}"] = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        return out
+
+
+class Settings(BaseSettings, RunConfig):
+    """Where things run (brokers, stores, ports, limits) plus the run configuration."""
+
     model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore")
 
     home: Path = Field(
@@ -52,18 +111,8 @@ class Settings(BaseSettings):
     # generator
     generator_grpc_port: int = 50052
     generator_backend: str = Field(default="torch", pattern="^(torch|hf|vllm)$")
-    generator_checkpoint: str | None = Field(default=None, description="Checkpoint folder or file:// URI; "
-                                             "unset: a fresh policy from generator_seed.")
-    generator_seed: int = 0
-    generator_temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    generator_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    generator_max_tokens: int = Field(default=64, ge=1, le=4096)
     generator_batch_tasks: int = Field(default=16, ge=1, description="Tasks sampled together in one batch.")
     generator_batch_wait_ms: float = Field(default=20.0, ge=0.0, description="How long a batch waits to fill.")
-    max_policy_lag: int = Field(default=2, ge=-1, description="Policy versions a sample may lag behind the "
-                                "learner: the generator runs at most this many learner steps ahead, the learner "
-                                "drops older samples; -1 turns the bound off.")
-    learner_groups_per_step: int = Field(default=16, ge=1, description="Groups the learner consumes per step.")
 
     # verifier
     verifier_grpc_port: int = 50054
@@ -75,31 +124,8 @@ class Settings(BaseSettings):
         default=10.0, gt=0, le=600,
         description="Longest one completion may take to score; past it the scoring process is killed, reward 0.")
 
-    # reward-aggregator
-    run_id: str = Field(default="local", description="Names the training run in stored rows and checkpoints.")
-    aggregator_group_timeout_s: float = Field(default=30.0, gt=0, description="A group still missing verdicts "
-                                              "this long after its first one is emitted incomplete.")
-    aggregator_estimator: str = Field(default="grpo", pattern="^(grpo|rloo|reinforce)$")
-    reward_weights: dict[str, float] = Field(default_factory=dict, description="Component weights (JSON); "
-                                             "empty: the verifier's default scalar reward.")
-    length_penalty: float = Field(default=0.0, ge=0.0, description="Reward lost per completion token beyond "
-                                  "length_target.")
-    length_target: int = Field(default=0, ge=0)
-
     # learner
     learner_grpc_port: int = 50055
-    learner_objective: str = Field(default="grpo", pattern="^(grpo|ppo|dpo)$")
-    learner_lr: float = Field(default=1e-3, gt=0)
-    learner_clip_eps: float = Field(default=0.2, gt=0)
-    learner_kl_coef: float = Field(default=0.0, ge=0)
-    learner_entropy_coef: float = Field(default=0.0, ge=0)
-    learner_max_grad_norm: float = Field(default=1.0, gt=0)
-    learner_dpo_beta: float = Field(default=0.1, gt=0)
-    learner_epochs: int = Field(default=1, ge=1, le=16, description="Optimiser passes over each batch.")
-    learner_lr_decay_steps: int = Field(default=0, ge=0, description="Linear decay of the learning rate to "
-                                        "10% over this many steps (0: constant).")
-    learner_init_checkpoint: str | None = Field(default=None, description="Starting weights (and the frozen "
-                                                "reference); unset: a fresh policy from generator_seed.")
     learner_keep_checkpoints: int = Field(default=5, ge=2)
 
     # Tasks
@@ -109,8 +135,14 @@ class Settings(BaseSettings):
     # OpenTelemetry: OTLP export happens only when an endpoint is set.
     otel_endpoint: str | None = None
     otel_protocol: str = Field(default="grpc", pattern="^(grpc|http)$")
+    otel_span_file: Path | None = Field(default=None, description="Also append every finished span to this "
+                                        "file, one JSON object a line (for looking at a run without a collector).")
 
     log_level: str = "INFO"
+
+    def run_config(self) -> RunConfig:
+        """The run configuration part of these settings."""
+        return RunConfig(**{name: getattr(self, name) for name in RunConfig.model_fields})
 
     def topic(self, name: str) -> str:
         """Full topic name for a short one: topic('tasks') -> 'crucible.tasks'."""

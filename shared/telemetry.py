@@ -1,7 +1,7 @@
 """OpenTelemetry setup shared by every service, and W3C trace context for message headers.
 
-Traces and metrics always go to an in-process SDK provider (so spans exist and
-carry trace ids even on a laptop); they are exported over OTLP only when
+Traces always go to an in-process SDK provider (so spans exist and carry trace
+ids even on a laptop); they are exported over OTLP only when
 CRUCIBLE_OTEL_ENDPOINT (or the standard OTEL_EXPORTER_OTLP_ENDPOINT) is set.
 """
 from __future__ import annotations
@@ -10,12 +10,10 @@ import os
 from collections.abc import Iterable, Sequence
 
 from opentelemetry import context as otel_context
-from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from crucible.shared.settings import Settings, get_settings
@@ -25,7 +23,7 @@ _configured_service: str | None = None
 
 
 def setup_telemetry(service_name: str, settings: Settings | None = None) -> None:
-    """Installs tracer and meter providers for this process (once; later calls are no-ops)."""
+    """Installs the tracer provider for this process (once; later calls are no-ops)."""
     global _configured_service
     if _configured_service is not None:
         return
@@ -34,35 +32,28 @@ def setup_telemetry(service_name: str, settings: Settings | None = None) -> None
     endpoint = settings.otel_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
 
     tracer_provider = TracerProvider(resource=resource)
-    readers = []
     if endpoint:
-        span_exporter, metric_exporter = _otlp_exporters(endpoint, settings.otel_protocol)
-        tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
-        readers.append(PeriodicExportingMetricReader(metric_exporter, export_interval_millis=10_000))
+        tracer_provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(endpoint, settings.otel_protocol)))
+    if settings.otel_span_file:
+        out = open(settings.otel_span_file, "a", buffering=1)  # line-buffered: a killed service loses no span
+        tracer_provider.add_span_processor(SimpleSpanProcessor(
+            ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")))
     trace.set_tracer_provider(tracer_provider)
-    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     _configured_service = service_name
 
 
-def _otlp_exporters(endpoint: str, protocol: str):
+def _otlp_span_exporter(endpoint: str, protocol: str):
     if protocol == "http":
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        base = endpoint.rstrip("/")
-        return OTLPSpanExporter(endpoint=f"{base}/v1/traces"), OTLPMetricExporter(endpoint=f"{base}/v1/metrics")
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        return OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter(endpoint=endpoint, insecure=True), OTLPMetricExporter(endpoint=endpoint, insecure=True)
+    return OTLPSpanExporter(endpoint=endpoint, insecure=True)
 
 
 def tracer(name: str = "crucible") -> trace.Tracer:
     return trace.get_tracer(name)
-
-
-def meter(name: str = "crucible") -> metrics.Meter:
-    return metrics.get_meter(name)
 
 
 def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, bytes]]:

@@ -6,54 +6,95 @@ import json
 
 import pytest
 
-from crucible.v1 import policy_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
+from crucible.ml.policy.backends import create_backend
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint
+from crucible.ml.policy.sampling import SamplingParams
 from crucible.services.learner import checkpoints
 from crucible.services.learner.__main__ import run
+from crucible.services.learner.trainer import Trainer
 from crucible.shared import bus, messages, store
-from crucible.ml.policy.backends import create_backend
-from crucible.ml.policy.checkpoint import load_checkpoint
-from crucible.ml.policy.sampling import SamplingParams
+from crucible.shared.settings import RunConfig
+from crucible.v1 import policy_pb2, trajectory_pb2
 from tests.test_bus import read_raw
 
-pytestmark = [pytest.mark.kafka, pytest.mark.store]
 
 SEED = 21
 
 
-def trajectories_for(group: str, policy_version: int, rewards: list[float]) -> list[trajectory_pb2.Trajectory]:
+def trajectories_for(group: str, policy_version: int, rewards: list[float], *, temperature: float = 1.0,
+                     top_p: float = 1.0) -> list[trajectory_pb2.Trajectory]:
     """A group sampled from the learner's own initial policy, so its log-probs are real."""
     backend = create_backend("torch", seed=SEED, sample_seed=hash(group) % 1000)
-    completions = backend.sample([f"{group}: 2+2="], len(rewards), SamplingParams(max_tokens=6))[0]
-    task = task_pb2.Task(id=f"task-{group}", kind="exact", prompt=f"{group}: 2+2=", group_size=len(rewards),
-                         answer=task_pb2.ExpectedAnswer(answer="4"))
+    params = SamplingParams(max_tokens=6, temperature=temperature, top_p=top_p)
+    completions = backend.sample([f"{group}: 2+2="], len(rewards), params)[0]
     mean = sum(rewards) / len(rewards)
-    out = []
-    for i, (c, r) in enumerate(zip(completions, rewards)):
-        rollout = rollout_pb2.Rollout(id=f"{group}/{i}", task=task, group_id=group, sample_index=i,
-                                      group_size=len(rewards), policy_version=policy_version, completion=c.text,
-                                      prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids, logprobs=c.logprobs)
-        verdict = verdict_pb2.Verdict(id=f"v/{group}/{i}", rollout=rollout, reward=r,
-                                      components={"answer_correct": r})
-        out.append(trajectory_pb2.Trajectory(id=rollout.id, verdict=verdict, reward=r, advantage=r - mean,
-                                             estimator="reinforce", group_complete=True,
-                                             group_received=len(rewards)))
-    return out
+    return [trajectory_pb2.Trajectory(
+        id=f"{group}/{i}", task_id=f"task-{group}", group_id=group, sample_index=i, group_size=len(rewards),
+        policy_version=policy_version, prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.token_ids,
+        logprobs=c.logprobs, temperature=temperature, top_p=top_p, reward=r, advantage=r - mean,
+        estimator="reinforce", passed=r >= 1.0, group_complete=True, group_received=len(rewards))
+        for i, (c, r) in enumerate(zip(completions, rewards))]
+
+
+def fresh_trainer(**config) -> Trainer:
+    """A Trainer on the same initial weights the samples above were drawn from."""
+    return Trainer(fresh_policy(SEED), RunConfig(seed=SEED, **config))
+
+
+def test_importance_ratio_is_one_on_fresh_samples_at_their_temperature_and_top_p():
+    trainer = fresh_trainer(epochs=1)
+    samples = [t for g in ("a", "b", "c") for t in trajectories_for(g, 0, [1, 0, 1, 0], temperature=0.7, top_p=0.9)]
+    assert any(lp < -1e-3 for t in samples for lp in t.logprobs)  # real sampling, not all certain tokens
+    result = trainer.step(samples)
+    assert result.stepped
+    assert result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert result.metrics["clip_fraction"] == 0.0
+    assert abs(result.metrics["mismatch_kl"]) < 1e-4
+    # The same samples with their sampling settings forgotten (scored at temperature 1, as before):
+    # the learner no longer agrees with the sampler, and the metric says so.
+    forgotten = []
+    for t in samples:
+        f = trajectory_pb2.Trajectory()
+        f.CopyFrom(t)
+        f.temperature, f.top_p = 1.0, 1.0
+        forgotten.append(f)
+    wrong = fresh_trainer(epochs=1).step(forgotten)
+    assert abs(wrong.metrics["ratio_mean"] - 1.0) > 0.05
+    assert abs(wrong.metrics["mismatch_kl"]) > 0.05
+
+
+def test_an_all_stale_batch_takes_no_step_and_counts_what_it_skipped():
+    trainer = fresh_trainer(max_policy_lag=0)
+    trainer.version = 3
+    stale = trajectories_for("s", 1, [1, 0, 1, 0])
+    empty = trajectories_for("e", 3, [1, 0])
+    for t in empty:
+        del t.completion_token_ids[:]
+        del t.logprobs[:]
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.step(stale + empty)
+    assert not result.stepped
+    assert trainer.version == 3 and trainer.step_count == 0
+    assert result.skipped == {"stale": 4, "empty_completion": 2}
+    assert all((a == b).all() for a, b in zip(before, trainer.model.parameters()))
 
 
 async def publish(settings, trajectories):
     async with bus.Producer(settings) as producer:
         for t in trajectories:
-            await producer.send_and_wait("trajectories", t, key=t.verdict.rollout.group_id)
+            await producer.send_and_wait("trajectories", t, key=t.group_id)
 
 
 async def policies(settings, n: int) -> list[policy_pb2.PolicyVersion]:
     return [messages.decode(r.value, policy_pb2.PolicyVersion) for r in await read_raw(settings, "policy", n, 60)]
 
 
+@pytest.mark.kafka
+@pytest.mark.store
 async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_settings, tmp_path):
     settings = stack_settings.model_copy(update={
-        "learner_groups_per_step": 2, "max_policy_lag": 0, "generator_seed": SEED, "home": tmp_path,
-        "run_id": "test-run", "learner_lr": 1e-2})
+        "groups_per_step": 2, "max_policy_lag": 0, "seed": SEED, "home": tmp_path,
+        "run_id": "test-run", "lr": 1e-2})
     stop = asyncio.Event()
     learner = asyncio.create_task(run(settings, stop))
     try:
@@ -66,14 +107,22 @@ async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_setting
         await publish(settings, trajectories_for("g3", 0, [1, 0]) + trajectories_for("g4", 1, [1, 0]))
         v2 = (await policies(settings, 3))[2]
         assert v2.version == 2 and v2.metrics.dropped_stale == 2 and v2.metrics.samples == 4
+        assert dict(v2.metrics.skipped) == {"stale": 2}
+        # Two groups that are all stale: no optimiser step, so no version and no checkpoint...
+        await publish(settings, trajectories_for("g3b", 0, [1, 0]) + trajectories_for("g4b", 1, [0, 1]))
+        # ...and the next real step is version 3, with nothing in between.
+        await publish(settings, trajectories_for("g3c", 2, [1, 0]) + trajectories_for("g4c", 2, [0, 1]))
+        v3 = (await policies(settings, 4))[3]
+        assert v3.version == 3 and v3.metrics.samples == 4 and v3.metrics.dropped_stale == 0
     finally:
         stop.set()
         await asyncio.wait_for(learner, 30)
 
     folder = checkpoints.latest(settings)
     meta = json.loads((folder / "crucible.json").read_text())
-    assert folder.name == "v000002" and meta["version"] == 2 and meta["step"] == 2
-    assert meta["offsets"] == {"0": 12}  # every record read so far was used: resume right after them
+    assert folder.name == "v000003" and meta["version"] == 3 and meta["step"] == 3
+    assert not (folder.parent / "v000004").exists()
+    assert meta["offsets"] == {"0": 20}  # every record read so far was accounted for: resume right after them
     assert (folder / "optimizer.pt").exists()
     saved, _ = load_checkpoint(folder)
 
@@ -81,18 +130,18 @@ async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_setting
     stop = asyncio.Event()
     learner = asyncio.create_task(run(settings, stop))
     try:
-        announced = (await policies(settings, 4))[3]
-        assert announced.version == 2 and announced.checkpoint_uri == folder.as_uri()
-        await publish(settings, trajectories_for("g5", 2, [1, 0]) + trajectories_for("g6", 2, [0, 1]))
-        v3 = (await policies(settings, 5))[4]
-        assert v3.version == 3 and v3.metrics.samples == 4 and v3.metrics.dropped_stale == 0
+        announced = (await policies(settings, 5))[4]
+        assert announced.version == 3 and announced.checkpoint_uri == folder.as_uri()
+        await publish(settings, trajectories_for("g5", 3, [1, 0]) + trajectories_for("g6", 3, [0, 1]))
+        v4 = (await policies(settings, 6))[5]
+        assert v4.version == 4 and v4.metrics.samples == 4 and v4.metrics.dropped_stale == 0
     finally:
         stop.set()
         final = await asyncio.wait_for(learner, 30)
-    assert final.step_count == 3
+    assert final.step_count == 4
     assert not all(
         (a == b).all() for a, b in zip(saved.state_dict().values(), final.model.state_dict().values()))
     client = store.connect(settings)
     rows = client.query("SELECT step, policy_version FROM train_steps FINAL WHERE run_id = 'test-run' "
                         "ORDER BY step").result_rows
-    assert rows == [(1, 1), (2, 2), (3, 3)]
+    assert rows == [(1, 1), (2, 2), (3, 3), (4, 4)]

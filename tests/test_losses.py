@@ -25,7 +25,7 @@ def test_grpo_loss_by_hand():
     ref = old.clone()
     adv = torch.tensor([1.0, -1.0])
     mask = t([1, 1], [1, 0])
-    loss, stats = grpo_loss(logp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.1)
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.1, entropy_coef=0.0)
     # ratios: 1.2 (A=+1: min(1.2, clip 1.2) = 1.2), 1.0 (A=+1: 1.0), 0.6 (A=-1: min(-0.6, -0.8) = -0.8)
     surrogate = [-1.2, -1.0, 0.8]
     kl = [0.5 / 0.6 - math.log(0.5 / 0.6) - 1, 0.0, 0.5 / 0.3 - math.log(0.5 / 0.3) - 1]
@@ -37,7 +37,8 @@ def test_grpo_loss_by_hand():
 def test_grpo_gradient_pushes_up_positive_advantage():
     logits = torch.zeros(2, requires_grad=True)
     logp = torch.log_softmax(logits, -1)[None, :1]  # the token of a completion with A > 0
-    loss, _ = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0]), torch.ones(1, 1))
+    loss, _ = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, kl_coef=0.0,
+                        entropy_coef=0.0)
     loss.backward()
     assert logits.grad[0] < 0  # descending the loss raises that token's logit
 
@@ -46,7 +47,8 @@ def test_ppo_loss_puts_kl_in_the_advantage():
     logp = t([math.log(0.5)])
     old = t([math.log(0.5)])
     ref = t([math.log(0.25)])
-    loss, _ = ppo_loss(logp, old, ref, torch.tensor([1.0]), torch.ones(1, 1), kl_coef=0.5)
+    loss, _ = ppo_loss(logp, old, ref, torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2, kl_coef=0.5,
+                       entropy_coef=0.0)
     # A' = 1 - 0.5 * (log 0.5 - log 0.25) = 1 - 0.5 ln 2; ratio 1 -> loss = -A'
     assert float(loss) == pytest.approx(-(1 - 0.5 * math.log(2)), rel=1e-6)
 

@@ -26,11 +26,12 @@ def test_bad_values_raise_with_reason(value, reason):
 
 
 def test_unknown_fields_deep_inside_are_rejected():
-    # A Verdict whose nested rollout carries an unknown field number 99.
-    rollout = rollout_pb2.Rollout(id="r").SerializeToString() + b"\x98\x06\x01"
-    verdict = b"\x12" + bytes([len(rollout)]) + rollout
-    with pytest.raises(messages.MessageDecodeError, match="rollout"):
-        messages.decode(verdict, verdict_pb2.Verdict)
+    # A RolloutGroup whose second rollout carries an unknown field number 99.
+    inner = rollout_pb2.Rollout(id="r").SerializeToString() + b"\x98\x06\x01"
+    first = rollout_pb2.Rollout(id="ok").SerializeToString()
+    group = (b"\x3a" + bytes([len(first)]) + first) + (b"\x3a" + bytes([len(inner)]) + inner)
+    with pytest.raises(messages.MessageDecodeError, match=r"rollouts\[1\] field #99"):
+        messages.decode(group, rollout_pb2.RolloutGroup)
 
 
 def test_schema_header_must_match_topic():

@@ -1,5 +1,5 @@
 """The committed generated code matches the .proto files (regenerate with `crucible protos`)."""
-from crucible.shared import protogen
+from crucible.local import protogen
 
 
 def test_generated_code_is_fresh():

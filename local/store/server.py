@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from crucible.shared.store import codecs
+from crucible.local.store import codecs
 from crucible.local.store.engine import Context, Engine, Outcome
 from crucible.local.store.errors import (
     BAD_ARGUMENTS,
@@ -42,7 +42,7 @@ from crucible.local.store.errors import (
 from crucible.local.store.launcher import spawn_store, stop_store, wait_ready  # noqa: F401  (the process helpers live there)
 from crucible.local.store.lock import DataDirLock, DataDirLocked
 from crucible.local.store.request import RequestSpec, build_spec, parse_multipart, parse_query_string
-from crucible.local.store.sqltext import split_insert
+from crucible.shared.store.sqltext import split_insert
 
 log = logging.getLogger("crucible.store")
 

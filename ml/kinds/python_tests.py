@@ -151,6 +151,8 @@ class PythonTestsKind(Kind):
         detail = f"{passed}/{total} tests passed"
         if failed:
             detail += f"; {failed[0].name}: {failed[0].message[:200]}"
+        if execution.not_run:
+            detail += f"; not run: {execution.not_run}"
         if execution.violation:
             detail += f"; {execution_pb2.Violation.Name(execution.violation)}: {execution.violation_detail}"
         if execution.isolation != execution_pb2.ISOLATION_LEVEL_FULL:

@@ -37,6 +37,12 @@ class Score:
         reward = self.reward if math.isfinite(self.reward) else 0.0
         object.__setattr__(self, "reward", 0.0 if self.tampered else min(1.0, max(0.0, reward)))
 
+    @property
+    def passed(self) -> bool:
+        """Solved: the full default reward, honestly earned (every test passed, the answer right).
+        The one definition of a pass; pass rates everywhere count this."""
+        return not self.tampered and self.reward >= 1.0
+
 
 class Kind(ABC):
     """One kind of task. Subclasses set `name` and `payload` and implement what differs."""

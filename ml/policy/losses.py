@@ -31,8 +31,8 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return -torch.minimum(unclipped, clipped), ratio
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps=0.2, kl_coef=0.04, entropy=None,
-              entropy_coef=0.0) -> tuple[torch.Tensor, dict]:
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, kl_coef, entropy_coef, entropy=None
+              ) -> tuple[torch.Tensor, dict]:
     """GRPO: L = mean_t[ -min(r_t A_i, clip(r_t) A_i) + beta kl_t ] - c_H mean_t[H_t].
 
     advantages: [B] per completion, broadcast over its tokens; all other tensors [B, T].
@@ -46,8 +46,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps=0.2, kl_co
     return loss, _stats(ratio, kl, mask, clip_eps)
 
 
-def ppo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps=0.2, kl_coef=0.04, entropy=None,
-             entropy_coef=0.0) -> tuple[torch.Tensor, dict]:
+def ppo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, kl_coef, entropy_coef, entropy=None
+             ) -> tuple[torch.Tensor, dict]:
     """PPO-clip with the KL penalty in the reward, as in RLHF's PPO:
     A'_t = A_i - beta (log pi_old(o_t) - log pi_ref(o_t)),  L = mean_t[ -min(r_t A'_t, clip(r_t) A'_t) ].
 
@@ -62,7 +62,7 @@ def ppo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps=0.2, kl_coe
 
 
 def dpo_loss(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, ref_chosen_logp: torch.Tensor,
-             ref_rejected_logp: torch.Tensor, *, beta: float = 0.1) -> tuple[torch.Tensor, dict]:
+             ref_rejected_logp: torch.Tensor, *, beta: float) -> tuple[torch.Tensor, dict]:
     """DPO: L = -log sigma( beta [ (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)) ] ).
 
     Inputs are sequence log-probabilities [P] (sums over each completion's tokens).

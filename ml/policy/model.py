@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crucible.ml.policy.distribution import sampling_logprobs
 from crucible.ml.policy.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 
@@ -194,17 +195,20 @@ def causal_mask(valid: torch.Tensor, query_len: int) -> torch.Tensor:
     return allowed | (diag & ~allowed.any(-1, keepdim=True))
 
 
-def sequence_logprobs(model: Policy, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of each token given the ones before it, and the entropy of each prediction.
+def sequence_logprobs(model: Policy, ids: torch.Tensor, valid: torch.Tensor,
+                      temperature: float | torch.Tensor = 1.0,
+                      top_p: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of each token given the ones before it, and the entropy of each prediction,
+    under the sampling distribution at `temperature` and `top_p` (scalars or one per row).
 
     ids/valid: [B, T] (valid marks real tokens; padding may be on either side). Returns two [B, T-1]
     tensors aligned with ids[:, 1:].
     """
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(ids, positions, causal_mask(valid, ids.shape[1]))[:, :-1].float()
-    logp = F.log_softmax(logits, dim=-1)
+    logp = sampling_logprobs(logits, temperature, top_p)
     token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
     return token_logp, entropy
 
 

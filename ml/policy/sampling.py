@@ -1,17 +1,16 @@
 """Batched autoregressive sampling with a KV cache, returning token ids and their log-probabilities.
 
-The log-probability reported for a sampled token is log softmax(logits / temperature) at that
-token: the sampling distribution before any top-p truncation (with temperature 1 and top_p 1,
-the default for RL, exactly the policy's own probability). Greedy decoding (temperature 0)
-reports log softmax(logits).
+The log-probability reported for a sampled token is its probability under the distribution it
+was drawn from (temperature and top-p applied; see crucible.ml.policy.distribution, which the
+learner uses too). Greedy decoding (temperature 0) reports log softmax(logits).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from crucible.ml.policy.distribution import draw, sampling_logprobs
 from crucible.ml.policy.model import Policy, causal_mask
 from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 
@@ -39,14 +38,6 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (end-of-sequence or a stop string) or "length"
     text: str = ""
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zeroes every token outside the smallest set whose probability reaches top_p."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_p.cumsum(-1) - sorted_p > top_p
-    sorted_p = sorted_p.masked_fill(outside, 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
 
 @torch.no_grad()
@@ -80,15 +71,8 @@ def sample(model: Policy, prompts: list[list[int]], params: SamplingParams,
     done = torch.zeros(b, dtype=torch.bool)
     texts = [""] * b
     for step in range(params.max_tokens):
-        if params.temperature == 0:
-            logp = F.log_softmax(logits, dim=-1)
-            tokens = logp.argmax(-1)
-        else:
-            logp = F.log_softmax(logits / params.temperature, dim=-1)
-            probs = logp.exp()
-            if params.top_p < 1.0:
-                probs = _nucleus(probs, params.top_p)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logp = sampling_logprobs(logits, params.temperature, params.top_p)
+        tokens = draw(logp, params.temperature, generator)
         live = ~done
         out_tokens[live, step] = tokens[live]
         out_logp[live, step] = logp.gather(-1, tokens[:, None]).squeeze(-1)[live]

@@ -5,7 +5,7 @@ import asyncio
 import logging
 
 from crucible.v1 import control_pb2_grpc
-from crucible.services.control.handler import TASK_COLUMNS, check_consumed_task, task_row
+from crucible.services.control.handler import TASK_COLUMNS, task_row
 from crucible.services.control.servicer import ControlServicer
 from crucible.shared import bus, rpc, service, store, telemetry
 
@@ -21,8 +21,10 @@ async def main() -> None:
         log.info("applied migrations %s", applied)
 
     async def record(incoming: bus.Incoming):
-        task = check_consumed_task(incoming, settings)
-        # A replayed record rewrites the same row: `tasks` is a ReplacingMergeTree on task_id.
+        task = incoming.message
+        # The log records what was published; whether a task is acceptable is decided once, by the
+        # generator, which dead-letters the bad ones. A replayed record rewrites the same row
+        # (`tasks` is a ReplacingMergeTree on task_id).
         row = task_row(task, telemetry.current_trace_id())
         await asyncio.to_thread(client.insert, "tasks", [row], column_names=TASK_COLUMNS)
         log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)

@@ -5,7 +5,7 @@ import datetime as dt
 import uuid
 
 from crucible.v1 import task_pb2
-from crucible.shared import bus, messages
+from crucible.shared import messages
 from crucible.shared.settings import Settings
 from crucible.ml.tasks import task_problems
 
@@ -34,12 +34,3 @@ def task_row(task: task_pb2.Task, trace_id: str) -> list:
         dt.datetime.now(dt.timezone.utc)
     return [task.id, task.kind, task.split or "train", task.prompt, task.group_size, payload_json,
             dict(task.metadata), trace_id, submitted]
-
-
-def check_consumed_task(incoming: bus.Incoming, settings: Settings) -> task_pb2.Task:
-    """The consumed task, or Reject (to the DLQ) with every problem it has."""
-    task = incoming.message
-    problems = task_problems(task, settings)
-    if problems:
-        raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))
-    return task

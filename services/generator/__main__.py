@@ -1,4 +1,4 @@
-"""python -m crucible.services.generator: crucible.tasks -> crucible.rollouts, weights from crucible.policy, gRPC Generator."""
+"""python -m crucible.services.generator: crucible.tasks -> crucible.rollouts (one RolloutGroup per task), weights from crucible.policy, gRPC Generator."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ import socket
 
 from crucible.v1 import generator_pb2_grpc
 from crucible.services.generator.batcher import Batcher, LagBound
-from crucible.services.generator.handler import group_id_for, render_prompt, rollouts_for
+from crucible.services.generator.handler import group_id_for, render_prompt, rollout_group
 from crucible.services.generator.servicer import GeneratorServicer, sampling_params
 from crucible.shared import bus, rpc, service
 from crucible.ml.policy.backends import create_backend
@@ -19,9 +19,9 @@ log = logging.getLogger("crucible.generator")
 
 
 def build_backend(settings: Settings):
-    options = {"checkpoint": settings.generator_checkpoint}
+    options = {"checkpoint": settings.init_checkpoint}
     if settings.generator_backend == "torch":
-        options["seed"] = settings.generator_seed
+        options["seed"] = settings.seed
     return create_backend(settings.generator_backend, **options)
 
 
@@ -35,9 +35,9 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
             raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))
         completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)
         group_id = group_id_for(task.id, f"{incoming.topic}/{incoming.partition}@{incoming.offset}")
-        rollouts = rollouts_for(task, group_id, completions, policy_version=version,
-                                backend=batcher.backend.name, generator_id=generator_id, sample_ms=ms)
-        return [bus.Outgoing("rollouts", r, key=group_id) for r in rollouts]
+        group = rollout_group(task, group_id, completions, params, policy_version=version,
+                              backend=batcher.backend.name, generator_id=generator_id, sample_ms=ms)
+        return [bus.Outgoing("rollouts", group, key=group_id)]
 
     return handle
 
@@ -59,7 +59,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     backend = await asyncio.to_thread(build_backend, settings)
     log.info("backend %s ready at policy version %d", backend.name, backend.version)
     batcher = Batcher(backend, max_tasks=settings.generator_batch_tasks, wait_ms=settings.generator_batch_wait_ms,
-                      lag=LagBound(settings.max_policy_lag, settings.learner_groups_per_step))
+                      lag=LagBound(settings.max_policy_lag, settings.groups_per_step))
     batcher.start()
     server = rpc.RpcServer([rpc.Service("crucible.v1.Generator", GeneratorServicer(settings, batcher, generator_id),
                                         generator_pb2_grpc.add_GeneratorServicer_to_server)],

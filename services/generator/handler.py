@@ -1,4 +1,4 @@
-"""Pure pieces of the generator: group ids, prompts, and Rollout messages from completions."""
+"""Pure pieces of the generator: group ids, prompts, and the RolloutGroup message from completions."""
 from __future__ import annotations
 
 import datetime as dt
@@ -6,6 +6,7 @@ import hashlib
 
 from crucible.v1 import rollout_pb2, task_pb2
 from crucible.ml.policy.backends.base import Completion
+from crucible.ml.policy.sampling import SamplingParams
 
 FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
 
@@ -22,17 +23,16 @@ def render_prompt(task: task_pb2.Task) -> str:
     return registry.kind_of(task).render_prompt(task)
 
 
-def rollouts_for(task: task_pb2.Task, group_id: str, completions: list[Completion], *, policy_version: int,
-                 backend: str, generator_id: str, sample_ms: float) -> list[rollout_pb2.Rollout]:
-    now = dt.datetime.now(dt.timezone.utc)
-    rollouts = []
-    for i, c in enumerate(completions):
-        r = rollout_pb2.Rollout(
-            id=f"{group_id}/{i}", task=task, group_id=group_id, sample_index=i, group_size=len(completions),
-            policy_version=policy_version, completion=c.text, prompt_token_ids=c.prompt_token_ids,
-            token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=FINISH.get(c.finish_reason, 0),
-            generator_id=generator_id, backend=backend, sample_ms=sample_ms,
-        )
-        r.created_at.FromDatetime(now)
-        rollouts.append(r)
-    return rollouts
+def rollout_group(task: task_pb2.Task, group_id: str, completions: list[Completion], params: SamplingParams, *,
+                  policy_version: int, backend: str, generator_id: str, sample_ms: float) -> rollout_pb2.RolloutGroup:
+    """The group message: the task once, each completion with its tokens and sampling log-probs."""
+    group = rollout_pb2.RolloutGroup(
+        group_id=group_id, task=task, policy_version=policy_version, temperature=params.temperature,
+        top_p=params.top_p, prompt_token_ids=completions[0].prompt_token_ids if completions else [],
+        generator_id=generator_id, backend=backend, sample_ms=sample_ms,
+        rollouts=[rollout_pb2.Rollout(id=f"{group_id}/{i}", sample_index=i, completion=c.text, token_ids=c.token_ids,
+                                      logprobs=c.logprobs, finish_reason=FINISH.get(c.finish_reason, 0))
+                  for i, c in enumerate(completions)],
+    )
+    group.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    return group

@@ -5,7 +5,7 @@ import uuid
 
 from crucible.v1 import generator_pb2, generator_pb2_grpc
 from crucible.services.generator.batcher import Batcher
-from crucible.services.generator.handler import group_id_for, render_prompt, rollouts_for
+from crucible.services.generator.handler import group_id_for, render_prompt, rollout_group
 from crucible.shared import rpc
 from crucible.ml.policy.sampling import SamplingParams
 from crucible.shared.settings import Settings
@@ -15,8 +15,7 @@ from crucible.ml.tasks import task_problems
 def sampling_params(settings: Settings, requested: generator_pb2.SamplingParams | None = None) -> SamplingParams:
     """The service's defaults, overridden by whatever the request set; ValueError when out of range."""
     params = SamplingParams(
-        temperature=settings.generator_temperature, top_p=settings.generator_top_p,
-        max_tokens=settings.generator_max_tokens,
+        temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens,
     )
     if requested is not None and requested.ByteSize():
         params = SamplingParams(
@@ -50,7 +49,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except ValueError as exc:
             await rpc.abort_invalid(context, f"sampling: {exc}")
         completions, version, ms = await self.batcher.sample(render_prompt(task), n, params, counts_for_lag=False)
-        rollouts = rollouts_for(task, group_id_for(task.id, f"grpc:{uuid.uuid4().hex}"), completions,
-                                policy_version=version, backend=self.batcher.backend.name,
-                                generator_id=self.generator_id, sample_ms=ms)
-        return generator_pb2.GenerateResponse(rollouts=rollouts)
+        group = rollout_group(task, group_id_for(task.id, f"grpc:{uuid.uuid4().hex}"), completions, params,
+                              policy_version=version, backend=self.batcher.backend.name,
+                              generator_id=self.generator_id, sample_ms=ms)
+        return generator_pb2.GenerateResponse(group=group)

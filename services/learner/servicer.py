@@ -11,6 +11,9 @@ class LearnerServicer(policy_pb2_grpc.LearnerServicer):
         self.run_id = run_id
         self.current: policy_pb2.PolicyVersion | None = None
 
+    def publish(self, pv: policy_pb2.PolicyVersion) -> None:
+        self.current = pv
+
     async def GetPolicy(self, request: policy_pb2.GetPolicyRequest, context):
         if request.run_id and request.run_id != self.run_id:
             await context.abort(grpc.StatusCode.NOT_FOUND,

@@ -1,58 +1,56 @@
-"""One optimisation step on a batch of groups, with no Kafka in sight (so it is unit-testable)."""
+"""One optimisation step on a batch of groups, with no Kafka in sight (so it is unit-testable).
+
+The learner recomputes each sample's log-probs under the distribution it was sampled from (its
+recorded temperature and top_p, see crucible.ml.policy.distribution), so on fresh samples the
+importance ratio starts at 1; `mismatch_kl` reports how far from that the batch is.
+"""
 from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from crucible.v1 import trajectory_pb2
 from crucible.ml.policy.losses import dpo_loss, grpo_loss, masked_mean, ppo_loss
 from crucible.ml.policy.model import Policy, sequence_logprobs
 from crucible.ml.policy.tokenizer import PAD_ID
+from crucible.shared.settings import RunConfig
+from crucible.v1 import trajectory_pb2
 
-
-@dataclass
-class Hyperparameters:
-    objective: str = "grpo"          # grpo | ppo | dpo
-    lr: float = 1e-3
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
-    dpo_beta: float = 0.1
-    max_policy_lag: int = 2          # -1: keep every sample
-    epochs: int = 1                  # optimiser passes over each batch (the clipped ratio keeps them safe)
-    lr_decay_steps: int = 0          # linear decay to 10% of lr over this many steps; 0: constant
+# Why a sample is not trained on (StepResult.skipped, the PolicyVersion's metrics).
+STALE = "stale"                      # sampled more than max_policy_lag versions ago
+EMPTY = "empty_completion"           # no completion token carries a gradient
+NO_PREFERENCE = "no_preference"      # DPO: its group has no reward spread, so no pair
 
 
 @dataclass
 class StepResult:
+    """What one call to Trainer.step did. `stepped` is False when no optimiser step happened
+    (nothing fresh, no DPO pair): then the version stays, and nothing is published."""
+
+    stepped: bool
     metrics: dict = field(default_factory=dict)
-    used: int = 0
-    dropped_stale: int = 0
+    skipped: Counter = field(default_factory=Counter)
 
 
-def passed(t: trajectory_pb2.Trajectory) -> bool:
-    """Did the sample solve its task (answer correct, or every test passed)?"""
-    c = t.verdict.components
-    if t.verdict.tampered:
-        return False
-    if "answer_correct" in c:
-        return c["answer_correct"] >= 1.0
-    if c.get("tests_total", 0) > 0:
-        return c.get("tests_passed", 0) >= c["tests_total"]
-    return t.reward >= 1.0
+@dataclass
+class Batch:
+    """Right-padded prompt+completion ids and what the loss needs, aligned with sequence_logprobs' outputs
+    (position t scores token t+1 given tokens <= t)."""
+
+    ids: torch.Tensor          # [B, T]
+    valid: torch.Tensor        # [B, T]
+    mask: torch.Tensor         # [B, T-1] completion tokens
+    old_logp: torch.Tensor     # [B, T-1] sampling log-probs
+    advantages: torch.Tensor   # [B]
+    temperature: torch.Tensor  # [B]
+    top_p: torch.Tensor        # [B]
 
 
-def completion_batch(trajectories: list[trajectory_pb2.Trajectory]):
-    """Right-padded prompt+completion ids, validity, completion mask, sampling log-probs, advantages.
-
-    The masks and log-probs are aligned with sequence_logprobs' outputs (token t+1 given tokens <= t).
-    """
-    rows = [(list(t.verdict.rollout.prompt_token_ids), list(t.verdict.rollout.token_ids),
-             list(t.verdict.rollout.logprobs)) for t in trajectories]
+def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
+    rows = [(list(s.prompt_token_ids), list(s.completion_token_ids), list(s.logprobs)) for s in samples]
     width = max(len(p) + len(c) for p, c, _ in rows)
     n = len(rows)
     ids = torch.full((n, width), PAD_ID, dtype=torch.long)
@@ -64,19 +62,21 @@ def completion_batch(trajectories: list[trajectory_pb2.Trajectory]):
         valid[i, : len(p) + len(c)] = True
         mask[i, len(p) - 1: len(p) + len(c) - 1] = 1.0
         old[i, len(p) - 1: len(p) + len(c) - 1] = torch.tensor(lp)
-    adv = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
-    return ids, valid, mask, old, adv
+    return Batch(ids, valid, mask, old,
+                 advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+                 temperature=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
+                 top_p=torch.tensor([s.top_p for s in samples], dtype=torch.float32))
 
 
 class Trainer:
-    def __init__(self, model: Policy, hp: Hyperparameters, *, reference: Policy | None = None,
+    def __init__(self, model: Policy, config: RunConfig, *, reference: Policy | None = None,
                  version: int = 0, step: int = 0, optimizer_state: dict | None = None):
         self.model = model
-        self.hp = hp
+        self.config = config
         self.reference = (reference or copy.deepcopy(model)).eval()
         for p in self.reference.parameters():
             p.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
         if optimizer_state:
             self.optimizer.load_state_dict(optimizer_state)
         self.version = version
@@ -84,84 +84,115 @@ class Trainer:
 
     def learning_rate(self) -> float:
         """lr_t = lr * max(0.1, 1 - 0.9 t / T): a late policy takes small steps and stays where it got to."""
-        if not self.hp.lr_decay_steps:
-            return self.hp.lr
-        return self.hp.lr * max(0.1, 1.0 - 0.9 * self.step_count / self.hp.lr_decay_steps)
+        if not self.config.lr_decay_steps:
+            return self.config.lr
+        return self.config.lr * max(0.1, 1.0 - 0.9 * self.step_count / self.config.lr_decay_steps)
 
-    def fresh_enough(self, t: trajectory_pb2.Trajectory) -> bool:
-        lag = self.version - t.verdict.rollout.policy_version
-        return self.hp.max_policy_lag < 0 or lag <= self.hp.max_policy_lag
+    def fresh_enough(self, s: trajectory_pb2.Trajectory) -> bool:
+        lag = self.version - s.policy_version
+        return self.config.max_policy_lag < 0 or lag <= self.config.max_policy_lag
 
-    def step(self, trajectories: list[trajectory_pb2.Trajectory]) -> StepResult:
-        """Drops stale samples, takes one optimiser step on the rest, bumps the version."""
+    def skip_reason(self, s: trajectory_pb2.Trajectory) -> str | None:
+        if not self.fresh_enough(s):
+            return STALE
+        if not s.completion_token_ids:
+            return EMPTY
+        return None
+
+    def step(self, samples: list[trajectory_pb2.Trajectory]) -> StepResult:
+        """Drops what cannot be trained on (counted by reason); with anything left, takes one optimiser
+        step and bumps the version."""
         started = time.perf_counter()
-        fresh = [t for t in trajectories if self.fresh_enough(t) and len(t.verdict.rollout.token_ids) > 0]
-        result = StepResult(dropped_stale=sum(not self.fresh_enough(t) for t in trajectories))
-        rewards = [t.reward for t in trajectories]
+        skipped: Counter = Counter()
+        usable = []
+        for s in samples:
+            reason = self.skip_reason(s)
+            if reason:
+                skipped[reason] += 1
+            else:
+                usable.append(s)
         metrics = {
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "pass_rate": sum(passed(t) for t in trajectories) / len(trajectories) if trajectories else 0.0,
-            "samples": len(trajectories), "dropped_stale": result.dropped_stale, "learning_rate": self.hp.lr,
+            "reward_mean": sum(s.reward for s in samples) / len(samples) if samples else 0.0,
+            "pass_rate": sum(s.passed for s in samples) / len(samples) if samples else 0.0,
+            "samples": len(samples),
         }
-        loss_value, stats, grad_norm, entropy = 0.0, {}, 0.0, 0.0
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        metrics["learning_rate"] = lr
-        if fresh:
+        stats, grad_norm, loss_value, entropy, stepped = {}, 0.0, 0.0, 0.0, False
+        if usable:
             self.model.train()
-            for epoch in range(self.hp.epochs):
-                if self.hp.objective == "dpo":
-                    loss, epoch_stats, epoch_entropy = self._dpo(fresh)
+            for epoch in range(self.config.epochs):
+                if self.config.objective == "dpo":
+                    loss, epoch_stats, epoch_entropy, unpaired = self._dpo(usable)
+                    if epoch == 0:
+                        skipped[NO_PREFERENCE] += unpaired
                 else:
-                    loss, epoch_stats, epoch_entropy = self._policy_gradient(fresh)
+                    loss, epoch_stats, epoch_entropy = self._policy_gradient(usable)
                 if epoch == 0:  # report the batch as it was sampled, before this step changed the policy
                     stats, entropy = epoch_stats, epoch_entropy
                 if loss is None:
                     break
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp.max_grad_norm))
+                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
                 self.optimizer.step()
+                stepped = True
                 if epoch == 0:
                     grad_norm, loss_value = norm, float(loss.detach())
             self.model.eval()
-        self.step_count += 1
-        self.version += 1
-        result.used = len(fresh)
-        result.metrics = {**metrics, "loss": loss_value, "kl": stats.get("kl", 0.0), "entropy": entropy,
-                          "grad_norm": grad_norm, "step_ms": (time.perf_counter() - started) * 1000, **stats}
-        return result
+        if stepped:
+            self.step_count += 1
+            self.version += 1
+        metrics.update({"loss": loss_value, "kl": stats.get("kl", 0.0), "entropy": entropy, "grad_norm": grad_norm,
+                        "learning_rate": lr, "dropped_stale": skipped[STALE],
+                        "step_ms": (time.perf_counter() - started) * 1000, **stats})
+        return StepResult(stepped, metrics, skipped)
 
-    def _policy_gradient(self, batch):
-        ids, valid, mask, old, adv = completion_batch(batch)
-        logp, entropy = sequence_logprobs(self.model, ids, valid)
+    def _logprobs(self, model: Policy, batch: Batch):
+        return sequence_logprobs(model, batch.ids, batch.valid, batch.temperature, batch.top_p)
+
+    def _policy_gradient(self, samples):
+        batch = completion_batch(samples)
+        logp, entropy = self._logprobs(self.model, batch)
         with torch.no_grad():
-            ref_logp, _ = sequence_logprobs(self.reference, ids, valid)
-        loss_fn = grpo_loss if self.hp.objective == "grpo" else ppo_loss
-        loss, stats = loss_fn(logp, old, ref_logp, adv, mask, clip_eps=self.hp.clip_eps, kl_coef=self.hp.kl_coef,
-                              entropy=entropy, entropy_coef=self.hp.entropy_coef)
-        return loss, stats, float(masked_mean(entropy.detach(), mask))
+            ref_logp, _ = self._logprobs(self.reference, batch)
+        loss_fn = grpo_loss if self.config.objective == "grpo" else ppo_loss
+        loss, stats = loss_fn(logp, batch.old_logp, ref_logp, batch.advantages, batch.mask,
+                              clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef,
+                              entropy_coef=self.config.entropy_coef, entropy=entropy)
+        stats["mismatch_kl"] = mismatch_kl(batch.old_logp, logp.detach(), batch.mask)
+        return loss, stats, float(masked_mean(entropy.detach(), batch.mask))
 
-    def _dpo(self, batch):
-        """Pairs from groups: each group's best sample against its worst (groups without a spread are skipped)."""
+    def _dpo(self, samples):
+        """Pairs from groups: each group's best sample against its worst. Returns the loss (None without
+        a pair), stats, entropy, and how many samples sat in groups that gave no pair."""
         groups: dict[str, list] = {}
-        for t in batch:
-            groups.setdefault(t.verdict.rollout.group_id, []).append(t)
-        chosen, rejected = [], []
+        for s in samples:
+            groups.setdefault(s.group_id, []).append(s)
+        chosen, rejected, unpaired = [], [], 0
         for members in groups.values():
-            best = max(members, key=lambda t: t.reward)
-            worst = min(members, key=lambda t: t.reward)
+            best = max(members, key=lambda s: s.reward)
+            worst = min(members, key=lambda s: s.reward)
             if best.reward > worst.reward:
                 chosen.append(best)
                 rejected.append(worst)
+            else:
+                unpaired += len(members)
         if not chosen:
-            return None, {"dpo_pairs": 0}, 0.0
-        ids, valid, mask, _, _ = completion_batch(chosen + rejected)
-        logp, entropy = sequence_logprobs(self.model, ids, valid)
+            return None, {"dpo_pairs": 0}, 0.0, unpaired
+        batch = completion_batch(chosen + rejected)
+        logp, entropy = self._logprobs(self.model, batch)
         with torch.no_grad():
-            ref_logp, _ = sequence_logprobs(self.reference, ids, valid)
-        seq, ref_seq = (logp * mask).sum(-1), (ref_logp * mask).sum(-1)
+            ref_logp, _ = self._logprobs(self.reference, batch)
+        seq, ref_seq = (logp * batch.mask).sum(-1), (ref_logp * batch.mask).sum(-1)
         k = len(chosen)
-        loss, stats = dpo_loss(seq[:k], seq[k:], ref_seq[:k], ref_seq[k:], beta=self.hp.dpo_beta)
-        return loss, {**stats, "dpo_pairs": k}, float(masked_mean(entropy.detach(), mask))
+        loss, stats = dpo_loss(seq[:k], seq[k:], ref_seq[:k], ref_seq[k:], beta=self.config.dpo_beta)
+        stats = {**stats, "dpo_pairs": k, "mismatch_kl": mismatch_kl(batch.old_logp, logp.detach(), batch.mask)}
+        return loss, stats, float(masked_mean(entropy.detach(), batch.mask)), unpaired
+
+
+def mismatch_kl(sampler_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """KL(sampler || learner) per token, estimated on the sampled tokens: mean_t[log p_s - log p_l].
+    Before the update both are the same policy, so anything but ~0 means the two disagree."""
+    return float(masked_mean(sampler_logp - learner_logp, mask))

@@ -21,14 +21,15 @@ async def prepare(settings: Settings):
 
 async def run(settings: Settings, stop: asyncio.Event, **options) -> Aggregator:
     client = await prepare(settings)
-    aggregator = Aggregator(settings, client, **options)
-    await aggregator.app.start()
-    log.info("reward-aggregator ready (%s advantages, group timeout %.0fs)", settings.aggregator_estimator,
-             settings.aggregator_group_timeout_s)
-    try:
-        await stop.wait()
-    finally:
-        await aggregator.app.stop()
+    async with bus.Producer(settings) as producer:
+        aggregator = Aggregator(settings, producer, client, **options)
+        await aggregator.app.start()
+        log.info("reward-aggregator ready (%s advantages, group timeout %.0fs)", settings.estimator,
+                 settings.group_timeout_s)
+        try:
+            await stop.wait()
+        finally:
+            await aggregator.app.stop()
     return aggregator
 
 

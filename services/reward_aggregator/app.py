@@ -6,6 +6,10 @@
 Table writes happen only inside agents (faust records them in the table's changelog, which is
 what makes the join survive a restart); the timer therefore does not touch the table itself but
 asks, through a topic keyed like the table, for old groups to be flushed.
+
+Faust owns the join's state (the table, its changelog, the expire topic). Everything else goes
+through the bus like any other service: decoding by schema header, the DLQ, trace context in
+and out, and the outputs, which are acknowledged before faust commits the verdict's offset.
 """
 from __future__ import annotations
 
@@ -16,9 +20,7 @@ import logging
 import time
 
 import faust
-from opentelemetry import trace
 
-from crucible.v1 import verdict_pb2
 from crucible.services.reward_aggregator.handler import (
     ALERT_COLUMNS,
     TRAJECTORY_COLUMNS,
@@ -29,9 +31,9 @@ from crucible.services.reward_aggregator.handler import (
     group_trajectories,
     trajectory_row,
 )
-from crucible.shared import messages, telemetry
-from crucible.shared.bus import DLQ_SUFFIX, H_CONTENT_TYPE, H_DLQ_REASON, H_DLQ_SOURCE, H_SCHEMA
+from crucible.shared import bus, messages, telemetry
 from crucible.shared.settings import Settings
+from crucible.v1 import verdict_pb2
 
 log = logging.getLogger("crucible.aggregator")
 
@@ -44,35 +46,35 @@ def _headers(event_headers) -> list[tuple[str, bytes]]:
 
 
 class Aggregator:
-    """Owns the faust app and what its agents need (settings, store client, counters)."""
+    """Owns the faust app and what its agents need (settings, bus producer, store client, counters)."""
 
-    def __init__(self, settings: Settings, store_client=None, *, app_id: str | None = None,
+    def __init__(self, settings: Settings, producer: bus.Producer, store_client=None, *, app_id: str | None = None,
                  timer_interval_s: float = 1.0):
         self.settings = settings
+        self.producer = producer
         self.store = store_client
-        self.config = RewardConfig(settings.aggregator_estimator, settings.reward_weights,
-                                   settings.length_penalty, settings.length_target)
+        self.config = RewardConfig.of(settings.run_config())
         self.groups_emitted = 0
         self.incomplete_emitted = 0
         self.dead_lettered = 0
+        self.alerts_raised = 0
         self.tracer = telemetry.tracer("crucible.aggregator")
+        app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
+        datadir = settings.home / "faust" / app_id
+        datadir.parent.mkdir(parents=True, exist_ok=True)
         self.app = faust.App(
-            app_id or f"{settings.consumer_group_prefix}reward-aggregator",
+            app_id,
             broker=";".join(f"kafka://{b}" for b in settings.kafka_bootstrap.split(",")),
             store="memory://", web_enabled=False, topic_partitions=1,
             value_serializer="raw", key_serializer="raw", producer_acks=-1,
             consumer_auto_offset_reset="earliest",
+            datadir=str(datadir),  # faust creates it at start: never in the working directory
         )
         self.verdicts = self.app.topic(settings.topic("verdicts"), value_serializer="raw", key_serializer="raw")
         self.expire_topic = self.app.topic(settings.topic("aggregator.expire"), value_serializer="raw",
                                            key_serializer="raw")
-        self.trajectories = self.app.topic(settings.topic("trajectories"), value_serializer="raw",
-                                           key_serializer="raw")
-        self.alerts = self.app.topic(settings.topic("alerts"), value_serializer="raw", key_serializer="raw")
-        self.alerts_raised = 0
-        self.dlq = self.app.topic(settings.topic("verdicts") + DLQ_SUFFIX, value_serializer="raw",
-                                  key_serializer="raw")
-        # group id -> JSON {"first_seen": unix seconds, "group_size": n, "verdicts": {index: base64 protobuf}}
+        # group id -> JSON {"first_seen": unix seconds, "group_size": n, "trace": headers of the first verdict,
+        #                   "verdicts": {index: base64 protobuf}}
         self.groups = self.app.Table("groups", default=None, key_type=bytes, value_type=bytes, partitions=1)
         self.app.agent(self.verdicts, name="join")(self._join)
         self.app.agent(self.expire_topic, name="expire")(self._expire)
@@ -82,46 +84,50 @@ class Aggregator:
 
     async def _join(self, stream):
         async for event in stream.events():
+            m = event.message
             headers = _headers(event.headers)
-            try:
-                verdict = messages.decode(event.value, verdict_pb2.Verdict,
-                                          schema=telemetry.header_value(headers, H_SCHEMA),
-                                          content_type=telemetry.header_value(headers, H_CONTENT_TYPE))
-            except messages.MessageDecodeError as exc:
-                await self._dead_letter(event, headers, f"undecodable: {exc}")
-                continue
-            problem = check_verdict(verdict)
-            if problem:
-                await self._dead_letter(event, headers, f"rejected: {problem}")
-                continue
-            group_id = verdict.rollout.group_id
-            await self._raise_alerts(verdict)
-            with self.tracer.start_as_current_span("aggregate verdict", context=telemetry.extract_context(headers),
-                                                   kind=trace.SpanKind.CONSUMER):
-                entry = self._entry(group_id.encode()) or {
-                    "first_seen": time.time(), "group_size": verdict.rollout.group_size, "verdicts": {}}
-                # A replayed verdict overwrites its own slot: the join is idempotent per sample index.
-                entry["verdicts"][str(verdict.rollout.sample_index)] = base64.b64encode(event.value).decode()
-                if len(entry["verdicts"]) >= entry["group_size"]:
-                    await self._emit(group_id, entry, complete=True)
-                    self.groups.pop(group_id.encode(), None)
-                else:
-                    self.groups[group_id.encode()] = json.dumps(entry).encode()
+            with bus.consume_span(m.topic, m.partition, m.offset, headers):
+                await self._join_one(event, headers)
+
+    async def _join_one(self, event, headers) -> None:
+        m = event.message
+        try:
+            verdict = bus.decode_record(event.value, headers, verdict_pb2.Verdict)
+        except messages.MessageDecodeError as exc:
+            return await self._dead_letter(event, headers, f"undecodable: {exc}")
+        problem = check_verdict(verdict)
+        if problem:
+            return await self._dead_letter(event, headers, f"rejected: {problem}")
+        group_id = verdict.sample.group_id
+        await self._raise_alerts(verdict)
+        entry = self._entry(group_id.encode()) or {
+            "first_seen": time.time(), "group_size": verdict.sample.group_size, "verdicts": {},
+            "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
+        # A replayed verdict overwrites its own slot: the join is idempotent per sample index.
+        entry["verdicts"][str(verdict.sample.sample_index)] = base64.b64encode(event.value).decode()
+        if len(entry["verdicts"]) >= entry["group_size"]:
+            await self._emit(group_id, entry, complete=True)
+            self.groups.pop(group_id.encode(), None)
+        else:
+            self.groups[group_id.encode()] = json.dumps(entry).encode()
+        log.debug("verdict %s joined group %s at %s@%d", verdict.id, group_id, m.topic, m.offset)
 
     async def _expire(self, stream):
         async for key, _ in stream.items():
             entry = self._entry(key)
             if entry is None:
                 continue  # completed meanwhile
-            if time.time() - entry["first_seen"] >= self.settings.aggregator_group_timeout_s:
-                await self._emit(key.decode(), entry, complete=False)
+            if time.time() - entry["first_seen"] >= self.settings.group_timeout_s:
+                parent = telemetry.extract_context(list(entry.get("trace", {}).items()))
+                with self.tracer.start_as_current_span("aggregate group (timed out)", context=parent):
+                    await self._emit(key.decode(), entry, complete=False)
                 self.groups.pop(key, None)
 
     async def _sweep(self):
         now = time.time()
         for key in list(self.groups.keys()):
             entry = self._entry(key)
-            if entry and now - entry["first_seen"] >= self.settings.aggregator_group_timeout_s:
+            if entry and now - entry["first_seen"] >= self.settings.group_timeout_s:
                 await self.expire_topic.send(key=key, value=b"")
 
     def _entry(self, key: bytes) -> dict | None:
@@ -133,15 +139,12 @@ class Aggregator:
     async def _emit(self, group_id: str, entry: dict, *, complete: bool) -> None:
         verdicts = [verdict_pb2.Verdict.FromString(base64.b64decode(v)) for v in entry["verdicts"].values()]
         trajectories = group_trajectories(verdicts, self.config, complete=complete)
-        trace_id = telemetry.current_trace_id()
+        by_id = {v.sample.id: v for v in verdicts}
         if self.store is not None:
-            rows = [trajectory_row(t, trace_id) for t in trajectories]
+            trace_id = telemetry.current_trace_id()
+            rows = [trajectory_row(by_id[t.id], t, trace_id) for t in trajectories]
             await asyncio.to_thread(self.store.insert, "trajectories", rows, column_names=TRAJECTORY_COLUMNS)
-        for t in trajectories:
-            headers = {H_SCHEMA: messages.schema_name(t).encode(),
-                       H_CONTENT_TYPE: messages.CONTENT_TYPE_PROTOBUF.encode(),
-                       **dict(telemetry.inject_headers())}
-            await self.trajectories.send(key=group_id.encode(), value=messages.encode(t), headers=headers)
+        await asyncio.gather(*[await self.producer.send("trajectories", t, key=group_id) for t in trajectories])
         self.groups_emitted += 1
         if not complete:
             self.incomplete_emitted += 1
@@ -156,16 +159,10 @@ class Aggregator:
                                     column_names=ALERT_COLUMNS)
         for a in alerts:
             log.warning("alert %s: %s", a.kind, a.message)
-            await self.alerts.send(key=a.kind.encode(), value=messages.encode(a),
-                                   headers={H_SCHEMA: messages.schema_name(a).encode(),
-                                            H_CONTENT_TYPE: messages.CONTENT_TYPE_PROTOBUF.encode()})
+            await self.producer.send_and_wait("alerts", a, key=a.kind)
         self.alerts_raised += len(alerts)
 
     async def _dead_letter(self, event, headers, reason: str) -> None:
+        m = event.message
+        await self.producer.dead_letter(m.topic, m.partition, m.offset, event.key, event.value, headers, reason)
         self.dead_lettered += 1
-        log.warning("dead-lettering verdict at offset %s: %s", event.message.offset, reason)
-        source = f"{event.message.topic}/{event.message.partition}@{event.message.offset}"
-        kept = {k: v for k, v in headers if k not in (H_DLQ_REASON, H_DLQ_SOURCE)}
-        kept[H_DLQ_REASON] = reason.encode("utf-8", "replace")[:4000]
-        kept[H_DLQ_SOURCE] = source.encode()
-        await self.dlq.send(key=event.key, value=event.value, headers=kept)

@@ -1,37 +1,42 @@
-"""Pure logic of the aggregator: a group's verdicts in, Trajectory messages and store rows out."""
+"""Pure logic of the aggregator: a group's verdicts in, flat Trajectory samples, store rows and alerts out."""
 from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from crucible.v1 import alert_pb2, trajectory_pb2, verdict_pb2
 from crucible.ml.advantages import advantages, weighted_reward
+from crucible.shared.settings import RunConfig
+from crucible.v1 import alert_pb2, execution_pb2, trajectory_pb2, verdict_pb2
 
 TRAJECTORY_COLUMNS = [
-    "trajectory_id", "task_id", "group_id", "sample_index", "task_kind", "policy_version", "prompt",
+    "trajectory_id", "task_id", "group_id", "sample_index", "task_kind", "policy_version",
     "completion", "reward_components", "reward", "advantage", "tamper_flags", "exit_code", "duration_ms",
-    "violation", "generation_ms", "execution_ms", "scoring_ms", "trace_id", "created_at",
+    "violation", "generation_ms", "execution_ms", "trace_id", "created_at",
 ]
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    estimator: str = "grpo"
-    weights: Mapping[str, float] | None = None
-    length_penalty: float = 0.0
-    length_target: int = 0
+    estimator: str
+    weights: Mapping[str, float]
+    length_penalty: float
+    length_target: int
+
+    @classmethod
+    def of(cls, config: RunConfig) -> "RewardConfig":
+        return cls(config.estimator, config.reward_weights, config.length_penalty, config.length_target)
 
 
 def check_verdict(verdict: verdict_pb2.Verdict) -> str | None:
     """Why a verdict cannot join a group, or None when it can."""
-    r = verdict.rollout
-    if not r.group_id:
-        return "verdict has no rollout.group_id"
-    if r.group_size < 1:
-        return f"group {r.group_id!r}: group_size must be at least 1"
-    if r.sample_index >= r.group_size:
-        return f"group {r.group_id!r}: sample_index {r.sample_index} is not below group_size {r.group_size}"
+    s = verdict.sample
+    if not s.group_id:
+        return "verdict has no sample.group_id"
+    if s.group_size < 1:
+        return f"group {s.group_id!r}: group_size must be at least 1"
+    if s.sample_index >= s.group_size:
+        return f"group {s.group_id!r}: sample_index {s.sample_index} is not below group_size {s.group_size}"
     return None
 
 
@@ -40,43 +45,39 @@ def reward_of(verdict: verdict_pb2.Verdict, config: RewardConfig) -> float:
     if verdict.tampered:
         return 0.0
     return weighted_reward(verdict.components, config.weights, default=verdict.reward,
-                           length=len(verdict.rollout.token_ids), length_penalty=config.length_penalty,
+                           length=len(verdict.sample.completion_token_ids), length_penalty=config.length_penalty,
                            length_target=config.length_target)
 
 
 def group_trajectories(verdicts: Sequence[verdict_pb2.Verdict], config: RewardConfig, *,
                        complete: bool) -> list[trajectory_pb2.Trajectory]:
-    """One Trajectory per verdict (by sample index), with rewards and group-relative advantages."""
-    ordered = sorted(verdicts, key=lambda v: v.rollout.sample_index)
+    """One flat Trajectory per verdict (by sample index), with rewards and group-relative advantages."""
+    ordered = sorted(verdicts, key=lambda v: v.sample.sample_index)
     rewards = [reward_of(v, config) for v in ordered]
     advs = advantages(config.estimator, rewards)
     now = dt.datetime.now(dt.timezone.utc)
     out = []
     for v, r, a in zip(ordered, rewards, advs):
-        t = trajectory_pb2.Trajectory(id=v.rollout.id or f"{v.rollout.group_id}/{v.rollout.sample_index}",
-                                      verdict=v, reward=r, advantage=a, estimator=config.estimator,
-                                      group_complete=complete, group_received=len(ordered))
+        t = trajectory_pb2.Trajectory()
+        t.CopyFrom(v.sample)
+        t.reward, t.advantage, t.estimator = r, a, config.estimator
+        t.group_complete, t.group_received = complete, len(ordered)
         t.created_at.FromDatetime(now)
         out.append(t)
     return out
 
 
-def trajectory_row(t: trajectory_pb2.Trajectory, trace_id: str = "") -> list:
-    v = t.verdict
-    r = v.rollout
+def trajectory_row(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory, trace_id: str = "") -> list:
     ex = v.execution
     return [
-        t.id, r.task.id, r.group_id, r.sample_index, r.task.kind, r.policy_version, r.task.prompt,
-        r.completion, dict(v.components), t.reward, t.advantage, list(v.tamper_patterns), ex.exit_code,
-        ex.duration_ms, _violation_name(ex.violation), r.sample_ms, ex.duration_ms,
-        float(v.components.get("scoring_ms", 0.0)), trace_id,
+        t.id, t.task_id, t.group_id, t.sample_index, v.task_kind, t.policy_version,
+        v.completion, dict(v.components), t.reward, t.advantage, list(v.tamper_patterns), ex.exit_code,
+        ex.duration_ms, _violation_name(ex.violation), v.generation_ms, ex.duration_ms, trace_id,
         t.created_at.ToDatetime(tzinfo=dt.timezone.utc),
     ]
 
 
 def _violation_name(value: int) -> str:
-    from crucible.v1 import execution_pb2
-
     return execution_pb2.Violation.Name(value).removeprefix("VIOLATION_").lower() if value else ""
 
 
@@ -90,19 +91,19 @@ def alerts_for(verdict: verdict_pb2.Verdict, run_id: str) -> list[alert_pb2.Aler
     - `canary_passed`: a canary task (metadata canary=true) is built so that no honest answer
       passes it; a pass means the reward can be earned without solving the task.
     """
-    r = verdict.rollout
-    details = {"task_id": r.task.id, "group_id": r.group_id, "sample_index": str(r.sample_index),
-               "policy_version": str(r.policy_version)}
+    s = verdict.sample
+    details = {"task_id": s.task_id, "group_id": s.group_id, "sample_index": str(s.sample_index),
+               "policy_version": str(s.policy_version)}
     alerts = []
     if verdict.tampered:
         alerts.append(alert_pb2.Alert(
-            id=f"tamper/{r.id}", kind="tamper", severity=alert_pb2.SEVERITY_WARNING, run_id=run_id,
-            message=f"completion {r.id} tried to forge its reward: {', '.join(verdict.tamper_patterns) or 'unnamed'}",
+            id=f"tamper/{s.id}", kind="tamper", severity=alert_pb2.SEVERITY_WARNING, run_id=run_id,
+            message=f"completion {s.id} tried to forge its reward: {', '.join(verdict.tamper_patterns) or 'unnamed'}",
             details={**details, "patterns": ",".join(verdict.tamper_patterns)}))
-    if r.task.metadata.get("canary") == "true" and verdict.reward > 0 and not verdict.tampered:
+    if verdict.canary and verdict.reward > 0 and not verdict.tampered:
         alerts.append(alert_pb2.Alert(
-            id=f"canary/{r.id}", kind="canary_passed", severity=alert_pb2.SEVERITY_CRITICAL, run_id=run_id,
-            message=f"canary task {r.task.id} earned reward {verdict.reward:.2f}: the reward can be gamed",
+            id=f"canary/{s.id}", kind="canary_passed", severity=alert_pb2.SEVERITY_CRITICAL, run_id=run_id,
+            message=f"canary task {s.task_id} earned reward {verdict.reward:.2f}: the reward can be gamed",
             details={**details, "reward": f"{verdict.reward:.4f}"}))
     now = dt.datetime.now(dt.timezone.utc)
     for a in alerts:

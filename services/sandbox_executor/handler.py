@@ -1,9 +1,9 @@
-"""Pure translation between messages and sandbox jobs: rollout -> job, result -> Execution."""
+"""Pure translation between messages and sandbox jobs: a group's rollouts -> jobs, results -> Execution."""
 from __future__ import annotations
 
 import datetime as dt
 
-from crucible.v1 import execution_pb2, rollout_pb2
+from crucible.v1 import execution_pb2, rollout_pb2, task_pb2
 from crucible.services.sandbox_executor.pool import Job, Result
 from crucible.ml import kinds
 
@@ -24,25 +24,29 @@ ISOLATION = {
 }
 
 
-def needs_execution(rollout: rollout_pb2.Rollout) -> bool:
+def needs_execution(group: rollout_pb2.RolloutGroup) -> bool:
     """Whether the task's kind runs code. Unknown kinds are not ours: the verifier dead-letters them."""
     try:
-        return kinds.get(rollout.task.kind).needs_execution
+        return kinds.get(group.task.kind).needs_execution
     except kinds.UnknownKind:
         return False
 
 
-def job_for_rollout(rollout: rollout_pb2.Rollout) -> Job:
-    """The job the task's kind asks for (ValueError when there is nothing to run)."""
-    request = kinds.get(rollout.task.kind).execution(rollout.task, rollout.completion)
+def job_for_rollout(task: task_pb2.Task, rollout: rollout_pb2.Rollout) -> Job:
+    """The job the task's kind asks for; NothingToRun when the completion holds no program."""
+    request = kinds.get(task.kind).execution(task, rollout.completion)
     if request is None:
-        raise ValueError(f"kind {rollout.task.kind!r} runs nothing in the sandbox")
+        raise NothingToRun(f"kind {task.kind!r} runs nothing in the sandbox")
     return job_for_request(request)
+
+
+class NothingToRun(ValueError):
+    """A completion with no program in it: recorded as not run (and scored a failure), not an error."""
 
 
 def job_for_request(request: execution_pb2.ExecuteRequest) -> Job:
     if not request.code.strip():
-        raise ValueError("code is empty: nothing to execute")
+        raise NothingToRun("code is empty: nothing to execute")
     return Job(code=request.code, language=request.language or "python", tests=request.test_code,
                entry_point=request.entry_point, stdin=request.stdin, timeout_s=request.timeout_s,
                memory_bytes=request.memory_bytes, prelude=request.test_prelude)
@@ -69,8 +73,13 @@ def result_message(result: Result) -> execution_pb2.ExecutionResult:
     )
 
 
-def execution_message(rollout: rollout_pb2.Rollout, result: Result, executor_id: str) -> execution_pb2.Execution:
-    execution = execution_pb2.Execution(id=f"{rollout.id}/exec", rollout=rollout, result=result_message(result),
+def not_run_result(reason: str) -> execution_pb2.ExecutionResult:
+    return execution_pb2.ExecutionResult(not_run=reason)
+
+
+def execution_message(group: rollout_pb2.RolloutGroup, results: list[execution_pb2.ExecutionResult],
+                      executor_id: str) -> execution_pb2.Execution:
+    execution = execution_pb2.Execution(id=f"{group.group_id}/exec", group=group, results=results,
                                         executor_id=executor_id)
     execution.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
     return execution

@@ -1,5 +1,7 @@
-"""The Kafka side: crucible.executions and answer-only crucible.rollouts -> crucible.verdicts."""
+"""The Kafka side: crucible.executions and answer-only crucible.rollouts -> crucible.verdicts (one per sample)."""
 from __future__ import annotations
+
+import asyncio
 
 from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_pool import ScorerPool
@@ -9,16 +11,15 @@ TOPICS = ["executions", "rollouts"]
 
 
 def verdict_handler(scorer: ScorerPool):
-    """A bus handler: one verdict per execution or answer-only rollout; bad ones go to the DLQ with the reason."""
+    """A bus handler: one verdict per sample of a group; a group that cannot be verified goes to the DLQ."""
 
     async def handle(incoming: bus.Incoming):
         try:
-            request = handler.request_for(incoming.message)
-            if request is None:
-                return []  # needs the sandbox first: it comes back on crucible.executions
-            verdict = await scorer.verify(request)
+            requests = handler.requests_for(incoming.message)
+            verdicts = await asyncio.gather(*(scorer.verify(r) for r in requests))
         except handler.Unverifiable as exc:
             raise bus.Reject(str(exc)) from exc
-        return [bus.Outgoing("verdicts", verdict, key=request.rollout.group_id or request.rollout.id)]
+        group = handler.group_of(incoming.message)
+        return [bus.Outgoing("verdicts", handler.in_group(v, group), key=group.group_id) for v in verdicts]
 
     return handle

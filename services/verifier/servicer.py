@@ -29,11 +29,15 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request: verdict_pb2.VerifyRequest, context):
         try:
-            kind = handler.kind_for(request.rollout)
+            kind = handler.kind_for(request.task, f"rollout {request.rollout.id!r}")
         except handler.Unverifiable as exc:
             await rpc.abort_invalid(context, str(exc))
         if kind.needs_execution and not request.HasField("execution"):
-            job = kind.execution(request.rollout.task, request.rollout.completion)
+            job = kind.execution(request.task, request.rollout.completion)
+            if not job.code.strip():  # nothing to run: a failure to score, not a bad request
+                request = verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=dict(
+                    not_run="the completion holds no program"))
+                return await self._score(request, context)
             job.request_id = request.rollout.id
             try:
                 reply = await self._sandbox().Execute(job, timeout=max(30.0, job.timeout_s * 3))
@@ -42,7 +46,10 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
                 await context.abort(code, f"the sandbox at {self.sandbox_target} (CRUCIBLE_VERIFIER_SANDBOX_TARGET) "
                                           f"could not run rollout {request.rollout.id!r}: {exc.code().name}: "
                                           f"{exc.details()}")
-            request = verdict_pb2.VerifyRequest(rollout=request.rollout, execution=reply.result)
+            request = verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=reply.result)
+        return await self._score(request, context)
+
+    async def _score(self, request: verdict_pb2.VerifyRequest, context):
         try:
             return await self.scorer.verify(request)
         except handler.Unverifiable as exc:

@@ -5,7 +5,6 @@ CRUCIBLE_CLICKHOUSE_URL (http://127.0.0.1:8123 for the local store by default).
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -14,7 +13,6 @@ from clickhouse_connect.driver.binding import quote_identifier
 from clickhouse_connect.driver.client import Client
 
 from crucible.shared.settings import Settings, get_settings
-from crucible.local.store.launcher import ping
 
 _DEFAULT_PORTS = {"http": 8123, "https": 8443}
 
@@ -79,16 +77,3 @@ def connect(
         finally:
             admin.close()
     return _client(endpoint, settings, database, **client_kwargs)
-
-
-def wait_until_ready(url: str | None = None, timeout: float = 30.0) -> None:
-    """Block until the ClickHouse endpoint at url answers /ping; TimeoutError naming the URL otherwise."""
-    url = url or get_settings().clickhouse_url
-    deadline = time.monotonic() + timeout
-    while not ping(url, timeout=1.0):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"ClickHouse at {url} did not answer /ping within {timeout:.0f} s; start the store "
-                "(python -m crucible.local.store.server --data DIR) or fix CRUCIBLE_CLICKHOUSE_URL"
-            )
-        time.sleep(0.1)

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from crucible.local.store.sqltext import split_statements
+from crucible.shared.store.sqltext import split_statements
 
 if TYPE_CHECKING:  # the store process imports this module and has no use for clickhouse-connect
     from clickhouse_connect.driver.client import Client

@@ -5,11 +5,11 @@ import os
 import threading
 
 import torch
-import torch.nn.functional as F
 
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
 from crucible.ml.policy.checkpoint import path_from_uri
-from crucible.ml.policy.sampling import SamplingParams, _nucleus
+from crucible.ml.policy.distribution import draw, sampling_logprobs
+from crucible.ml.policy.sampling import SamplingParams
 
 
 class HFBackend(PolicyBackend):
@@ -62,15 +62,8 @@ class HFBackend(PolicyBackend):
                 done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
                 reasons = ["length"] * len(chunk)
                 for _ in range(params.max_tokens):
-                    t = max(params.temperature, 1e-6) if params.temperature > 0 else 1.0
-                    logp = F.log_softmax(logits / t, dim=-1)
-                    if params.temperature == 0:
-                        tokens = logp.argmax(-1)
-                    else:
-                        probs = logp.exp()
-                        if params.top_p < 1.0:
-                            probs = _nucleus(probs, params.top_p)
-                        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                    logp = sampling_logprobs(logits, params.temperature, params.top_p)
+                    tokens = draw(logp, params.temperature, generator)
                     token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
                     for i in (~done).nonzero().flatten().tolist():
                         tokens_out[i].append(int(tokens[i]))

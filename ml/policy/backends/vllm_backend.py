@@ -28,7 +28,10 @@ class VLLMBackend(PolicyBackend):
     def _engine(self, uri: str):
         from vllm import LLM
 
-        return LLM(model=str(path_from_uri(uri)), dtype="float32", enforce_eager=True, seed=0, **self.options)
+        # processed_logprobs: log-probs after temperature and top-p, the distribution the learner recomputes
+        # (crucible.ml.policy.distribution); raw ones would make the importance ratio wrong at T != 1.
+        return LLM(model=str(path_from_uri(uri)), dtype="float32", enforce_eager=True, seed=0,
+                   logprobs_mode="processed_logprobs", **self.options)
 
     def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams

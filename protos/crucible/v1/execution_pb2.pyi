@@ -42,21 +42,21 @@ VIOLATION_FILE_SIZE: Violation
 VIOLATION_PROCESSES: Violation
 
 class Execution(_message.Message):
-    __slots__ = ("id", "rollout", "result", "executor_id", "created_at")
+    __slots__ = ("id", "group", "results", "executor_id", "created_at")
     ID_FIELD_NUMBER: _ClassVar[int]
-    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
-    RESULT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     id: str
-    rollout: _rollout_pb2.Rollout
-    result: ExecutionResult
+    group: _rollout_pb2.RolloutGroup
+    results: _containers.RepeatedCompositeFieldContainer[ExecutionResult]
     executor_id: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., rollout: _Optional[_Union[_rollout_pb2.Rollout, _Mapping]] = ..., result: _Optional[_Union[ExecutionResult, _Mapping]] = ..., executor_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., group: _Optional[_Union[_rollout_pb2.RolloutGroup, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ExecutionResult, _Mapping]]] = ..., executor_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ExecutionResult(_message.Message):
-    __slots__ = ("exit_code", "signal", "tests", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "usage", "duration_ms", "isolation", "missing_guarantees", "violation", "violation_detail", "tamper")
+    __slots__ = ("exit_code", "signal", "tests", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "usage", "duration_ms", "isolation", "missing_guarantees", "violation", "violation_detail", "tamper", "not_run")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TESTS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class ExecutionResult(_message.Message):
     VIOLATION_FIELD_NUMBER: _ClassVar[int]
     VIOLATION_DETAIL_FIELD_NUMBER: _ClassVar[int]
     TAMPER_FIELD_NUMBER: _ClassVar[int]
+    NOT_RUN_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     signal: int
     tests: _containers.RepeatedCompositeFieldContainer[TestOutcome]
@@ -85,7 +86,8 @@ class ExecutionResult(_message.Message):
     violation: Violation
     violation_detail: str
     tamper: _containers.RepeatedCompositeFieldContainer[TamperSignal]
-    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., tests: _Optional[_Iterable[_Union[TestOutcome, _Mapping]]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., duration_ms: _Optional[float] = ..., isolation: _Optional[_Union[IsolationLevel, str]] = ..., missing_guarantees: _Optional[_Iterable[str]] = ..., violation: _Optional[_Union[Violation, str]] = ..., violation_detail: _Optional[str] = ..., tamper: _Optional[_Iterable[_Union[TamperSignal, _Mapping]]] = ...) -> None: ...
+    not_run: str
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., tests: _Optional[_Iterable[_Union[TestOutcome, _Mapping]]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., duration_ms: _Optional[float] = ..., isolation: _Optional[_Union[IsolationLevel, str]] = ..., missing_guarantees: _Optional[_Iterable[str]] = ..., violation: _Optional[_Union[Violation, str]] = ..., violation_detail: _Optional[str] = ..., tamper: _Optional[_Iterable[_Union[TamperSignal, _Mapping]]] = ..., not_run: _Optional[str] = ...) -> None: ...
 
 class TamperSignal(_message.Message):
     __slots__ = ("pattern", "detail")

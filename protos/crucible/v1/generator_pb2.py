@@ -26,7 +26,7 @@ from crucible.v1 import task_pb2 as crucible_dot_v1_dot_task__pb2
 from crucible.v1 import rollout_pb2 as crucible_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63rucible/v1/generator.proto\x12\x0b\x63rucible.v1\x1a\x16\x63rucible/v1/task.proto\x1a\x19\x63rucible/v1/rollout.proto\"\x87\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"l\n\x0fGenerateRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.crucible.v1.Task\x12\t\n\x01n\x18\x02 \x01(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.crucible.v1.SamplingParams\":\n\x10GenerateResponse\x12&\n\x08rollouts\x18\x01 \x03(\x0b\x32\x14.crucible.v1.Rollout2T\n\tGenerator\x12G\n\x08Generate\x12\x1c.crucible.v1.GenerateRequest\x1a\x1d.crucible.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63rucible/v1/generator.proto\x12\x0b\x63rucible.v1\x1a\x16\x63rucible/v1/task.proto\x1a\x19\x63rucible/v1/rollout.proto\"\x87\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x07\n\x05_seed\"l\n\x0fGenerateRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.crucible.v1.Task\x12\t\n\x01n\x18\x02 \x01(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.crucible.v1.SamplingParams\"<\n\x10GenerateResponse\x12(\n\x05group\x18\x01 \x01(\x0b\x32\x19.crucible.v1.RolloutGroup2T\n\tGenerator\x12G\n\x08Generate\x12\x1c.crucible.v1.GenerateRequest\x1a\x1d.crucible.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=233
   _globals['_GENERATEREQUEST']._serialized_end=341
   _globals['_GENERATERESPONSE']._serialized_start=343
-  _globals['_GENERATERESPONSE']._serialized_end=401
-  _globals['_GENERATOR']._serialized_start=403
-  _globals['_GENERATOR']._serialized_end=487
+  _globals['_GENERATERESPONSE']._serialized_end=403
+  _globals['_GENERATOR']._serialized_start=405
+  _globals['_GENERATOR']._serialized_end=489
 # @@protoc_insertion_point(module_scope)

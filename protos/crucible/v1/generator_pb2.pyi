@@ -33,7 +33,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("rollouts",)
-    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
-    rollouts: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.Rollout]
-    def __init__(self, rollouts: _Optional[_Iterable[_Union[_rollout_pb2.Rollout, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: _rollout_pb2.RolloutGroup
+    def __init__(self, group: _Optional[_Union[_rollout_pb2.RolloutGroup, _Mapping]] = ...) -> None: ...

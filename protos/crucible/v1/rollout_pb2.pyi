@@ -22,36 +22,44 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
-class Rollout(_message.Message):
-    __slots__ = ("id", "task", "group_id", "sample_index", "group_size", "policy_version", "completion", "prompt_token_ids", "token_ids", "logprobs", "finish_reason", "generator_id", "backend", "sample_ms", "created_at")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    TASK_FIELD_NUMBER: _ClassVar[int]
+class RolloutGroup(_message.Message):
+    __slots__ = ("group_id", "task", "policy_version", "temperature", "top_p", "prompt_token_ids", "rollouts", "generator_id", "backend", "sample_ms", "created_at")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
-    id: str
-    task: _task_pb2.Task
     group_id: str
-    sample_index: int
-    group_size: int
+    task: _task_pb2.Task
     policy_version: int
-    completion: str
+    temperature: float
+    top_p: float
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    finish_reason: FinishReason
+    rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
     generator_id: str
     backend: str
     sample_ms: float
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., completion: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[str] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class Rollout(_message.Message):
+    __slots__ = ("id", "sample_index", "completion", "token_ids", "logprobs", "finish_reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    sample_index: int
+    completion: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: FinishReason
+    def __init__(self, id: _Optional[str] = ..., sample_index: _Optional[int] = ..., completion: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...

@@ -23,16 +23,15 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
-from crucible.v1 import verdict_pb2 as crucible_dot_v1_dot_verdict__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rucible/v1/trajectory.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/verdict.proto\"\xd5\x01\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.crucible.v1.Verdict\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x11\n\tadvantage\x18\x04 \x01(\x01\x12\x11\n\testimator\x18\x05 \x01(\t\x12\x16\n\x0egroup_complete\x18\x06 \x01(\x08\x12\x16\n\x0egroup_received\x18\x07 \x01(\r\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestampb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rucible/v1/trajectory.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb6\x03\n\nTrajectory\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x08 \x03(\x05\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12\x13\n\x0btemperature\x18\n \x01(\x01\x12\r\n\x05top_p\x18\x0b \x01(\x01\x12\x0e\n\x06reward\x18\x0c \x01(\x01\x12\x11\n\tadvantage\x18\r \x01(\x01\x12\x11\n\testimator\x18\x0e \x01(\t\x12\x0e\n\x06passed\x18\x0f \x01(\x08\x12\x10\n\x08tampered\x18\x10 \x01(\x08\x12\x11\n\ttruncated\x18\x11 \x01(\x08\x12\x16\n\x0egroup_complete\x18\x12 \x01(\x08\x12\x16\n\x0egroup_received\x18\x13 \x01(\r\x12.\n\ncreated_at\x18\x14 \x01(\x0b\x32\x1a.google.protobuf.Timestampb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crucible.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAJECTORY']._serialized_start=106
-  _globals['_TRAJECTORY']._serialized_end=319
+  _globals['_TRAJECTORY']._serialized_start=79
+  _globals['_TRAJECTORY']._serialized_end=517
 # @@protoc_insertion_point(module_scope)

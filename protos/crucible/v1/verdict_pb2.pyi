@@ -1,8 +1,10 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
-from crucible.v1 import rollout_pb2 as _rollout_pb2
 from crucible.v1 import execution_pb2 as _execution_pb2
+from crucible.v1 import rollout_pb2 as _rollout_pb2
+from crucible.v1 import task_pb2 as _task_pb2
+from crucible.v1 import trajectory_pb2 as _trajectory_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -12,7 +14,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Verdict(_message.Message):
-    __slots__ = ("id", "rollout", "components", "reward", "tampered", "tamper_patterns", "execution", "verifier_version", "detail", "created_at")
+    __slots__ = ("id", "sample", "task_kind", "components", "reward", "tampered", "tamper_patterns", "execution", "completion", "canary", "verifier_version", "detail", "created_at", "generation_ms")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -21,31 +23,41 @@ class Verdict(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
-    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TASK_KIND_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TAMPERED_FIELD_NUMBER: _ClassVar[int]
     TAMPER_PATTERNS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_VERSION_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
-    rollout: _rollout_pb2.Rollout
+    sample: _trajectory_pb2.Trajectory
+    task_kind: str
     components: _containers.ScalarMap[str, float]
     reward: float
     tampered: bool
     tamper_patterns: _containers.RepeatedScalarFieldContainer[str]
     execution: _execution_pb2.ExecutionResult
+    completion: str
+    canary: bool
     verifier_version: str
     detail: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., rollout: _Optional[_Union[_rollout_pb2.Rollout, _Mapping]] = ..., components: _Optional[_Mapping[str, float]] = ..., reward: _Optional[float] = ..., tampered: _Optional[bool] = ..., tamper_patterns: _Optional[_Iterable[str]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ..., verifier_version: _Optional[str] = ..., detail: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    generation_ms: float
+    def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., task_kind: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., reward: _Optional[float] = ..., tampered: _Optional[bool] = ..., tamper_patterns: _Optional[_Iterable[str]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ..., completion: _Optional[str] = ..., canary: _Optional[bool] = ..., verifier_version: _Optional[str] = ..., detail: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("rollout", "execution")
+    __slots__ = ("task", "rollout", "execution")
+    TASK_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    task: _task_pb2.Task
     rollout: _rollout_pb2.Rollout
     execution: _execution_pb2.ExecutionResult
-    def __init__(self, rollout: _Optional[_Union[_rollout_pb2.Rollout, _Mapping]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., rollout: _Optional[_Union[_rollout_pb2.Rollout, _Mapping]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ...) -> None: ...

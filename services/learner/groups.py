@@ -1,0 +1,46 @@
+"""Trajectories buffered by group until whole groups can make a step, with the Kafka position of each."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+
+from crucible.v1 import trajectory_pb2
+
+
+@dataclass
+class Buffered:
+    sample: trajectory_pb2.Trajectory
+    topic: str
+    partition: int
+    offset: int
+    context: otel_context.Context | None  # the consumer span's, so the step that uses it joins the trace
+
+
+class GroupBuffer:
+    """Samples by group, in arrival order."""
+
+    def __init__(self):
+        self.groups: OrderedDict[str, list[Buffered]] = OrderedDict()
+
+    def add(self, item: Buffered) -> None:
+        members = self.groups.setdefault(item.sample.group_id, [])
+        if all(m.sample.id != item.sample.id for m in members):  # a re-sent sample counts once
+            members.append(item)
+
+    def ready(self) -> list[str]:
+        """Groups whose every emitted sample has arrived."""
+        return [g for g, members in self.groups.items() if len(members) >= members[0].sample.group_received]
+
+    def take(self, group_ids: list[str]) -> list[list[Buffered]]:
+        return [self.groups.pop(g) for g in group_ids]
+
+    def resume_positions(self, read: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """Where a restart must read from: before the earliest sample still waiting here, else past the last read."""
+        positions = dict(read)
+        for members in self.groups.values():
+            for m in members:
+                key = (m.topic, m.partition)
+                positions[key] = min(positions.get(key, m.offset), m.offset)
+        return positions

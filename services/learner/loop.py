@@ -1,0 +1,144 @@
+"""The learner's loop: read samples, step on whole groups, checkpoint, publish, record, commit.
+
+Positions on crucible.trajectories are saved in each checkpoint with the weights they produced;
+a restarted learner seeks back to them (the bus Reader's assign + seek), and skips the samples it
+trained on past them, so no sample is trained on twice and none is lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
+from crucible.services.learner import checkpoints
+from crucible.services.learner.groups import Buffered, GroupBuffer
+from crucible.services.learner.monitors import HealthMonitor
+from crucible.services.learner.rows import record_alert, record_step
+from crucible.services.learner.trainer import StepResult, Trainer
+from crucible.shared import bus, telemetry
+from crucible.shared.settings import Settings
+from crucible.v1 import policy_pb2
+
+log = logging.getLogger("crucible.learner")
+
+TOPIC = "trajectories"
+
+
+def build_trainer(settings: Settings) -> tuple[Trainer, dict]:
+    """Resumes from the run's newest checkpoint, or starts from the initial weights (version 0)."""
+    config = settings.run_config()
+    found = checkpoints.latest(settings)
+    if found is not None:
+        model, meta, optimizer_state = checkpoints.load(found)
+        reference, _ = load_checkpoint(path_from_uri(meta["reference_uri"]))
+        trainer = Trainer(model, config, reference=reference, version=meta["version"], step=meta["step"],
+                          optimizer_state=optimizer_state)
+        log.info("resumed run %s at version %d (step %d) from %s", settings.run_id, trainer.version,
+                 trainer.step_count, found)
+        return trainer, meta
+    if settings.init_checkpoint:
+        model, _ = load_checkpoint(path_from_uri(settings.init_checkpoint))
+        reference_uri = path_from_uri(settings.init_checkpoint).resolve().as_uri()
+    else:
+        model = fresh_policy(settings.seed)
+        reference_uri = save_checkpoint(model, checkpoints.run_dir(settings) / "reference", {"version": 0}).as_uri()
+    trainer = Trainer(model, config)
+    meta = {"offsets": {}, "trained_ids_past_offsets": [], "reference_uri": reference_uri}
+    checkpoints.save(settings, trainer, {}, [], reference_uri)
+    return trainer, meta
+
+
+def policy_message(settings: Settings, trainer: Trainer, uri: str, result: StepResult | None
+                   ) -> policy_pb2.PolicyVersion:
+    pv = policy_pb2.PolicyVersion(run_id=settings.run_id, version=trainer.version, checkpoint_uri=uri,
+                                  step=trainer.step_count)
+    if result is not None:
+        fields = policy_pb2.StepMetrics.DESCRIPTOR.fields_by_name
+        pv.metrics.CopyFrom(policy_pb2.StepMetrics(
+            **{k: v for k, v in result.metrics.items() if k in fields and k != "skipped"},
+            skipped=dict(result.skipped)))
+    pv.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    return pv
+
+
+class Learner:
+    def __init__(self, settings: Settings, store_client, producer: bus.Producer, trainer: Trainer, meta: dict,
+                 on_publish=None):
+        self.settings = settings
+        self.store = store_client
+        self.producer = producer
+        self.trainer = trainer
+        self.reference_uri = meta["reference_uri"]
+        self.topic = settings.topic(TOPIC)
+        saved = {int(p): o for p, o in meta.get("offsets", {}).items()}
+        self.reader = bus.Reader([TOPIC], settings.consumer_group_prefix + "learner", settings=settings,
+                                 producer=producer, offsets={TOPIC: saved})
+        # Samples trained on that sit past the saved positions (a restart re-reads them): id -> (partition, offset).
+        self.trained_past: dict[str, tuple[int, int]] = {i: (-1, -1) for i in meta.get("trained_ids_past_offsets", [])}
+        self.buffer = GroupBuffer()
+        self.monitor = HealthMonitor(settings.run_id)
+        self.on_publish = on_publish or (lambda pv: None)
+        self.tracer = telemetry.tracer("crucible.learner")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with self.reader:
+            await self._publish(policy_message(self.settings, self.trainer,
+                                               checkpoints.version_dir(self.settings, self.trainer.version).as_uri(),
+                                               None))
+            log.info("learner ready: run %s, version %d, %d groups per step, objective %s", self.settings.run_id,
+                     self.trainer.version, self.settings.groups_per_step, self.settings.objective)
+            while not stop.is_set():
+                for incoming in await self.reader.fetch(max_records=500):
+                    if incoming.message.id not in self.trained_past:  # else: trained on before the restart
+                        self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
+                                                 incoming.offset, incoming.context))
+                ready = self.buffer.ready()
+                per_step = self.settings.groups_per_step
+                while len(ready) >= per_step:
+                    chosen, ready = ready[:per_step], ready[per_step:]
+                    await self._step(self.buffer.take(chosen))
+
+    async def _step(self, groups: list[list[Buffered]]) -> None:
+        trainer = self.trainer
+        # The step joins the trace of every task it trains on: one span per group, child of that
+        # group's consumer span, all covering the same optimiser step.
+        spans = [self.tracer.start_span("learner step", context=g[0].context) for g in groups]
+        try:
+            result = await asyncio.to_thread(trainer.step, [m.sample for g in groups for m in g])
+            for span in spans:
+                span.set_attribute("crucible.learner.version", trainer.version)
+                span.set_attribute("crucible.learner.stepped", result.stepped)
+        finally:
+            for span in spans:
+                span.end()
+        taken = [m for g in groups for m in g]
+        positions = self.buffer.resume_positions(self.reader.positions)
+        if not result.stepped:
+            # No optimiser step, no version: the samples are accounted for (skipped, by reason) and
+            # committed; the checkpoint keeps its older positions, so a restart only re-reads them to skip them again.
+            log.info("no optimiser step on %d samples (skipped: %s)", len(taken), dict(result.skipped))
+            await self.reader.commit(positions)
+            return
+        self.trained_past.update({m.sample.id: (m.partition, m.offset) for m in taken})
+        self.trained_past = {i: (p, o) for i, (p, o) in self.trained_past.items()
+                             if p < 0 or o >= positions.get((self.topic, p), 0)}
+        folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
+                                         {p: o for (t, p), o in positions.items() if t == self.topic},
+                                         sorted(self.trained_past), self.reference_uri)
+        pv = policy_message(self.settings, trainer, folder.as_uri(), result)
+        await self._publish(pv)
+        await asyncio.to_thread(record_step, self.store, pv, result.metrics)
+        for alert in self.monitor.check(trainer.step_count, trainer.version, result.metrics):
+            log.warning("alert %s: %s", alert.kind, alert.message)
+            await self.producer.send_and_wait("alerts", alert, key=alert.kind)
+            await asyncio.to_thread(record_alert, self.store, alert)
+        await self.reader.commit(positions)
+        m = result.metrics
+        log.info("step %d -> version %d: reward %.3f pass %.3f loss %.4f kl %.4f mismatch-kl %.2e (%d samples, "
+                 "skipped %s, %.0f ms)", trainer.step_count, trainer.version, m["reward_mean"], m["pass_rate"],
+                 m["loss"], m["kl"], m.get("mismatch_kl", 0.0), m["samples"], dict(result.skipped), m["step_ms"])
+
+    async def _publish(self, pv: policy_pb2.PolicyVersion) -> None:
+        await self.producer.send_and_wait("policy", pv, key=self.settings.run_id)
+        self.on_publish(pv)

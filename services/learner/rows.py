@@ -1,0 +1,26 @@
+"""The learner's rows in the store: one per step, one per published version, one per alert."""
+from __future__ import annotations
+
+import datetime as dt
+
+from crucible.v1 import alert_pb2, policy_pb2
+
+TRAIN_STEP_COLUMNS = ["run_id", "step", "policy_version", "loss", "kl", "entropy", "grad_norm", "reward_mean",
+                      "pass_rate", "lr", "step_time_ms", "ts"]
+
+
+def record_step(client, pv: policy_pb2.PolicyVersion, metrics: dict) -> None:
+    m = pv.metrics
+    now = dt.datetime.now(dt.timezone.utc)
+    client.insert("train_steps", [[pv.run_id, pv.step, pv.version, m.loss, m.kl, m.entropy, m.grad_norm,
+                                   m.reward_mean, m.pass_rate, m.learning_rate, m.step_ms, now]],
+                  column_names=TRAIN_STEP_COLUMNS)
+    numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    client.insert("policy_versions", [[pv.run_id, pv.version, pv.checkpoint_uri, pv.step, now, numeric]],
+                  column_names=["run_id", "version", "checkpoint_uri", "step", "created_at", "metrics"])
+
+
+def record_alert(client, alert: alert_pb2.Alert) -> None:
+    client.insert("alerts", [[alert.id, alert.kind, "warning", alert.message, dict(alert.details),
+                              alert.created_at.ToDatetime(tzinfo=dt.timezone.utc)]],
+                  column_names=["alert_id", "kind", "severity", "message", "details", "ts"])
