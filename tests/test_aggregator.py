@@ -6,7 +6,8 @@ import asyncio
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from crucible.v1 import rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
+from crucible.shared.settings import RunConfig
+from crucible.v1 import trajectory_pb2, verdict_pb2
 from crucible.services.reward_aggregator.__main__ import run
 from crucible.services.reward_aggregator.handler import RewardConfig, group_trajectories
 from crucible.shared import bus, messages, store
@@ -15,43 +16,49 @@ from tests.test_bus import read_raw
 
 def verdict(group: str, index: int, size: int, reward: float, *, tampered: bool = False,
             components: dict | None = None) -> verdict_pb2.Verdict:
-    task = task_pb2.Task(id=f"task-{group}", kind="exact", prompt="p", group_size=size,
-                         answer=task_pb2.ExpectedAnswer(answer="1"))
-    rollout = rollout_pb2.Rollout(id=f"{group}/{index}", task=task, group_id=group, sample_index=index,
-                                  group_size=size, policy_version=3, completion=str(index), token_ids=[1, 2])
-    return verdict_pb2.Verdict(id=f"v-{group}-{index}", rollout=rollout, reward=reward, tampered=tampered,
+    sample = trajectory_pb2.Trajectory(id=f"{group}/{index}", task_id=f"task-{group}", group_id=group,
+                                       sample_index=index, group_size=size, policy_version=3,
+                                       completion_token_ids=[1, 2], logprobs=[-0.5, -0.5], temperature=1.0,
+                                       top_p=1.0, passed=reward >= 1.0 and not tampered, tampered=tampered)
+    return verdict_pb2.Verdict(id=f"v-{group}-{index}", sample=sample, task_kind="exact", reward=reward,
+                               tampered=tampered, completion=str(index),
                                components=components or {"answer_correct": reward})
+
+
+def config(estimator: str = "grpo", **fields) -> RewardConfig:
+    return RewardConfig.of(RunConfig(estimator=estimator, **fields))
 
 
 def test_group_advantages_by_hand():
     vs = [verdict("g", i, 4, r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
-    grpo = group_trajectories(list(reversed(vs)), RewardConfig("grpo"), complete=True)
+    grpo = group_trajectories(list(reversed(vs)), config("grpo"), complete=True)
     # mean 0.5, population std 0.5: advantages +-1 (minus the 1e-6 guard)
-    assert [t.verdict.rollout.sample_index for t in grpo] == [0, 1, 2, 3]
+    assert [t.sample_index for t in grpo] == [0, 1, 2, 3]
+    assert all(t.completion_token_ids == [1, 2] and t.estimator == "grpo" for t in grpo)  # the flat sample
     assert [round(t.advantage, 4) for t in grpo] == [1.0, -1.0, -1.0, 1.0]
-    rloo = group_trajectories(vs, RewardConfig("rloo"), complete=True)
+    rloo = group_trajectories(vs, config("rloo"), complete=True)
     # r_i - mean of the other three: 1 - 1/3, 0 - 2/3
     assert [round(t.advantage, 4) for t in rloo] == [0.6667, -0.6667, -0.6667, 0.6667]
-    reinforce = group_trajectories(vs, RewardConfig("reinforce"), complete=True)
+    reinforce = group_trajectories(vs, config("reinforce"), complete=True)
     assert [t.advantage for t in reinforce] == [0.5, -0.5, -0.5, 0.5]
 
 
 def test_tampered_samples_earn_zero_and_weights_apply():
     vs = [verdict("g", 0, 2, 1.0, tampered=True), verdict("g", 1, 2, 1.0)]
-    ts = group_trajectories(vs, RewardConfig("grpo"), complete=True)
+    ts = group_trajectories(vs, config("grpo"), complete=True)
     assert [t.reward for t in ts] == [0.0, 1.0]
     weighted = group_trajectories([verdict("h", 0, 1, 0.3, components={"a": 1.0, "b": 0.5})],
-                                  RewardConfig("grpo", weights={"a": 0.2, "b": 2.0}), complete=True)
+                                  config("grpo", reward_weights={"a": 0.2, "b": 2.0}), complete=True)
     assert weighted[0].reward == pytest.approx(0.2 * 1.0 + 2.0 * 0.5)
     penalised = group_trajectories([verdict("k", 0, 1, 1.0)],
-                                   RewardConfig("grpo", length_penalty=0.1, length_target=0), complete=True)
+                                   config("grpo", length_penalty=0.1, length_target=0), complete=True)
     assert penalised[0].reward == pytest.approx(1.0 - 0.1 * 2)
 
 
 @pytest.mark.kafka
 @pytest.mark.store
 async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(stack_settings):
-    settings = stack_settings.model_copy(update={"aggregator_group_timeout_s": 2.0})
+    settings = stack_settings.model_copy(update={"group_timeout_s": 2.0})
     stop = asyncio.Event()
     service = asyncio.create_task(run(settings, stop, timer_interval_s=0.5))
     await asyncio.sleep(0.5)
@@ -62,7 +69,7 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
     try:
         async with bus.Producer(settings) as producer:
             for v in complete[:2] + straggling + complete[2:]:
-                await producer.send_and_wait("verdicts", v, key=v.rollout.group_id)
+                await producer.send_and_wait("verdicts", v, key=v.sample.group_id)
         raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
         await raw.start()
         await raw.send_and_wait(settings.topic("verdicts"), b"\x00garbage\xff", key=b"A")
@@ -72,8 +79,9 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
         trajectories = [messages.decode(r.value, trajectory_pb2.Trajectory) for r in records]
         by_group = {}
         for t in trajectories:
-            by_group.setdefault(t.verdict.rollout.group_id, []).append(t)
+            by_group.setdefault(t.group_id, []).append(t)
         assert sorted(t.advantage > 0 for t in by_group["A"]) == [False, False, True, True]
+        assert [t.passed for t in sorted(by_group["A"], key=lambda t: t.sample_index)] == [True, False, False, True]
         assert all(t.group_complete and t.group_received == 4 for t in by_group["A"])
         assert all(not t.group_complete and t.group_received == 2 for t in by_group["B"])
         assert {r.key for r in records} == {b"A", b"B"}
@@ -96,3 +104,4 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
     finally:
         stop.set()
         await asyncio.wait_for(service, 30)
+    assert (settings.home / "faust").is_dir()  # faust's state lives under CRUCIBLE_HOME, nowhere else

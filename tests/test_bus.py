@@ -29,26 +29,33 @@ def sample_messages() -> dict[str, object]:
         python_tests=task_pb2.PythonTests(entry_point="add", test_code="def check(f): assert f(1, 2) == 3"),
         metadata={"source": "unit"}, created_at=timestamp_pb2.Timestamp(seconds=1_700_000_000),
     )
-    rollout = rollout_pb2.Rollout(
-        id="r-1", task=task, group_id="g-1", sample_index=2, group_size=4, policy_version=7,
-        completion="    return a + b", token_ids=[5, 6, 7], logprobs=[-0.5, -1.25, -0.125],
-        finish_reason=rollout_pb2.FINISH_REASON_STOP, backend="torch",
+    group = rollout_pb2.RolloutGroup(
+        group_id="g-1", task=task, policy_version=7, temperature=0.7, top_p=0.9, prompt_token_ids=[1, 2],
+        backend="torch", rollouts=[rollout_pb2.Rollout(
+            id="g-1/0", sample_index=0, completion="    return a + b", token_ids=[5, 6, 7],
+            logprobs=[-0.5, -1.25, -0.125], finish_reason=rollout_pb2.FINISH_REASON_STOP)],
     )
     result = execution_pb2.ExecutionResult(
         exit_code=0, tests=[execution_pb2.TestOutcome(name="t1", passed=True)], stdout=b"ok\n",
         isolation=execution_pb2.ISOLATION_LEVEL_FULL, usage=execution_pb2.ResourceUsage(cpu_user_s=0.01),
     )
+    sample = trajectory_pb2.Trajectory(
+        id="g-1/0", task_id="task-1", group_id="g-1", sample_index=0, group_size=1, policy_version=7,
+        prompt_token_ids=[1, 2], completion_token_ids=[5, 6, 7], logprobs=[-0.5, -1.25, -0.125],
+        temperature=0.7, top_p=0.9, passed=True)
     verdict = verdict_pb2.Verdict(
-        id="v-1", rollout=rollout, components={"tests_passed": 1.0, "tests_total": 1.0}, reward=1.0,
-        execution=result,
+        id="v-1", sample=sample, components={"tests_passed": 1.0, "tests_total": 1.0}, reward=1.0,
+        execution=result, task_kind="python_tests",
     )
+    trained = trajectory_pb2.Trajectory()
+    trained.CopyFrom(sample)
+    trained.reward, trained.advantage, trained.estimator, trained.group_complete = 1.0, 0.5, "grpo", True
     return {
         "tasks": task,
-        "rollouts": rollout,
-        "executions": execution_pb2.Execution(id="e-1", rollout=rollout, result=result),
+        "rollouts": group,
+        "executions": execution_pb2.Execution(id="e-1", group=group, results=[result]),
         "verdicts": verdict,
-        "trajectories": trajectory_pb2.Trajectory(id="tr-1", verdict=verdict, reward=1.0, advantage=0.5,
-                                                  estimator="grpo", group_complete=True),
+        "trajectories": trained,
         "policy": policy_pb2.PolicyVersion(run_id="run", version=3, checkpoint_uri="file:///tmp/ckpt",
                                            metrics=policy_pb2.StepMetrics(loss=0.25, kl=0.01)),
         "alerts": alert_pb2.Alert(id="a-1", kind="entropy_collapse", severity=alert_pb2.SEVERITY_WARNING,
@@ -189,7 +196,7 @@ async def test_handler_outputs_are_produced_and_rejects_dead_lettered(settings):
         if task.id == "flaky" and attempts["flaky"] < 1:
             attempts["flaky"] += 1
             raise ConnectionError("transient outage")
-        return [bus.Outgoing("rollouts", rollout_pb2.Rollout(id=f"{task.id}-{i}", task=task, sample_index=i),
+        return [bus.Outgoing("rollouts", rollout_pb2.RolloutGroup(group_id=f"{task.id}-{i}", task=task),
                              key=task.id) for i in range(task.group_size)]
 
     async with bus.Producer(settings) as producer:
@@ -198,6 +205,32 @@ async def test_handler_outputs_are_produced_and_rejects_dead_lettered(settings):
     async with bus.Consumer(["tasks"], "outputs", handler, settings=settings) as consumer:
         await collect(consumer, 2)
     rollouts = await read_raw(settings, "rollouts", 2)
-    assert [messages.decode(r.value, rollout_pb2.Rollout).id for r in rollouts] == ["flaky-0", "flaky-1"]
+    assert [messages.decode(r.value, rollout_pb2.RolloutGroup).group_id for r in rollouts] == ["flaky-0", "flaky-1"]
     dead = await read_raw(settings, "tasks.dlq", 1)
     assert "group_size must be at least 1" in dict(dead[0].headers)["dlq-reason"].decode()
+
+
+async def test_a_reader_given_offsets_starts_exactly_there_and_keeps_trace_context(settings):
+    """The learner's way in: its checkpoint's positions win over the group's committed offsets."""
+    telemetry.setup_telemetry("test-bus")
+    await bus.ensure_topics(["tasks"], settings=settings)
+    tracer = telemetry.tracer("test")
+    async with bus.Producer(settings) as producer:
+        with tracer.start_as_current_span("publish") as span:
+            for i in range(10):
+                await producer.send_and_wait("tasks", task_pb2.Task(id=f"t{i}", kind="exact", prompt="p", group_size=1))
+            trace_id = span.get_span_context().trace_id
+        await producer.send_and_wait("tasks.dlq", task_pb2.Task(id="unrelated"))  # a topic of its own
+    async with bus.Consumer(["tasks"], "seek", lambda incoming: asyncio.sleep(0), settings=settings) as first:
+        await collect(first, 8)  # the group has committed 8
+    async with bus.Reader(["tasks"], "seek", settings=settings, offsets={"tasks": {0: 3}}) as reader:
+        got = []
+        while len(got) < 7:
+            got += await reader.fetch(max_records=10, timeout_ms=500)
+        assert [i.message.id for i in got] == [f"t{i}" for i in range(3, 10)]
+        assert reader.positions[(settings.topic("tasks"), 0)] == 10
+        parent = trace.get_current_span(got[0].context).get_span_context()
+        assert parent.trace_id == trace_id  # work done later on a record joins the producer's trace
+        await reader.commit({(settings.topic("tasks"), 0): 5})
+    async with bus.Consumer(["tasks"], "seek", lambda incoming: asyncio.sleep(0), settings=settings) as again:
+        assert await again.run(max_records=5, idle_timeout_s=5) == 5  # resumes at the committed 5

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
 import torch
 
+from crucible.services.control.__main__ import run as control_run
+from crucible.shared import store
 from crucible.v1 import generator_pb2, generator_pb2_grpc, policy_pb2, rollout_pb2, task_pb2
 from crucible.services.generator.__main__ import run
 from crucible.shared import bus, messages, rpc
+from crucible.shared.procs import free_port
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.model import sequence_logprobs
 from tests.test_bus import read_raw
@@ -22,16 +24,11 @@ pytestmark = pytest.mark.kafka
 LOGPROB_TOLERANCE = 1e-4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def recompute(model, rollout: rollout_pb2.Rollout) -> list[float]:
-    ids = torch.tensor([list(rollout.prompt_token_ids) + list(rollout.token_ids)])
-    logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))
-    return logp[0, len(rollout.prompt_token_ids) - 1:].tolist()
+def recompute(model, group: rollout_pb2.RolloutGroup, rollout: rollout_pb2.Rollout) -> list[float]:
+    """The learner's view: log-probs at the temperature and top_p the group records."""
+    ids = torch.tensor([list(group.prompt_token_ids) + list(rollout.token_ids)])
+    logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), group.temperature, group.top_p)
+    return logp[0, len(group.prompt_token_ids) - 1:].tolist()
 
 
 def task(task_id: str, group_size: int = 4, prompt: str = "Add: 3+4=") -> task_pb2.Task:
@@ -41,8 +38,8 @@ def task(task_id: str, group_size: int = 4, prompt: str = "Add: 3+4=") -> task_p
 
 @pytest.fixture
 async def generator(settings):
-    settings = settings.model_copy(update={"generator_grpc_port": free_port(), "generator_seed": 11,
-                                           "generator_max_tokens": 12, "generator_batch_wait_ms": 5.0})
+    settings = settings.model_copy(update={"generator_grpc_port": free_port(), "seed": 11, "max_tokens": 12,
+                                           "temperature": 0.7, "top_p": 0.9, "generator_batch_wait_ms": 5.0})
     await bus.ensure_topics(["tasks", "rollouts", "policy"], settings=settings)
     stop = asyncio.Event()
     service = asyncio.create_task(run(settings, stop))
@@ -57,22 +54,20 @@ async def test_task_yields_exactly_group_size_rollouts_with_matching_logprobs(ge
     async with bus.Producer(settings) as producer:
         await producer.send_and_wait("tasks", task("t1", group_size=5), key="t1")
         await producer.send_and_wait("tasks", task("t2", group_size=3, prompt="Add: 1+1="), key="t2")
-    records = await read_raw(settings, "rollouts", 8, timeout=60)
-    rollouts = [messages.decode(r.value, rollout_pb2.Rollout) for r in records]
-    by_task = {}
-    for r in rollouts:
-        by_task.setdefault(r.task.id, []).append(r)
-    assert {k: len(v) for k, v in by_task.items()} == {"t1": 5, "t2": 3}
-    assert sorted(r.sample_index for r in by_task["t1"]) == list(range(5))
-    assert len({r.group_id for r in by_task["t1"]}) == 1
+    records = await read_raw(settings, "rollouts", 2, timeout=60)
+    groups = {g.task.id: g for g in (messages.decode(r.value, rollout_pb2.RolloutGroup) for r in records)}
+    assert {k: len(g.rollouts) for k, g in groups.items()} == {"t1": 5, "t2": 3}  # one message per group
+    assert [r.sample_index for r in groups["t1"].rollouts] == list(range(5))
     model = fresh_policy(11)  # the generator's weights: same seed, fresh init
-    for r in rollouts:
-        assert r.policy_version == 0 and r.backend == "torch" and r.group_size == len(by_task[r.task.id])
-        assert len(r.token_ids) == len(r.logprobs) >= 1
-        assert max(abs(a - b) for a, b in zip(recompute(model, r), r.logprobs)) < LOGPROB_TOLERANCE
+    for g in groups.values():
+        assert g.policy_version == 0 and g.backend == "torch"
+        assert g.temperature == pytest.approx(0.7) and g.top_p == pytest.approx(0.9)
+        for r in g.rollouts:
+            assert len(r.token_ids) == len(r.logprobs) >= 1
+            assert max(abs(a - b) for a, b in zip(recompute(model, g, r), r.logprobs)) < LOGPROB_TOLERANCE
     # Nothing beyond the groups was produced.
     await asyncio.sleep(0.5)
-    assert len(await read_raw(settings, "rollouts", 8, timeout=5)) == 8
+    assert len(await read_raw(settings, "rollouts", 2, timeout=5)) == 2
 
 
 async def test_policy_version_event_swaps_weights(generator, tmp_path):
@@ -83,13 +78,13 @@ async def test_policy_version_event_swaps_weights(generator, tmp_path):
         await producer.send_and_wait("policy", policy_pb2.PolicyVersion(run_id="r", version=7, checkpoint_uri=uri))
         await asyncio.sleep(1.0)  # the policy consumer records it; the swap happens before the next batch
         await producer.send_and_wait("tasks", task("after-swap", group_size=3), key="after-swap")
-    records = await read_raw(settings, "rollouts", 3, timeout=60)
-    rollouts = [messages.decode(r.value, rollout_pb2.Rollout) for r in records]
+    records = await read_raw(settings, "rollouts", 1, timeout=60)
+    g = messages.decode(records[0].value, rollout_pb2.RolloutGroup)
     old_model = fresh_policy(11)
-    for r in rollouts:
-        assert r.policy_version == 7
-        assert max(abs(a - b) for a, b in zip(recompute(new_model, r), r.logprobs)) < LOGPROB_TOLERANCE
-        assert max(abs(a - b) for a, b in zip(recompute(old_model, r), r.logprobs)) > 1e-3
+    assert g.policy_version == 7 and len(g.rollouts) == 3
+    for r in g.rollouts:
+        assert max(abs(a - b) for a, b in zip(recompute(new_model, g, r), r.logprobs)) < LOGPROB_TOLERANCE
+        assert max(abs(a - b) for a, b in zip(recompute(old_model, g, r), r.logprobs)) > 1e-3
 
 
 @pytest.mark.parametrize("bad,reason", [
@@ -110,7 +105,7 @@ async def test_bad_tasks_land_in_dlq_with_reason(generator, bad, reason):
     assert reason in dict(dead[0].headers)["dlq-reason"].decode()
     # ...and the generator went on to the next task.
     ok = await read_raw(settings, "rollouts", 1, timeout=60)
-    assert messages.decode(ok[0].value, rollout_pb2.Rollout).task.id == "fine"
+    assert messages.decode(ok[0].value, rollout_pb2.RolloutGroup).task.id == "fine"
 
 
 async def test_grpc_generate_and_invalid_argument(generator):
@@ -120,10 +115,10 @@ async def test_grpc_generate_and_invalid_argument(generator):
         reply = await stub.Generate(generator_pb2.GenerateRequest(
             task=task("interactive", group_size=2), n=3,
             sampling=generator_pb2.SamplingParams(temperature=0.0, max_tokens=5)), timeout=30)
-        assert len(reply.rollouts) == 3
-        assert all(len(r.token_ids) <= 5 for r in reply.rollouts)
+        assert len(reply.group.rollouts) == 3 and reply.group.temperature == 0.0
+        assert all(len(r.token_ids) <= 5 for r in reply.group.rollouts)
         # Greedy decoding: every sample is the same.
-        assert len({tuple(r.token_ids) for r in reply.rollouts}) == 1
+        assert len({tuple(r.token_ids) for r in reply.group.rollouts}) == 1
         for request, reason in [
             (generator_pb2.GenerateRequest(task=task("x", group_size=0)), "group_size must be at least 1"),
             (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(top_p=2.0)),
@@ -134,3 +129,32 @@ async def test_grpc_generate_and_invalid_argument(generator):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(request, timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
+
+
+@pytest.mark.store
+async def test_a_bad_task_is_dead_lettered_once_with_the_task_log_running(generator, store_url, store_database):
+    """Two consumers read crucible.tasks (the generator and control's task log); only the generator
+    decides whether a task is acceptable, so a bad task reaches the DLQ exactly once."""
+    settings = generator.model_copy(update={"clickhouse_url": store_url, "clickhouse_database": store_database,
+                                            "control_grpc_port": free_port()})
+    stop = asyncio.Event()
+    control = asyncio.create_task(control_run(settings, stop))
+    try:
+        async with bus.Producer(settings) as producer:
+            await producer.send_and_wait("tasks", task_pb2.Task(id="bad", kind="exact", prompt="p", group_size=2))
+            await producer.send_and_wait("tasks", task("good", group_size=1))
+        await read_raw(settings, "rollouts", 1, timeout=60)
+        client = store.connect(settings)
+        store.migrate(client)  # idempotent: the table exists whichever of us migrates first
+        for _ in range(100):  # the task log has caught up with both records
+            if client.query("SELECT count() FROM tasks FINAL").result_rows[0][0] == 2:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
+        dead = await read_raw(settings, "tasks.dlq", 1, timeout=10)
+        assert len(dead) == 1 and "needs a 'answer' payload" in dict(dead[0].headers)["dlq-reason"].decode()
+        with pytest.raises(asyncio.TimeoutError):
+            await read_raw(settings, "tasks.dlq", 2, timeout=3)
+    finally:
+        stop.set()
+        await asyncio.wait_for(control, 30)

@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2
-from crucible.services.sandbox_executor.__main__ import rollout_handler
+from crucible.services.sandbox_executor.__main__ import group_handler
 from crucible.services.sandbox_executor.pool import SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.shared import bus, rpc
@@ -97,28 +97,36 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
                                 answer=task_pb2.ExpectedAnswer(answer="4"))
     cobol = task_pb2.Task(id="c", kind="python_tests", prompt="x", group_size=1,
                           python_tests=task_pb2.PythonTests(entry_point="f", language="cobol", test_code="t"))
-    rollouts = [
-        rollout_pb2.Rollout(id="r0", task=task, group_id="g", sample_index=0, completion="    return a + b\n"),
-        rollout_pb2.Rollout(id="r1", task=task, group_id="g", sample_index=1, completion="    return a - b\n"),
-        rollout_pb2.Rollout(id="r2", task=answer_task, group_id="h", completion="4"),
-        rollout_pb2.Rollout(id="r3", task=cobol, group_id="c", completion="x"),
+    def group(group_id, t, *completions):
+        return rollout_pb2.RolloutGroup(group_id=group_id, task=t, rollouts=[
+            rollout_pb2.Rollout(id=f"{group_id}/{i}", sample_index=i, completion=c) for i, c in enumerate(completions)])
+
+    prose = task_pb2.Task(id="prose", kind="python_tests", prompt="Write add(a, b).", group_size=2,
+                          python_tests=task.python_tests)
+    groups = [
+        group("g", task, "    return a + b\n", "    return a - b\n"),
+        # the second completion holds no program: recorded as not run (a failure to score), not dead-lettered
+        group("p", prose, "```python\ndef add(a, b):\n    return a + b\n```", "   "),
+        group("h", answer_task, "4"),
+        group("c", cobol, "x"),
     ]
     async with bus.Producer(settings) as producer:
-        for r in rollouts:
-            await producer.send_and_wait("rollouts", r, key=r.group_id)
+        for g in groups:
+            await producer.send_and_wait("rollouts", g, key=g.group_id)
     consumer_ref = []
-    handler = rollout_handler(pool, consumer_ref, "test")
+    handler = group_handler(pool, consumer_ref, "test")
     async with bus.Consumer(["rollouts"], "sandbox", handler, settings=settings, concurrency=4) as consumer:
         consumer_ref.append(consumer)
         await asyncio.wait_for(consumer.run(max_records=4), 60)
     records = await read_raw(settings, "executions", 2)
-    executions = {}
-    for record in records:
-        e = execution_pb2.Execution.FromString(record.value)
-        executions[e.rollout.id] = e
-        assert record.key == b"g"
-    assert set(executions) == {"r0", "r1"}  # the answer-only rollout needs no execution
-    assert executions["r0"].result.exit_code == 0 and executions["r0"].result.tests[0].passed
-    assert not executions["r1"].result.tests[0].passed
+    assert sorted(r.key for r in records) == [b"g", b"p"]  # the answer-only group needs no execution
+    e = {x.group.group_id: x for x in (execution_pb2.Execution.FromString(r.value) for r in records)}
+    assert e["g"].group.task.id == "add"  # the task travels once, with its group
+    first, second = e["g"].results
+    assert first.exit_code == 0 and first.tests[0].passed
+    assert not second.tests[0].passed
+    fenced, empty = e["p"].results
+    assert fenced.tests[0].passed
+    assert empty.not_run and not empty.tests
     dead = await read_raw(settings, "rollouts.dlq", 1)
     assert "language 'cobol'" in dict(dead[0].headers)["dlq-reason"].decode()

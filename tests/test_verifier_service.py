@@ -29,8 +29,18 @@ HALF = task_pb2.Task(id="half", kind="math_answer", prompt="1 divided by 2?", gr
                      answer=task_pb2.ExpectedAnswer(answer="\\frac{1}{2}"))
 
 
-def rollout(rid: str, task: task_pb2.Task, completion: str, group: str = "g") -> rollout_pb2.Rollout:
-    return rollout_pb2.Rollout(id=rid, task=task, group_id=group, completion=completion, token_ids=[1, 2, 3])
+def rollout(rid: str, completion: str, index: int = 0) -> rollout_pb2.Rollout:
+    return rollout_pb2.Rollout(id=rid, sample_index=index, completion=completion, token_ids=[1, 2, 3])
+
+
+def request(rid: str, task: task_pb2.Task, completion: str, **fields) -> verdict_pb2.VerifyRequest:
+    return verdict_pb2.VerifyRequest(task=task, rollout=rollout(rid, completion), **fields)
+
+
+def group(group_id: str, task: task_pb2.Task, *completions: str) -> rollout_pb2.RolloutGroup:
+    return rollout_pb2.RolloutGroup(
+        group_id=group_id, task=task, policy_version=3, temperature=0.7, top_p=0.9, prompt_token_ids=[9, 9],
+        rollouts=[rollout(f"{group_id}/{i}", c, i) for i, c in enumerate(completions)])
 
 
 def outcome(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
@@ -48,20 +58,28 @@ async def scorer():
 # --- pure routing --------------------------------------------------------------------------------
 
 def test_routing_is_by_kind():
-    assert handler.request_for(rollout("r", ADD, "    return a + b\n")) is None  # the sandbox runs it first
-    assert handler.request_for(rollout("r", CAPITAL, "Paris")).rollout.id == "r"
-    execution = execution_pb2.Execution(rollout=rollout("r", ADD, "x"), result=outcome(True))
-    assert handler.request_for(execution).execution.tests[0].passed
+    assert handler.requests_for(group("g", ADD, "    return a + b\n")) == []  # the sandbox runs it first
+    assert [r.rollout.id for r in handler.requests_for(group("h", CAPITAL, "Paris", "Rome"))] == ["h/0", "h/1"]
+    execution = execution_pb2.Execution(group=group("g", ADD, "x"), results=[outcome(True)])
+    assert handler.requests_for(execution)[0].execution.tests[0].passed
     with pytest.raises(handler.Unverifiable, match="unknown kind 'poetry'"):
-        handler.request_for(rollout("r", task_pb2.Task(id="p", kind="poetry", prompt="p"), "x"))
+        handler.requests_for(group("p", task_pb2.Task(id="p", kind="poetry", prompt="p"), "x"))
+    with pytest.raises(handler.Unverifiable, match="1 results for 2 rollouts"):
+        handler.requests_for(execution_pb2.Execution(id="e", group=group("g", ADD, "x", "y"), results=[outcome(True)]))
 
 
-def test_verdict_carries_components_and_length():
-    verdict = handler.verify(verdict_pb2.VerifyRequest(rollout=rollout("r", CAPITAL, "Answer: Paris")))
+def test_verdict_is_a_flat_sample_with_components():
+    verdict = handler.verify(request("r", CAPITAL, "Answer: Paris"))
     assert verdict.reward == 1.0 and verdict.components["answer_correct"] == 1.0
     assert verdict.components["length"] == 3.0 and verdict.components["truncated"] == 0.0
     assert verdict.verifier_version == handler.VERIFIER_VERSION and verdict.id == "r/verdict"
     assert not verdict.HasField("execution")
+    assert verdict.sample.passed and verdict.sample.task_id == "capital" and verdict.task_kind == "exact"
+    whole = handler.in_group(verdict, group("h", CAPITAL, "Answer: Paris"))
+    s = whole.sample
+    assert (s.group_id, s.group_size, s.policy_version, list(s.prompt_token_ids)) == ("h", 1, 3, [9, 9])
+    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
+    assert CAPITAL.prompt.encode() not in whole.SerializeToString()  # the task does not travel past the verifier
 
 
 # --- Kafka ---------------------------------------------------------------------------------------
@@ -72,37 +90,41 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
     rg_task = builtin_sets.reasoning_gym("gcd", 1, seed=4)[0]
     rg_answer = __import__("json").loads(rg_task.generator.entry_json)["answer"]
     executions = [
-        execution_pb2.Execution(id="e0", rollout=rollout("x0", ADD, "    return a + b\n"), result=outcome(True)),
-        execution_pb2.Execution(id="e1", rollout=rollout("x1", ADD, "    return a - b\n"), result=outcome(False)),
-        execution_pb2.Execution(id="e2", rollout=rollout("x2", ADD, "    print('All tests passed')\n    return a + b\n"),
-                                result=outcome(True, stdout=b"All tests passed\n")),
+        execution_pb2.Execution(
+            id="e", group=group("x", ADD, "    return a + b\n", "    return a - b\n",
+                                "    print('All tests passed')\n    return a + b\n", ""),
+            results=[outcome(True), outcome(False), outcome(True, stdout=b"All tests passed\n"),
+                     execution_pb2.ExecutionResult(not_run="code is empty")]),
     ]
-    rollouts = [
-        rollout("a0", CAPITAL, "Answer: Paris", group="h"),
-        rollout("a1", HALF, "so \\boxed{0.5}", group="h"),
-        rollout("a2", rg_task, f"<answer>{rg_answer}</answer>", group="k"),
-        rollout("a3", ADD, "    return a + b\n"),  # python_tests: the sandbox's, not ours
-        rollout("bad0", task_pb2.Task(id="p", kind="poetry", prompt="write"), "roses"),
-        rollout("bad1", task_pb2.Task(id="r", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(")), "x"),
+    groups = [
+        group("h", CAPITAL, "Answer: Paris"),
+        group("m", HALF, "so \\boxed{0.5}"),
+        group("k", rg_task, f"<answer>{rg_answer}</answer>"),
+        group("a", ADD, "    return a + b\n"),  # python_tests: the sandbox's, not ours
+        group("bad0", task_pb2.Task(id="p", kind="poetry", prompt="write"), "roses"),
+        group("bad1", task_pb2.Task(id="r", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(")), "x"),
     ]
     async with bus.Producer(settings) as producer:
         for e in executions:
-            await producer.send_and_wait("executions", e, key=e.rollout.group_id)
-        for r in rollouts:
-            await producer.send_and_wait("rollouts", r, key=r.group_id)
+            await producer.send_and_wait("executions", e, key=e.group.group_id)
+        for g in groups:
+            await producer.send_and_wait("rollouts", g, key=g.group_id)
     async with bus.Consumer(TOPICS, "verifier", verdict_handler(scorer), settings=settings, concurrency=4) as consumer:
-        await asyncio.wait_for(consumer.run(max_records=len(executions) + len(rollouts)), 60)
+        await asyncio.wait_for(consumer.run(max_records=len(executions) + len(groups)), 60)
     verdicts = {}
-    for record in await read_raw(settings, "verdicts", 6):
+    for record in await read_raw(settings, "verdicts", 7):
         v = verdict_pb2.Verdict.FromString(record.value)
-        verdicts[v.rollout.id] = v
-        assert record.key == v.rollout.group_id.encode()
-    assert set(verdicts) == {"x0", "x1", "x2", "a0", "a1", "a2"}
-    assert verdicts["x0"].reward == 1.0 and verdicts["x0"].execution.tests[0].passed
-    assert verdicts["x1"].reward == 0.0 and verdicts["x1"].components["tests_total"] == 1.0
-    assert verdicts["x2"].tampered and list(verdicts["x2"].tamper_patterns) == ["fake_result_output"]
-    assert verdicts["x2"].reward == 0.0
-    assert [verdicts[r].reward for r in ("a0", "a1", "a2")] == [1.0, 1.0, 1.0]
+        verdicts[v.sample.id] = v
+        assert record.key == v.sample.group_id.encode()
+    assert set(verdicts) == {"x/0", "x/1", "x/2", "x/3", "h/0", "m/0", "k/0"}
+    assert verdicts["x/0"].reward == 1.0 and verdicts["x/0"].execution.tests[0].passed and verdicts["x/0"].sample.passed
+    assert verdicts["x/1"].reward == 0.0 and verdicts["x/1"].components["tests_total"] == 1.0
+    assert verdicts["x/2"].tampered and list(verdicts["x/2"].tamper_patterns) == ["fake_result_output"]
+    assert verdicts["x/2"].reward == 0.0 and not verdicts["x/2"].sample.passed
+    assert not verdicts["x/2"].execution.stdout  # scored: output is not carried past the verifier
+    assert verdicts["x/3"].reward == 0.0 and "not run" in verdicts["x/3"].detail
+    assert all(v.sample.group_size == 4 for k, v in verdicts.items() if k.startswith("x/"))
+    assert [verdicts[r].reward for r in ("h/0", "m/0", "k/0")] == [1.0, 1.0, 1.0]
     dead = {dict(r.headers)["dlq-reason"].decode() for r in await read_raw(settings, "rollouts.dlq", 2)}
     assert any("unknown kind 'poetry': known kinds are" in d for d in dead), dead
     assert any("not a valid regular expression" in d for d in dead), dead
@@ -131,29 +153,27 @@ async def verifier(scorer, sandbox_address):
 
 @pytest.mark.sandbox
 async def test_verify_runs_python_tests_in_the_sandbox(verifier):
-    good = await verifier.Verify(verdict_pb2.VerifyRequest(rollout=rollout("v0", ADD, "    return a + b\n")), timeout=30)
+    good = await verifier.Verify(request("v0", ADD, "    return a + b\n"), timeout=30)
     assert good.reward == 1.0 and good.execution.tests[0].passed
     assert good.execution.isolation == execution_pb2.ISOLATION_LEVEL_FULL
-    forged = await verifier.Verify(verdict_pb2.VerifyRequest(rollout=rollout(
-        "v1", ADD, "    class A:\n        __eq__ = lambda s, o: True\n    return A()\n")), timeout=30)
+    forged = await verifier.Verify(request(
+        "v1", ADD, "    class A:\n        __eq__ = lambda s, o: True\n    return A()\n"), timeout=30)
     assert forged.reward == 0.0 and forged.tampered and "non_plain_return" in forged.tamper_patterns
-    given = await verifier.Verify(verdict_pb2.VerifyRequest(rollout=rollout("v2", ADD, "    return a + b\n"),
-                                                            execution=outcome(False)), timeout=30)
+    given = await verifier.Verify(request("v2", ADD, "    return a + b\n", execution=outcome(False)), timeout=30)
     assert given.reward == 0.0  # an execution that comes along is scored as it is
 
 
 @pytest.mark.sandbox
 async def test_verify_scores_answers_directly(verifier):
-    v = await verifier.Verify(verdict_pb2.VerifyRequest(rollout=rollout("v3", HALF, "\\boxed{\\frac{2}{4}}")), timeout=30)
+    v = await verifier.Verify(request("v3", HALF, "\\boxed{\\frac{2}{4}}"), timeout=30)
     assert v.reward == 1.0 and v.components["format_ok"] == 1.0
 
 
 @pytest.mark.sandbox
 @pytest.mark.parametrize("request_,reason", [
     (verdict_pb2.VerifyRequest(), "carries no task"),
-    (verdict_pb2.VerifyRequest(rollout=rollout("u", task_pb2.Task(id="p", kind="poetry"), "x")), "unknown kind 'poetry'"),
-    (verdict_pb2.VerifyRequest(rollout=rollout("w", task_pb2.Task(id="e", kind="exact", prompt="?"), "x")),
-     "needs a 'answer' payload"),
+    (request("u", task_pb2.Task(id="p", kind="poetry"), "x"), "unknown kind 'poetry'"),
+    (request("w", task_pb2.Task(id="e", kind="exact", prompt="?"), "x"), "needs a 'answer' payload"),
 ])
 async def test_bad_verify_requests_get_invalid_argument(verifier, request_, reason):
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -168,7 +188,7 @@ async def test_verify_says_when_the_sandbox_is_unreachable(scorer):
     async with server, rpc.channel(server.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await verdict_pb2_grpc.VerifierStub(channel).Verify(
-                verdict_pb2.VerifyRequest(rollout=rollout("v", ADD, "    return a + b\n")), timeout=30)
+                request("v", ADD, "    return a + b\n"), timeout=30)
     await servicer.close()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "CRUCIBLE_VERIFIER_SANDBOX_TARGET" in err.value.details()
@@ -179,7 +199,7 @@ async def test_verify_says_when_the_sandbox_is_unreachable(scorer):
 async def test_a_completion_that_hangs_its_scorer_gets_a_failed_verdict():
     evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
     async with ScorerPool(Settings(verifier_workers=1), timeout_s=1.0) as pool:
-        slow = await pool.verify(verdict_pb2.VerifyRequest(rollout=rollout("s", evil, "Answer: " + "a" * 40 + "!")))
+        slow = await pool.verify(request("s", evil, "Answer: " + "a" * 40 + "!"))
         assert slow.reward == 0.0 and slow.components["scoring_failed"] == 1.0 and "longer than 1s" in slow.detail
-        after = await pool.verify(verdict_pb2.VerifyRequest(rollout=rollout("t", evil, "Answer: aaa")))
+        after = await pool.verify(request("t", evil, "Answer: aaa"))
         assert after.reward == 1.0 and pool.failures == 1

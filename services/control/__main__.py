@@ -8,15 +8,15 @@ from crucible.v1 import control_pb2_grpc
 from crucible.services.control.handler import TASK_COLUMNS, task_row
 from crucible.services.control.servicer import ControlServicer
 from crucible.shared import bus, rpc, service, store, telemetry
+from crucible.shared.settings import Settings
 
 log = logging.getLogger("crucible.control")
 
 
-async def main() -> None:
-    settings = service.setup("control")
+async def run(settings: Settings, stop: asyncio.Event) -> None:
     await bus.ensure_topics(bus.STANDARD_TOPICS, settings=settings)
-    client = store.connect(settings)
-    applied = store.migrate(client)
+    client = await asyncio.to_thread(store.connect, settings)
+    applied = await asyncio.to_thread(store.migrate, client)
     if applied:
         log.info("applied migrations %s", applied)
 
@@ -38,7 +38,12 @@ async def main() -> None:
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
                                         settings=settings, producer=producer) as consumer:
             log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
-            await service.run_until(service.stop_event(), consumer.run())
+            await service.run_until(stop, consumer.run())
+
+
+async def main() -> None:
+    settings = service.setup("control")
+    await run(settings, service.stop_event())
 
 
 if __name__ == "__main__":
