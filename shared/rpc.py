@@ -6,6 +6,7 @@ client continues in the server that answers it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,32 +35,60 @@ class Service:
 
 
 class _TracingInterceptor(grpc.aio.ServerInterceptor):
-    """Continues the caller's trace: each RPC runs in a SERVER span parented by its metadata."""
+    """Continues the caller's trace: each RPC, unary or streaming, runs in a SERVER span parented by its metadata."""
+
+    _KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # streaming handlers keep the default behaviour
-        method = handler_call_details.method
+        if handler is None:
+            return handler
+        kind = next(k for k in self._KINDS if getattr(handler, k) is not None)
         carrier = [(m.key, m.value) for m in (handler_call_details.invocation_metadata or ())]
-        parent = telemetry.extract_context(carrier)
-        inner = handler.unary_unary
-        tracer = telemetry.tracer("crucible.rpc")
+        traced = _traced(getattr(handler, kind), handler_call_details.method.lstrip("/"),
+                         telemetry.extract_context(carrier))
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            traced, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
-        async def traced(request, context):
-            token = otel_context.attach(parent)
+
+def _traced(inner, method: str, parent):
+    """`inner` wrapped in a SERVER span; a handler that streams replies keeps its span until the last one."""
+    tracer = telemetry.tracer("crucible.rpc")
+
+    def start():
+        span = tracer.start_span(method, context=parent, kind=trace.SpanKind.SERVER)
+        span.set_attribute("rpc.system", "grpc")
+        return span
+
+    if inspect.isasyncgenfunction(inner):
+        async def streamed(request, context):
+            span = start()
+            replies = inner(request, context)
             try:
-                with tracer.start_as_current_span(method.lstrip("/"), kind=trace.SpanKind.SERVER) as span:
-                    span.set_attribute("rpc.system", "grpc")
-                    return await inner(request, context)
+                while True:
+                    token = otel_context.attach(trace.set_span_in_context(span))
+                    try:
+                        reply = await replies.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        otel_context.detach(token)
+                    yield reply
             finally:
-                otel_context.detach(token)
+                await replies.aclose()
+                span.end()
+        return streamed
 
-        return grpc.unary_unary_rpc_method_handler(
-            traced,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+    async def unary(request, context):
+        span = start()
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            return await inner(request, context)
+        finally:
+            otel_context.detach(token)
+            span.end()
+    return unary
 
 
 class RpcServer:
@@ -107,21 +136,38 @@ class RpcServer:
         await self.stop()
 
 
-class _ClientTracing(grpc.aio.UnaryUnaryClientInterceptor):
+def _with_trace_context(client_call_details):
+    metadata = list(client_call_details.metadata or []) + telemetry.inject_metadata()
+    return grpc.aio.ClientCallDetails(client_call_details.method, client_call_details.timeout, metadata,
+                                      client_call_details.credentials, client_call_details.wait_for_ready)
+
+
+# One class per call kind: grpc.aio files each interceptor under the first kind it implements.
+class _UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        metadata = list(client_call_details.metadata or []) + telemetry.inject_metadata()
-        details = client_call_details._replace(metadata=metadata) if hasattr(
-            client_call_details, "_replace") else grpc.aio.ClientCallDetails(
-            client_call_details.method, client_call_details.timeout, metadata,
-            client_call_details.credentials, client_call_details.wait_for_ready)
-        return await continuation(details, request)
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _StreamUnaryTracing(grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_trace_context(client_call_details), request_iterator)
+
+
+class _StreamStreamTracing(grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_trace_context(client_call_details), request_iterator)
 
 
 def channel(target: str) -> grpc.aio.Channel:
     """An insecure asyncio channel that propagates the current trace context."""
     return grpc.aio.insecure_channel(
         target,
-        interceptors=[_ClientTracing()],
+        interceptors=[_UnaryUnaryTracing(), _UnaryStreamTracing(), _StreamUnaryTracing(), _StreamStreamTracing()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

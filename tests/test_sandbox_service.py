@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from opentelemetry import trace
 import pytest
 import pytest_asyncio
 
@@ -130,3 +131,32 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
     assert empty.not_run and not empty.tests
     dead = await read_raw(settings, "rollouts.dlq", 1)
     assert "language 'cobol'" in dict(dead[0].headers)["dlq-reason"].decode()
+
+
+async def test_streaming_execute_batch_continues_the_callers_trace(sandbox):
+    """Streaming RPCs are traced like unary ones: the server span is the client span's child."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from crucible.shared import telemetry
+
+    telemetry.setup_telemetry("test-sandbox")
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _, stub = sandbox
+
+    async def requests():
+        for i in range(3):
+            yield execution_pb2.ExecuteRequest(request_id=f"s{i}", code=f"print({i})")
+
+    with telemetry.tracer("test").start_as_current_span("client batch") as client:
+        replies = [r async for r in stub.ExecuteBatch(requests(), timeout=60)]
+    assert len(replies) == 3
+    server = [s for s in exporter.get_finished_spans() if s.name == "crucible.v1.Sandbox/ExecuteBatch"]
+    assert len(server) == 1
+    assert server[0].context.trace_id == client.get_span_context().trace_id
+    assert server[0].parent.span_id == client.get_span_context().span_id
+    assert server[0].kind == trace.SpanKind.SERVER

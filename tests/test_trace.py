@@ -1,0 +1,81 @@
+"""One task, one trace: from the submitter through all five services (as processes) to the learner step."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from crucible.cli.train import Run, TrainOptions
+from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
+from crucible.shared import bus
+from crucible.shared.settings import RunConfig
+from crucible.v1 import task_pb2
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
+
+# The path of a python_tests task, read from the learner step back to the submitter.
+HOPS = ["learner", "reward-aggregator", "verifier", "sandbox-executor", "generator"]
+
+
+def read_spans(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_a_task_is_one_trace_through_all_five_services_and_the_learner_step(stack_settings, tmp_path):
+    spans_file = tmp_path / "spans.jsonl"
+    settings = stack_settings.model_copy(update={"home": tmp_path, "otel_span_file": spans_file})
+    run = Run(settings, TrainOptions(steps=1, config=RunConfig(groups_per_step=1, max_tokens=6, max_policy_lag=-1)))
+    init = save_checkpoint(fresh_policy(0), tmp_path / "init", {"version": 0})
+    await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts"],
+                            settings=run.settings)
+    run.start_services(init.as_uri())
+    try:
+        # The submitter's span: its own SDK provider, so the test needs no global telemetry.
+        submitter = TracerProvider().get_tracer("test")
+        task = task_pb2.Task(id="traced", kind="python_tests", prompt="def add(a, b):\n", group_size=2,
+                             python_tests=task_pb2.PythonTests(entry_point="add",
+                                                               test_code="def check(f):\n    assert f(2, 3) == 5\n"))
+        with submitter.start_as_current_span("submit") as root:
+            async with bus.Producer(run.settings) as producer:
+                await producer.send_and_wait("tasks", task, key=task.id)
+        trace_id = f"0x{root.get_span_context().trace_id:032x}"
+        root_id = f"0x{root.get_span_context().span_id:016x}"
+        for _ in range(300):
+            run.check_services()
+            spans = [s for s in read_spans(spans_file) if s["context"]["trace_id"] == trace_id]
+            if any(s["name"] == "learner step" for s in spans):
+                break
+            await asyncio.sleep(0.5)
+        else:
+            pytest.fail(f"no learner step in the task's trace; services seen: "
+                        f"{sorted({s['resource']['attributes']['service.name'] for s in spans})}")
+    finally:
+        run.stop_services()
+    otel_context.attach(otel_context.Context())  # nothing of the submitter's context leaks into other tests
+
+    spans = [s for s in read_spans(spans_file) if s["context"]["trace_id"] == trace_id]
+    by_id = {s["context"]["span_id"]: s for s in spans}
+    service = {i: s["resource"]["attributes"]["service.name"] for i, s in by_id.items()}
+    assert set(HOPS) <= set(service.values())
+    # Every span's parent is in the trace: the submitter's span, or another service's span.
+    orphans = [s["name"] for s in spans if s["parent_id"] not in by_id and s["parent_id"] != root_id]
+    assert not orphans, orphans
+    # Walking up from the learner step passes through every service in pipeline order, to the submitter.
+    step = next(s for s in spans if s["name"] == "learner step")
+    path, at = [], step
+    while at is not None:
+        name = service[at["context"]["span_id"]]
+        if not path or path[-1] != name:
+            path.append(name)
+        parent = at["parent_id"]
+        if parent == root_id:
+            break
+        at = by_id.get(parent)
+    assert path == HOPS, path
+    assert trace.SpanKind.CONSUMER.name in {s["kind"].removeprefix("SpanKind.") for s in spans}
