@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
 
 from crucible.v1 import rollout_pb2, verdict_pb2  # noqa: E402
 from crucible.services.sandbox_executor.handler import job_for_request, result_message  # noqa: E402
@@ -53,14 +52,13 @@ def answer_requests(n: int) -> list[verdict_pb2.VerifyRequest]:
 
 
 def _request(task, completion: str) -> verdict_pb2.VerifyRequest:
-    return verdict_pb2.VerifyRequest(rollout=rollout_pb2.Rollout(id=f"{task.id}/0", task=task, group_id=task.id,
-                                                                 completion=completion))
+    return verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(id=f"{task.id}/0", completion=completion))
 
 
 def by_kind(requests) -> dict[str, list]:
     groups: dict[str, list] = {}
     for r in requests:
-        groups.setdefault(r.rollout.task.kind, []).append(r)
+        groups.setdefault(r.task.kind, []).append(r)
     return groups
 
 
@@ -110,14 +108,14 @@ async def python_tests(problems: int, workers: int) -> tuple[float, float, float
 
         async def verdict(request):
             async with slots:
-                task, completion = request.rollout.task, request.rollout.completion
+                task, completion = request.task, request.rollout.completion
                 result = await sandbox.execute(job_for_request(kind.execution(task, completion)))
-                return await scorer.verify(verdict_pb2.VerifyRequest(rollout=request.rollout,
+                return await scorer.verify(verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout,
                                                                      execution=result_message(result)))
 
         async def unsafe(request):
             async with slots:
-                task, completion = request.rollout.task, request.rollout.completion
+                task, completion = request.task, request.rollout.completion
                 code = (f"{task.prompt}{completion}\n{task.python_tests.test_code}\n"
                         f"check({task.python_tests.entry_point})\n")
                 return await sandbox.execute(Job(code=code))
@@ -134,7 +132,7 @@ async def python_tests(problems: int, workers: int) -> tuple[float, float, float
         assert all(r.exit_code == 0 for r in results)
 
         started = time.perf_counter()
-        await asyncio.gather(*(scorer.verify(verdict_pb2.VerifyRequest(rollout=r.rollout, execution=v.execution))
+        await asyncio.gather(*(scorer.verify(verdict_pb2.VerifyRequest(task=r.task, rollout=r.rollout, execution=v.execution))
                                for r, v in zip(requests, verdicts)))
         scoring_rate = len(requests) / (time.perf_counter() - started)
     return verify_rate, unsafe_rate, scoring_rate

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from crucible.shared.settings import Settings, get_settings
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: cli/ sits at its top
 
 
 def echo(message: str = "") -> None:
@@ -240,7 +241,9 @@ def cmd_test(args, settings: Settings) -> int:
         pytest_args = ["-m", "not slow", *pytest_args]
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args]
     echo("running: " + " ".join(cmd))
-    return subprocess.call(cmd, cwd=REPO_ROOT)
+    # Byte code goes under CRUCIBLE_HOME, never into the checkout (tests/checkout_guard.py checks).
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX", str(settings.home / "pycache"))}
+    return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
 
 
 def cmd_protos(args, settings: Settings) -> int:
