@@ -198,6 +198,10 @@ class Reader:
     partition of its topics instead and starts at those positions ({topic: {partition: offset}};
     partitions not named start at the group's committed offset, else at the beginning): a
     caller that keeps its own positions (beside the state they belong to) resumes exactly there.
+
+    A topic's records are judged once, by the service that acts on them (its owner); a reader
+    with `dead_letters=False` only observes (control's task log on crucible.tasks): what it
+    cannot decode is skipped and counted, and the owner dead-letters it, once.
     """
 
     def __init__(
@@ -209,9 +213,11 @@ class Reader:
         producer: Producer | None = None,
         schemas: dict[str, type[Message]] | None = None,
         offsets: dict[str, dict[int, int]] | None = None,
+        dead_letters: bool = True,
         **consumer_options,
     ):
         self.settings = settings or get_settings()
+        self.dead_letters = dead_letters
         self.topics = [self.settings.topic(t) for t in topics]
         self.group_id = group_id
         self.schemas = schemas_for(self.settings, topics, schemas)
@@ -233,6 +239,7 @@ class Reader:
         self._paused = False
         self.positions: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset to read
         self.dead_lettered = 0
+        self.skipped = 0
 
     async def start(self):
         if self._own_producer:
@@ -311,6 +318,11 @@ class Reader:
                         tuple(record.headers or ()), otel_context.get_current())
 
     async def dead_letter(self, record: ConsumerRecord, reason: str) -> None:
+        if not self.dead_letters:
+            log.info("skipping %s[%d]@%d (its owner dead-letters it): %s", record.topic, record.partition,
+                     record.offset, reason)
+            self.skipped += 1
+            return
         await self.producer.dead_letter(record.topic, record.partition, record.offset, record.key, record.value,
                                         record.headers, reason)
         self.dead_lettered += 1

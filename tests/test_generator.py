@@ -7,6 +7,8 @@ import grpc
 import pytest
 import torch
 
+from aiokafka import AIOKafkaProducer
+
 from crucible.services.control.__main__ import run as control_run
 from crucible.shared import store
 from crucible.v1 import generator_pb2, generator_pb2_grpc, policy_pb2, rollout_pb2, task_pb2
@@ -142,19 +144,25 @@ async def test_a_bad_task_is_dead_lettered_once_with_the_task_log_running(genera
     try:
         async with bus.Producer(settings) as producer:
             await producer.send_and_wait("tasks", task_pb2.Task(id="bad", kind="exact", prompt="p", group_size=2))
+            raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+            await raw.start()
+            await raw.send_and_wait(settings.topic("tasks"), b'{"id": "typo", "kind": "exact", "group_sizee": 2}',
+                                    headers=[("content-type", b"application/json")])
+            await raw.stop()
             await producer.send_and_wait("tasks", task("good", group_size=1))
         await read_raw(settings, "rollouts", 1, timeout=60)
         client = store.connect(settings)
         store.migrate(client)  # idempotent: the table exists whichever of us migrates first
         for _ in range(100):  # the task log has caught up with both records
-            if client.query("SELECT count() FROM tasks FINAL").result_rows[0][0] == 2:
+            if client.query("SELECT count() FROM tasks FINAL").result_rows[0][0] == 2:  # bad and good
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
-        dead = await read_raw(settings, "tasks.dlq", 1, timeout=10)
-        assert len(dead) == 1 and "needs a 'answer' payload" in dict(dead[0].headers)["dlq-reason"].decode()
-        with pytest.raises(asyncio.TimeoutError):
-            await read_raw(settings, "tasks.dlq", 2, timeout=3)
+        dead = await read_raw(settings, "tasks.dlq", 2, timeout=10)
+        reasons = sorted(dict(d.headers)["dlq-reason"].decode() for d in dead)
+        assert "needs a 'answer' payload" in reasons[0] and "JSON does not match" in reasons[1], reasons
+        with pytest.raises(asyncio.TimeoutError):  # and nothing else: each bad record once
+            await read_raw(settings, "tasks.dlq", 3, timeout=3)
     finally:
         stop.set()
         await asyncio.wait_for(control, 30)

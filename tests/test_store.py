@@ -71,10 +71,10 @@ def test_the_schema_takes_crucibles_rows_and_a_replay_duplicates_nothing(store_c
     now = datetime.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=datetime.timezone.utc)
     trajectory = {
         "trajectory_id": "t-1", "task_id": "task-9", "group_id": "g-1", "sample_index": 3, "task_kind": "code",
-        "policy_version": 12, "prompt": "write f", "completion": "def f(): return 1",
+        "policy_version": 12, "completion": "def f(): return 1",
         "reward_components": {"tests": 1.0, "format": 0.5}, "reward": 1.5, "advantage": 0.25,
         "tamper_flags": ["reads_tests"], "exit_code": 0, "duration_ms": 12.5, "violation": "",
-        "generation_ms": 80.0, "execution_ms": 12.5, "scoring_ms": 1.0, "trace_id": "ab" * 16, "created_at": now,
+        "generation_ms": 80.0, "execution_ms": 12.5, "trace_id": "ab" * 16, "created_at": now,
     }
     for _ in range(2):  # the second insert is a Kafka replay of the first
         store_client.insert("trajectories", [list(trajectory.values())], column_names=list(trajectory))

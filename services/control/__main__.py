@@ -36,7 +36,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             host=settings.grpc_host, port=settings.control_grpc_port,
         )
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
-                                        settings=settings, producer=producer) as consumer:
+                                        settings=settings, producer=producer, dead_letters=False) as consumer:
             log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
             await service.run_until(stop, consumer.run())
 
