@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import tempfile
 import time
@@ -27,13 +26,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 from crucible.v1 import task_pb2  # noqa: E402
 from crucible.shared import bus, messages, telemetry  # noqa: E402
 from crucible.local.kafka import LocalKafka  # noqa: E402
+from crucible.shared.procs import free_port  # noqa: E402
 from crucible.shared.settings import Settings  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def payload_task(i: int) -> task_pb2.Task:

@@ -9,9 +9,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from crucible.local.kafka import LocalKafka
+from crucible.local.store.launcher import wait_ready
 from crucible.shared.procs import read_pid, terminate
 from crucible.shared.settings import Settings, get_settings
-from crucible.local.store.server import wait_ready
 
 
 class StackError(RuntimeError):

@@ -1,10 +1,20 @@
-"""Background processes started by PID file: liveness and a clean stop."""
+"""Local processes: free ports, liveness, and one way to stop them (SIGTERM, a deadline, SIGKILL)."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
+from typing import Iterable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it); good enough for tests and local runs."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def pid_alive(pid: int) -> bool:
@@ -25,19 +35,56 @@ def pid_alive(pid: int) -> bool:
             return False
 
 
-def terminate(pid: int, timeout: float = 30.0) -> None:
-    """SIGTERM, then SIGKILL after `timeout` seconds; returns once the process is gone."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+def stop_processes(processes: Iterable[subprocess.Popen | int], timeout: float = 30.0) -> None:
+    """Stops processes together: SIGTERM to each, then one deadline, `timeout` seconds away, shared
+    by all of them to leave; SIGKILL to any still running at it. Returns once every one is gone.
+
+    A process is a Popen, or a PID when only that is known (a background service started by an
+    earlier command, found through its PID file).
+    """
+    handles = [_ByPid(p) if isinstance(p, int) else p for p in processes]
+    for handle in handles:
+        if handle.poll() is None:
+            handle.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and pid_alive(pid):
-        time.sleep(0.05)
-    if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
-        while pid_alive(pid):
+    for handle in handles:
+        try:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            handle.kill()
+            handle.wait()
+
+
+def terminate(pid: int, timeout: float = 30.0) -> None:
+    """Stops one process known by its PID (see stop_processes)."""
+    stop_processes([pid], timeout)
+
+
+class _ByPid:
+    """A process that may not be our child, with the part of Popen's interface stop_processes uses."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None if pid_alive(self.pid) else 0  # its real status is not ours to read
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid_alive(self.pid):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
             time.sleep(0.05)
+        return 0
 
 
 def read_pid(pid_file: Path, must_contain: bytes) -> int | None:

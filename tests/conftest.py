@@ -6,21 +6,15 @@ same tests against brokers and servers you already have.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import pytest
 
 from crucible.local.kafka import LocalKafka
+from crucible.shared.procs import free_port
 from crucible.shared.settings import Settings
 
 pytest_plugins = ["tests.fixtures_store"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

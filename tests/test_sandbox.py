@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -198,6 +199,41 @@ async def test_queue_bound_raises_pool_full():
         outcomes = await asyncio.gather(*jobs, return_exceptions=True)
     assert sum(isinstance(o, PoolFull) for o in outcomes) >= 2
     assert sum(not isinstance(o, Exception) and o.exit_code == 0 for o in outcomes) >= 1
+
+
+def jail_workers() -> list[int]:
+    """PIDs of this process's children that are jail workers (of any pool)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"jail/__main__.py" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+async def test_a_worker_killed_from_outside_is_replaced_and_the_pool_keeps_serving():
+    others = set(jail_workers())  # the module's pool may be running too
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        assert (await small.execute(Job(code="print(1)"))).stdout == b"1\n"
+        [old] = set(jail_workers()) - others
+        os.kill(old, signal.SIGKILL)
+        # The supervisor the dead worker had ready is orphaned: at most one job fails (with a
+        # sandbox failure, not a hang) before the pool sees the worker gone and replaces it.
+        outcomes = []
+        for i in range(3):
+            try:
+                outcomes.append((await small.execute(Job(code=f"print({i})"))).stdout)
+            except RuntimeError as exc:
+                outcomes.append(str(exc))
+        failures = [o for o in outcomes if isinstance(o, str)]
+        assert len(failures) <= 1 and all("sandbox failure" in f for f in failures), outcomes
+        assert outcomes[-1] == b"2\n"
+        assert set(jail_workers()) - others not in (set(), {old})
+        assert (await small.execute(Job(code="print(6 * 7)"))).stdout == b"42\n"
 
 
 async def test_refuses_weak_isolation_unless_allowed(monkeypatch):

@@ -5,8 +5,6 @@ Kept apart from the server module so that launching a store never imports chDB i
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +13,9 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from crucible.shared.procs import free_port, stop_processes  # noqa: F401 (free_port: callers import it from here)
+
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `shared` package
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it); good enough for tests and local runs."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def spawn_store(
@@ -103,12 +96,6 @@ def wait_ready(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = 
 
 
 def stop_store(proc: subprocess.Popen, timeout: float = 30.0) -> int:
-    """SIGTERM, wait for the graceful stop, SIGKILL if it does not come; returns the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """Stops a store process (SIGTERM, then SIGKILL after `timeout`); returns its exit status."""
+    stop_processes([proc], timeout)
     return proc.returncode

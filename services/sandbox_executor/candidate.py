@@ -23,14 +23,14 @@ from __future__ import annotations
 import builtins
 import os
 import resource
-import struct
 import sys
 import types
 
 from crucible.services.sandbox_executor import plain
+from crucible.shared import framing
 
 MODULE_NAME = "solution"  # not __main__: a completion's `if __name__ == "__main__":` self-test stays off
-MAX_FRAME = 8 << 20
+MAX_FRAME = 8 << 20  # the call channel's limit on a message, either way (the harness reads with it too)
 
 _ASSERT_WORDS = ("assert", "fail", "TestCase", "unittest", "AssertionError")
 _TESTLIKE = ("test", "check", "harness", "report", "result", "expected", "answer")
@@ -237,30 +237,12 @@ def prepare() -> None:
     BUILTINS_SNAPSHOT = dict(builtins.__dict__)
 
 
-# --- framing (each side has its own copy of this code) ------------------------------------------
+# --- the call channel ---------------------------------------------------------------------------
 
 def read_frame(fd: int) -> dict | None:
-    header = _read_exact(fd, 4)
-    if header is None:
-        return None
-    (n,) = struct.unpack(">I", header)
-    if n > MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes")
-    data = _read_exact(fd, n)
-    if data is None:
-        return None
-    return plain.loads(data)
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+    """The next message on the call channel (plain data in a frame); None once the other side closed it."""
+    data = framing.read(fd, MAX_FRAME)
+    return None if data is None else plain.loads(data)
 
 
 def write_frame(fd: int, obj: dict) -> None:
@@ -268,9 +250,7 @@ def write_frame(fd: int, obj: dict) -> None:
     if len(data) > MAX_FRAME:  # the harness would take a larger frame for a forgery on the channel
         data = plain.dumps({"error": "non_plain", "message": f"the value is {len(data)} bytes as data; "
                                                              f"at most {MAX_FRAME} cross", "flags": obj.get("flags", [])})
-    view = memoryview(struct.pack(">I", len(data)) + data)
-    while view:
-        view = view[os.write(fd, view):]
+    framing.write(fd, data, MAX_FRAME)
 
 
 # --- the candidate process ------------------------------------------------------------------------

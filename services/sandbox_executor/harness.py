@@ -33,11 +33,9 @@ import os
 import resource
 import select
 import signal
-import struct
 
 from crucible.services.sandbox_executor import candidate, plain
-
-MAX_REPLY = 8 << 20
+from crucible.shared import framing
 
 
 class CandidateError(Exception):
@@ -164,21 +162,23 @@ class Candidate:
     # --- wire ---
 
     def _send(self, obj: dict) -> None:
-        data = plain.dumps(obj)
-        view = memoryview(struct.pack(">I", len(data)) + data)
         try:
-            while view:
-                view = view[os.write(self.call_w, view):]
+            framing.write(self.call_w, plain.dumps(obj), candidate.MAX_FRAME)
+        except framing.FrameTooLarge as exc:
+            raise TypeError(f"the test passes {exc.size} bytes of data to {obj['name']}(); "
+                            f"at most {exc.limit} cross to the candidate") from None
         except OSError:
             self._lost(before_tests=False)
 
     def _receive(self, before_tests: bool, timeout: float | None = None) -> dict:
-        header = self._read(4, before_tests, timeout)
-        (n,) = struct.unpack(">I", header)
-        if n > MAX_REPLY:  # the candidate's side caps its own replies: this was written by something else
-            self.report.tamper("forged_reply", f"the call channel announced a {n}-byte reply")
+        header = self._read(framing.HEADER_SIZE, before_tests, timeout)
+        try:
+            n = framing.decode_length(header, candidate.MAX_FRAME)
+        except framing.FrameTooLarge as exc:
+            # The candidate's side caps its own replies: this was written by something else.
+            self.report.tamper("forged_reply", f"the call channel announced a {exc.size}-byte reply")
             self.gone = "the candidate broke the call protocol"
-            raise CandidateGone(self.gone)
+            raise CandidateGone(self.gone) from None
         try:
             reply = plain.loads(self._read(n, before_tests, timeout))
         except ValueError as exc:

@@ -1,40 +1,40 @@
 """A pool of pre-forked jail workers behind a bounded queue (the backpressure point).
 
-Each worker is a `jail.py` fork server started with an empty environment; a job
-is one frame to a worker and one frame back. The queue is bounded: when it is
-full, `execute` raises PoolFull at once (gRPC answers RESOURCE_EXHAUSTED, the
-Kafka consumer pauses) instead of letting latency grow without limit.
+Each worker is a jail fork server (`jail/`) started with an empty environment,
+kept and restarted by crucible.shared.workers; a job is two frames to a worker
+(header, body) and one frame back. The queue is bounded: when it is full,
+`execute` raises PoolFull at once (gRPC answers RESOURCE_EXHAUSTED, the Kafka
+consumer pauses) instead of letting latency grow without limit.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import itertools
 import json
 import logging
 import os
 import shutil
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from crucible.services.sandbox_executor import isolation
 from crucible.services.sandbox_executor.runners import prepare
 from crucible.shared.settings import Settings, get_settings
+from crucible.shared.workers import PoolFull, WorkerFailed, WorkerPool  # noqa: F401 (PoolFull is part of this API)
 
 log = logging.getLogger(__name__)
 
-JAIL_SCRIPT = Path(__file__).with_name("jail.py")
+JAIL_MAIN = Path(__file__).with_name("jail") / "__main__.py"
+# The packages the jail worker runs from (it cannot import the installed package: see jail/__main__.py).
+JAIL_PACKAGES = ("crucible.shared", "crucible.services.sandbox_executor")
 # Standard-library modules that model-written code imports most (HumanEval's are typing, math,
 # random, copy, string, collections, re, hashlib); preloaded once per worker, inherited by every job.
 PRELOAD = ("typing", "math", "random", "copy", "string", "collections", "re", "hashlib", "itertools",
            "functools", "heapq", "bisect", "json", "fractions", "decimal", "statistics", "datetime",
            "traceback", "operator", "dataclasses")
 MAX_JOB_BYTES = 8 * 1024 * 1024
-
-
-class PoolFull(Exception):
-    """Every worker is busy and the queue is at its bound."""
 
 
 class JobRejected(ValueError):
@@ -110,63 +110,6 @@ class Result:
                 and all(t["passed"] for t in self.tests))
 
 
-class _Worker:
-    def __init__(self, index: int, pool: "SandboxPool"):
-        self.index = index
-        self.pool = pool
-        self.uid = pool.settings.sandbox_uid_base + index
-        self.root_dir = pool.runtime_dir / f"w{index}"
-        self.cgroups: list[dict[str, str]] = []
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        self.root_dir.mkdir(parents=True, exist_ok=True)
-        self.cgroups = self.pool.make_cgroups(self.index)
-        binds, hidden, symlinks = isolation.readonly_binds()
-        report = self.pool.report
-        config = {
-            "root_dir": str(self.root_dir),
-            "ro_binds": binds,
-            "hidden": hidden,
-            "symlinks": symlinks,
-            "uid": self.uid,
-            "isolate": "namespaces" not in report.missing,
-            "seccomp": "seccomp" not in report.missing,
-            "cgroups": self.cgroups,
-            "preload": PRELOAD,
-            "work_bytes": self.pool.limits.work_bytes,
-        }
-        self.proc = await asyncio.create_subprocess_exec(
-            isolation.base_python(), "-I", "-S", "-B", str(JAIL_SCRIPT), json.dumps(config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
-            env={},  # the service's secrets never reach a worker
-            limit=2 * MAX_JOB_BYTES,
-        )
-        ready = await self._read_frame()
-        if not ready.get("ready"):
-            raise RuntimeError(f"sandbox worker {self.index} did not start: {ready}")
-
-    async def _read_frame(self) -> dict:
-        header = await self.proc.stdout.readexactly(4)
-        (n,) = struct.unpack(">I", header)
-        return json.loads(await self.proc.stdout.readexactly(n))
-
-    async def run(self, header: dict, payload: bytes) -> dict:
-        data = json.dumps(header).encode()
-        self.proc.stdin.write(struct.pack(">I", len(data)) + data + payload)
-        await self.proc.stdin.drain()
-        return await self._read_frame()
-
-    async def stop(self) -> None:
-        if self.proc and self.proc.returncode is None:
-            self.proc.stdin.close()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 5)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-
-
 class SandboxPool:
     def __init__(self, settings: Settings | None = None, *, workers: int | None = None,
                  allow_weak: bool | None = None):
@@ -174,11 +117,13 @@ class SandboxPool:
         self.size = workers or self.settings.sandbox_workers or os.cpu_count() or 1
         self.allow_weak = self.settings.sandbox_allow_weak_isolation if allow_weak is None else allow_weak
         self.limits = Limits.from_settings(self.settings)
-        self.queue: asyncio.Queue = asyncio.Queue(self.settings.sandbox_queue_size or 4 * self.size)
         self.runtime_dir = Path(f"/tmp/crucible-sandbox-{os.getpid()}-{id(self):x}")
         self.report = isolation.IsolationReport()
-        self._workers: list[_Worker] = []
-        self._loops: list[asyncio.Task] = []
+        # A worker being replaced leaves when its stdin closes, once the jobs it still runs are
+        # over and reaped; the grace covers that, a kill follows it.
+        self._workers = WorkerPool("sandbox worker", self.size, self._spawn, ready=_ready,
+                                   max_waiting=self.settings.sandbox_queue_size or 4 * self.size,
+                                   stop_grace_s=5.0)
         self._ids = itertools.count()
         self._cgroup_dirs: list[Path] = []
 
@@ -194,20 +139,11 @@ class SandboxPool:
         log.warning("sandbox: %s", self.report.describe()) if self.report.missing else \
             log.info("sandbox: %s", self.report.describe())
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._workers = [_Worker(i, self) for i in range(self.size)]
-        await asyncio.gather(*(w.start() for w in self._workers))
-        self._loops = [asyncio.create_task(self._serve(w)) for w in self._workers]
+        await self._workers.start()
         return self
 
     async def close(self) -> None:
-        for task in self._loops:
-            task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
-        await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
-        while not self.queue.empty():
-            _, future = self.queue.get_nowait()
-            if not future.done():
-                future.set_exception(RuntimeError("the sandbox pool was closed"))
+        await self._workers.close()
         for d in sorted(set(self._cgroup_dirs), key=lambda p: len(p.parts), reverse=True):
             try:
                 d.rmdir()
@@ -221,10 +157,34 @@ class SandboxPool:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        """Starts jail worker `index`: its own root directory, cgroup slots and uid."""
+        root_dir = self.runtime_dir / f"w{index}"
+        root_dir.mkdir(parents=True, exist_ok=True)
+        binds, hidden, symlinks = isolation.readonly_binds()
+        config = {
+            "packages": {name: list(importlib.import_module(name).__path__) for name in JAIL_PACKAGES},
+            "root_dir": str(root_dir),
+            "ro_binds": binds,
+            "hidden": hidden,
+            "symlinks": symlinks,
+            "uid": self.settings.sandbox_uid_base + index,
+            "isolate": "namespaces" not in self.report.missing,
+            "seccomp": "seccomp" not in self.report.missing,
+            "cgroups": self.make_cgroups(index),
+            "preload": PRELOAD,
+            "work_bytes": self.limits.work_bytes,
+        }
+        return await asyncio.create_subprocess_exec(
+            isolation.base_python(), "-I", "-S", "-B", str(JAIL_MAIN), json.dumps(config),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
+            env={},  # the service's secrets never reach a worker
+        )
+
     # --- jobs ---
 
     def has_capacity(self) -> bool:
-        return not self.queue.full()
+        return self._workers.has_capacity()
 
     async def execute(self, job: Job) -> Result:
         """Runs one job; raises PoolFull when the queue is at its bound, JobRejected for a bad job."""
@@ -236,33 +196,16 @@ class SandboxPool:
         payload = json.dumps(body).encode()
         if len(payload) > MAX_JOB_BYTES:
             raise JobRejected(f"job is {len(payload)} bytes; the limit is {MAX_JOB_BYTES}")
-        header = {"job_id": next(self._ids), "main": main, "payload_len": len(payload),
-                  "limits": dict(limits.__dict__), "work_bytes": limits.work_bytes}
-        future = asyncio.get_running_loop().create_future()
-        try:
-            self.queue.put_nowait((header, payload, tests is not None, future))
-        except asyncio.QueueFull:
-            raise PoolFull(f"all {self.size} sandbox workers are busy and {self.queue.maxsize} jobs are queued")
-        return await future
-
-    async def _serve(self, worker: _Worker) -> None:
-        while True:
-            header, payload, has_tests, future = await self.queue.get()
-            if future.cancelled():
-                continue
+        header = {"job_id": next(self._ids), "main": main, "limits": dict(limits.__dict__),
+                  "work_bytes": limits.work_bytes}
+        async with self._workers.worker() as worker:
             try:
-                raw = await worker.run(header, payload)
-            except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError) as exc:
-                raw = {"error": f"sandbox worker {worker.index} died: {exc!r}"}
-            if "error" in raw:
-                log.error("sandbox worker %d: %s; restarting it", worker.index, raw["error"])
-                await worker.stop()
-                await worker.start()
-                if not future.done():
-                    future.set_exception(RuntimeError(f"sandbox failure: {raw['error']}"))
-                continue
-            if not future.done():
-                future.set_result(self._result(raw, has_tests))
+                raw = json.loads(await worker.ask(json.dumps(header).encode(), payload))
+            except WorkerFailed as exc:
+                raise RuntimeError(f"sandbox failure: {exc}") from None
+            if "error" in raw:  # raised inside the block: the worker is restarted
+                raise RuntimeError(f"sandbox failure: {raw['error']}")
+        return self._result(raw, tests is not None)
 
     def _result(self, raw: dict, has_tests: bool) -> Result:
         result = Result(
@@ -327,6 +270,10 @@ class SandboxPool:
             _write(path / "cpu.max", "100000 100000")
             made["unified"] = str(path)
         return made
+
+
+def _ready(hello: bytes) -> bool:
+    return json.loads(hello).get("ready") is True
 
 
 def _write(path: Path, value) -> None:

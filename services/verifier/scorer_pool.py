@@ -1,65 +1,39 @@
 """Scoring processes with a hard time limit per completion.
 
 Every completion is scored in one of `workers` child processes
-(`scorer_worker.py`). One that takes longer than the limit, or kills its
-process (a parser recursing into a segfault, sympy on a 10-million-digit
-power), is given a `failed` verdict (reward 0, `scoring_failed`) and its
-process is replaced; the service itself never runs model output through a
-parser, so it never hangs on one.
+(`scorer_worker.py`), kept by crucible.shared.workers. One that takes longer
+than the limit, or kills its process (a parser recursing into a segfault, sympy
+on a 10-million-digit power), is given a `failed` verdict (reward 0,
+`scoring_failed`) and its process is replaced; the service itself never runs
+model output through a parser, so it never hangs on one.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import struct
 import sys
-from pathlib import Path
 
 from crucible.v1 import verdict_pb2
 from crucible.services.verifier import handler
-from crucible.services.verifier.scorer_worker import ERROR, OK, UNVERIFIABLE
+from crucible.services.verifier.scorer_worker import OK, UNVERIFIABLE, decode_reply, encode_reply
 from crucible.shared.settings import Settings, get_settings
+from crucible.shared.workers import WorkerFailed, WorkerPool, WorkerTimeout
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
+READY = encode_reply(OK, b"ready")  # a scoring process's first frame
 
 
 class ScoringError(RuntimeError):
     """The scorer raised (a bug, not the completion's fault): retry, then dead-letter."""
 
 
-class _Process:
-    def __init__(self, index: int):
-        self.index = index
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "protos"), env.get("PYTHONPATH", "")])
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "crucible.services.verifier.scorer_worker",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT),
-            limit=64 << 20)
-        status, payload = await self._read()
-        if status != OK or payload != b"ready":
-            raise RuntimeError(f"scoring process {self.index} did not start: {payload[:300]!r}")
-
-    async def _read(self) -> tuple[int, bytes]:
-        (n,) = struct.unpack(">I", await self.proc.stdout.readexactly(4))
-        data = await self.proc.stdout.readexactly(n)
-        return data[0], data[1:]
-
-    async def ask(self, data: bytes) -> tuple[int, bytes]:
-        self.proc.stdin.write(struct.pack(">I", len(data)) + data)
-        await self.proc.stdin.drain()
-        return await self._read()
-
-    async def stop(self) -> None:
-        if self.proc and self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
+async def _spawn(index: int) -> asyncio.subprocess.Process:
+    """A scoring process: this interpreter, so it imports the installed `crucible` as the service does."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "crucible.services.verifier.scorer_worker",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
 
 class ScorerPool:
@@ -68,19 +42,18 @@ class ScorerPool:
         self.settings = settings or get_settings()
         self.size = workers or self.settings.verifier_workers or os.cpu_count() or 1
         self.timeout_s = timeout_s or self.settings.verifier_score_timeout_s
-        self._idle: asyncio.Queue[_Process] = asyncio.Queue()
-        self._all: list[_Process] = []
+        # A process that overran its limit is stuck in a parser and never reads its closed stdin:
+        # replacing one kills it at once.
+        self._workers = WorkerPool("scoring process", self.size, _spawn, ready=lambda hello: hello == READY,
+                                   stop_grace_s=0)
         self.failures = 0
 
     async def start(self) -> "ScorerPool":
-        self._all = [_Process(i) for i in range(self.size)]
-        await asyncio.gather(*(p.start() for p in self._all))
-        for p in self._all:
-            self._idle.put_nowait(p)
+        await self._workers.start()
         return self
 
     async def close(self) -> None:
-        await asyncio.gather(*(p.stop() for p in self._all), return_exceptions=True)
+        await self._workers.close()
 
     async def __aenter__(self) -> "ScorerPool":
         return await self.start()
@@ -90,24 +63,15 @@ class ScorerPool:
 
     async def verify(self, request: verdict_pb2.VerifyRequest) -> verdict_pb2.Verdict:
         """The verdict; Unverifiable for a request that cannot be scored, ScoringError for a scorer bug."""
-        data = request.SerializeToString()
-        process = await self._idle.get()
         try:
-            status, payload = await asyncio.wait_for(process.ask(data), self.timeout_s)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError) as exc:
+            reply = await self._workers.ask(request.SerializeToString(), timeout=self.timeout_s)
+        except WorkerFailed as exc:
             self.failures += 1
-            why = (f"scoring took longer than {self.timeout_s:g}s" if isinstance(exc, asyncio.TimeoutError)
+            why = (f"scoring took longer than {self.timeout_s:g}s" if isinstance(exc, WorkerTimeout)
                    else "the scoring process died on this completion")
-            log.warning("rollout %s: %s; replacing scoring process %d", request.rollout.id, why, process.index)
-            await process.stop()
-            await process.start()
+            log.warning("rollout %s: %s", request.rollout.id, why)
             return handler.failed(request, why)
-        except BaseException:
-            await process.stop()  # cancelled mid-request: its reply would answer the next caller
-            await process.start()
-            raise
-        finally:
-            self._idle.put_nowait(process)
+        status, payload = decode_reply(reply)
         if status == OK:
             return verdict_pb2.Verdict.FromString(payload)
         if status == UNVERIFIABLE:

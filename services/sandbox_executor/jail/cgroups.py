@@ -1,0 +1,72 @@
+"""One cgroup slot of a worker (v1 or v2), as the jail sees it: join it, read its counters, empty it.
+
+The pool creates the slots and writes their limits (pool.py, make_cgroups);
+a host without cgroups gives empty slots, on which everything here is a no-op.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+class Cgroups:
+    """A slot's directories by controller ("unified" for v2); empty when the host has none."""
+
+    def __init__(self, paths: dict):
+        self.paths = paths  # controller -> directory
+
+    def attach(self, pid: int) -> None:
+        for path in self.paths.values():
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+
+    def pids(self) -> list[int]:
+        path = self.paths.get("pids") or self.paths.get("unified") or self.paths.get("memory")
+        if not path:
+            return []
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            return []
+
+    def memory_events(self) -> int:
+        """How many times the memory limit was hit (v1 failcnt / v2 max+oom events)."""
+        try:
+            if "memory" in self.paths:
+                with open(os.path.join(self.paths["memory"], "memory.failcnt")) as f:
+                    return int(f.read())
+            if "unified" in self.paths:
+                with open(os.path.join(self.paths["unified"], "memory.events")) as f:
+                    fields = dict(line.split() for line in f)
+                return int(fields.get("oom_kill", 0)) + int(fields.get("max", 0))
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def reset_memory_events(self) -> int:
+        """Zeroes the v1 counter; returns the count now (cgroup v2 counters only grow: compare to it)."""
+        if "memory" in self.paths:
+            try:
+                with open(os.path.join(self.paths["memory"], "memory.failcnt"), "w") as f:
+                    f.write("0")
+            except OSError:
+                pass
+        return self.memory_events()
+
+    def reap(self) -> int:
+        """Kills anything still in the slot (belt and braces after the pid namespace ends); how many."""
+        killed = 0
+        for _ in range(200):
+            pids = self.pids()
+            if not pids:
+                break
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.005)
+        return killed

@@ -1,0 +1,210 @@
+"""The processes inside a jail: its pid 1, and for a tested job the candidate's process beside it.
+
+    jail (pid 1 of fresh pid/net/ipc/uts namespaces and a mount namespace of its own: tmpfs root,
+      │   rlimits, a non-root uid, seccomp; runs an untested program in the already-loaded
+      │   interpreter, or, for a tested job, is the test harness)
+      └─ candidate  (a tested job's program, answering the harness's calls; idle otherwise)
+
+Both are set up before any job exists (the supervisor forks the jail while the
+previous job runs); only then do they wait for the job. The job arrives as two
+frames on one pipe: the program, then (for a tested job) the tests. The jail
+reads only the first and passes it to the candidate's process, which never held
+the job pipe; the harness reads the tests after that (harness.py), so the
+process running the candidate's code never has them.
+"""
+from __future__ import annotations
+
+import builtins
+import fcntl
+import json
+import os
+import resource
+import signal
+import sys
+
+from crucible.services.sandbox_executor import candidate, harness
+from crucible.services.sandbox_executor.jail import rootfs, seccomp
+from crucible.services.sandbox_executor.jail.linux import PR_SET_DUMPABLE, PR_SET_PDEATHSIG, prctl, set_hostname
+from crucible.shared import framing
+
+# Signals the worker ignores or handles that a jailed program must feel: exceeding a file limit
+# or writing to a closed pipe kills, so the result can say so.
+_DEFAULT_SIGNALS = (signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM)
+
+
+def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int,
+        ready_w: int, attached_r: int) -> None:
+    """The jail process: prepares its root and its candidate process before any job exists, then
+    runs one job; never returns."""
+    code = 120
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")  # the supervisor's death ends the jail
+        # Wait until the supervisor has put us in our cgroups: the candidate forked below inherits them.
+        if os.read(attached_r, 1) != b"a":
+            os._exit(0)
+        os.close(attached_r)
+        # Not dumpable (nor after the uid drop): a tested job's candidate runs under the same uid as
+        # this process, its harness, and must not read its memory or take its descriptors.
+        prctl(PR_SET_DUMPABLE, 0, "prctl(DUMPABLE)")
+        os.setsid()
+        set_hostname(b"sandbox")
+        if cfg["isolate"]:
+            rootfs.enter(cfg)
+        else:
+            os.chdir(cfg["root_dir"])
+        # The candidate's process, ready for a tested job: forked now, off the job's latency. It
+        # holds neither the job pipe nor the report pipe, ever.
+        call_r, call_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        candidate_pid = os.fork()
+        if candidate_pid == 0:
+            for fd in (job_r, report_w, ready_w, call_w, reply_r):
+                os.close(fd)
+            run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w)
+        os.close(call_r)
+        os.close(reply_w)
+        os.write(ready_w, b"r")
+        os.close(ready_w)
+        # Blocks until the supervisor has a job for us. Only the program's frame is read here; a
+        # tested job's tests stay in the pipe for the harness.
+        program = framing.read(job_r)
+        if program is None:
+            os._exit(0)  # the worker is shutting down
+        job = json.loads(program)
+        write_files(cfg, job)
+        tested = bool(job.get("has_tests"))
+        if tested:
+            framing.write(call_w, program)  # the program (no tests in this frame) to the candidate's process
+        # Final places: 0-2 stdio, 3 report, and for a tested job 4 the rest of the job pipe (the
+        # tests), 5 and 6 the call channel. Everything else closes; untested, the candidate's
+        # process sees its channel close and leaves.
+        keep = [(stdin_r, 0), (out_w, 1), (err_w, 2), (report_w, 3)]
+        if tested:
+            keep += [(job_r, 4), (call_w, 5), (reply_r, 6)]
+        place_fds(keep)
+        confine(cfg, job)
+        code = harness.run(job, 3, 4, candidate_pid, 5, 6) if tested else execute(job)
+    except BaseException as exc:  # setup failures must surface, not hang
+        try:
+            os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
+        except OSError:
+            pass
+        code = 121
+    finally:
+        os._exit(code)
+
+
+def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int, err_w: int) -> None:
+    """A tested job's candidate process: waits (as root, in the jail) for the program, then confines
+    itself like the harness (rlimits, uid, seccomp) and runs it; never returns."""
+    code = 122
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")
+        program = framing.read(call_r)
+        if program is None:
+            os._exit(0)  # the job is untested: nothing to do
+        job = json.loads(program)
+        place_fds([(stdin_r, 0), (out_w, 1), (err_w, 2), (call_r, 5), (reply_w, 6)])
+        confine(cfg, job)
+        candidate.serve(job, 5, 6)
+    except EOFError:
+        code = 0  # the harness left in the middle of a frame
+    except BaseException as exc:
+        try:
+            os.write(2, f"sandbox setup failed (candidate): {type(exc).__name__}: {exc}\n".encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def write_files(cfg: dict, job: dict) -> None:
+    for name, content in job["files"].items():
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"bad file name {name!r}")
+        with open(name, "w") as f:
+            f.write(content)
+        if os.geteuid() == 0:
+            os.chown(name, cfg["uid"], cfg["uid"])
+
+
+def place_fds(pairs: list[tuple[int, int]]) -> None:
+    """Moves each descriptor to its target number and closes every other one (from 0 up)."""
+    high = [(fcntl.fcntl(fd, fcntl.F_DUPFD, 64), target) for fd, target in pairs]  # clear of every target
+    for fd, target in high:
+        os.dup2(fd, target)
+    top = max(target for _, target in pairs) + 1
+    used = {target for _, target in pairs}
+    for fd in range(top):
+        if fd not in used:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    os.closerange(top, 65536)
+
+
+def confine(cfg: dict, job: dict) -> None:
+    """The last steps before job code runs, in this order: rlimits and the uid drop (which need
+    privileges), default signal handling, seccomp (which forbids what came before), no environment."""
+    drop_privileges(cfg, job)
+    for sig in _DEFAULT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    if cfg["seccomp"]:
+        seccomp.install()
+    os.environ.clear()
+
+
+def drop_privileges(cfg: dict, job: dict) -> None:
+    limits = job["limits"]
+    for res, value in [
+        (resource.RLIMIT_AS, limits["memory_bytes"]),
+        (resource.RLIMIT_FSIZE, limits["file_bytes"]),
+        (resource.RLIMIT_NOFILE, limits["open_files"]),
+        (resource.RLIMIT_NPROC, limits["processes"]),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MEMLOCK, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),
+    ]:
+        resource.setrlimit(res, (value, value))
+    # SIGXCPU at the soft limit names the violation; the hard limit a second later is the backstop.
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+    if os.geteuid() != 0:
+        return  # weak isolation without root: rlimits only, as the service reported
+    uid = cfg["uid"]
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def execute(job: dict) -> int:
+    """Runs an untested program in this already-jailed interpreter; returns the exit code.
+
+    Tested jobs never come here: `harness.run` keeps the tests out of the program's process.
+    """
+    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
+    sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    sys.argv = [job["main"]]
+    sys.path[:0] = ["/work"]
+    sys.modules.pop("__main__", None)
+    namespace = {"__name__": "__main__", "__file__": "/work/" + job["main"], "__builtins__": builtins}
+    exit_code = 0
+    try:
+        source = job["files"][job["main"]]
+        exec(compile(source, "/work/" + job["main"], "exec"), namespace)
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        exit_code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    return exit_code & 0xFF if isinstance(exit_code, int) else 1

@@ -1,0 +1,59 @@
+"""The Linux interface the jail needs and the standard library lacks: flag numbers and libc calls.
+
+Numbers are x86_64's where they differ by architecture (the seccomp filter is
+written for x86_64 only; isolation.py reports seccomp missing elsewhere).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x10000000, 0x20000000, 0x40000000, 0x02000000
+NAMESPACE_FLAGS = (CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+                   | CLONE_NEWCGROUP)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 4, 38, 22
+SYS_CLONE, SYS_PIVOT_ROOT, SYS_CLONE3 = 56, 155, 435
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+libc.unshare.argtypes = [ctypes.c_int]
+libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+libc.syscall.restype = ctypes.c_long
+
+
+def check(result: int, what: str) -> int:
+    """Raises OSError (with errno's text) when a libc call returned -1."""
+    if result == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    check(libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                     data and data.encode()), f"mount {source} on {target}")
+
+
+def unshare(flags: int, what: str = "unshare") -> None:
+    check(libc.unshare(flags), what)
+
+
+def pivot_root(new_root: bytes, put_old: bytes) -> None:
+    check(libc.syscall(SYS_PIVOT_ROOT, new_root, put_old), "pivot_root")
+
+
+def umount_detached(target: bytes) -> None:
+    check(libc.umount2(target, MNT_DETACH), f"umount {target.decode()}")
+
+
+def prctl(option: int, arg: int, what: str) -> None:
+    check(libc.prctl(option, arg, 0, 0, 0), what)
+
+
+def set_hostname(name: bytes) -> None:
+    libc.sethostname(name, len(name))

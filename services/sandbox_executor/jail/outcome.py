@@ -1,0 +1,71 @@
+"""Reading what a job's processes left into its result: the harness's report, and the limit hit.
+
+Nothing read here is trusted further than it can be: report lines come from the
+harness's descriptor (which only it holds) and are capped and type-checked; the
+stderr patterns a program could fake can only make its own result look worse.
+"""
+from __future__ import annotations
+
+import json
+import signal
+
+from crucible.services.sandbox_executor.jail.cgroups import Cgroups
+
+DONE_PREFIX = b'{"done": '  # the start of the harness's last report line (harness.Report.done)
+
+
+def harness_done(report: bytes) -> dict | None:
+    """The harness's last line, once it is whole: {"exit_code", "cpu_user_s", "cpu_system_s", "max_rss_bytes"}."""
+    for line in report.splitlines()[::-1]:
+        if line.startswith(DONE_PREFIX):
+            try:
+                done = json.loads(line)
+                return {"exit_code": int(done["exit_code"]), "cpu_user_s": float(done["cpu_user_s"]),
+                        "cpu_system_s": float(done["cpu_system_s"]), "max_rss_bytes": int(done["max_rss_bytes"])}
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def parse_report(data: bytes) -> dict:
+    """What the harness wrote to fd 3: per-test outcomes, tamper signals and how the candidate's
+    process ended; malformed lines are dropped."""
+    tests, tamper, candidate = [], [], {}
+    for line in data.splitlines()[:2000]:
+        try:
+            item = json.loads(line)
+            if "tamper" in item:
+                tamper.append({"pattern": str(item["tamper"])[:64], "detail": str(item.get("detail", ""))[:500]})
+            elif "candidate" in item:
+                candidate = {"exit_code": int(item["candidate"]["exit_code"]),
+                             "signal": int(item["candidate"]["signal"])}
+            else:
+                tests.append({"name": str(item["name"])[:200], "passed": item["passed"] is True,
+                              "message": str(item.get("message", ""))[:1000]})
+        except (ValueError, KeyError, TypeError):
+            continue
+    return {"tests": tests[:1000], "tamper": tamper[:100], "candidate": candidate}
+
+
+def classify(sig: int, exit_code: int, stderr: bytes, cgroups: Cgroups, limits: dict,
+             cpu_s: float, memory_events_before: int = 0) -> tuple[str, str]:
+    """(violation, detail): the limit a finished program ran into, from its signal, the cgroup's
+    counters and its last error; ("", "") when none.
+
+    A program can only make itself look worse by faking the stderr patterns, so
+    reading them is safe; the signals and counters cannot be faked from inside.
+    """
+    tail = stderr.rstrip()[-300:]
+    if sig == signal.SIGSYS:
+        return "forbidden_syscall", "a forbidden system call was made (seccomp)"
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits["cpu_s"] - 0.05):
+        return "cpu", f"CPU limit of {limits['cpu_s']}s reached"
+    if cgroups.memory_events() > memory_events_before or (exit_code != 0 and tail.endswith(b"MemoryError")):
+        return "memory", f"memory limit of {limits['memory_bytes']} bytes reached"
+    if sig == signal.SIGXFSZ or (exit_code != 0 and b"[Errno 27] File too large" in tail):
+        return "file_size", f"file size limit of {limits['file_bytes']} bytes reached"
+    if exit_code != 0 and b"[Errno 28] No space left on device" in tail:
+        return "file_size", f"work directory limit of {limits['work_bytes']} bytes reached"
+    if exit_code != 0 and b"[Errno 11] Resource temporarily unavailable" in tail:
+        return "processes", f"process limit of {limits['processes']} reached"
+    return "", ""

@@ -1,0 +1,92 @@
+"""The seccomp filter every jailed process installs last: forbidden syscalls kill the process.
+
+A classic-BPF program compiled here once per worker (`prepare`) and inherited by
+every job through fork; a killed process ends with SIGSYS, which the result
+reports as a forbidden-syscall violation.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import struct
+
+from crucible.services.sandbox_executor.jail.linux import (NAMESPACE_FLAGS, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP,
+                                                           SYS_CLONE, SYS_CLONE3, check, libc, prctl)
+
+SECCOMP_MODE_FILTER = 2
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+AUDIT_ARCH_X86_64 = 0xC000003E
+
+# Syscalls a candidate program never needs and an escaping one wants.
+FORBIDDEN_SYSCALLS_X86_64 = {
+    "socket": 41, "connect": 42, "accept": 43, "bind": 49, "listen": 50, "socketpair": 53, "accept4": 288,
+    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+    "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
+    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+    "mount_setattr": 442,
+    "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
+    "reboot": 169, "swapon": 167, "swapoff": 168, "syslog": 103, "acct": 163, "quotactl": 179,
+    "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "fanotify_init": 300,
+    "keyctl": 250, "add_key": 248, "request_key": 249,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "open_by_handle_at": 304, "name_to_handle_at": 303,
+    "sethostname": 170, "setdomainname": 171, "settimeofday": 164, "clock_settime": 227, "adjtimex": 159,
+    "iopl": 172, "ioperm": 173, "vhangup": 153, "personality": 135, "lookup_dcookie": 212,
+    # A tested job's candidate shares a uid with its harness: it must not take the harness's
+    # descriptors (the report, the tests) or compare its memory.
+    "pidfd_getfd": 438, "process_madvise": 440, "kcmp": 312,
+}
+
+_program = b""  # compiled by prepare(), in the worker, before any job is forked
+
+
+def compile_filter() -> bytes:
+    """The filter: x86_64 only; forbidden syscalls and namespace-creating clones kill."""
+    def stmt(code, k):
+        return struct.pack("HBBI", code, 0, 0, k)
+
+    def jump(code, k, jt, jf):
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    LD_W_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    denied = sorted(FORBIDDEN_SYSCALLS_X86_64.values())
+    prog = [
+        stmt(LD_W_ABS, 4),                          # seccomp_data.arch
+        jump(JEQ, AUDIT_ARCH_X86_64, 1, 0),
+        stmt(RET, SECCOMP_RET_KILL_PROCESS),        # another ABI: refuse
+        stmt(LD_W_ABS, 0),                          # seccomp_data.nr
+        jump(JGE, 0x40000000, 0, 1),                # the x32 ABI
+        stmt(RET, SECCOMP_RET_KILL_PROCESS),
+        jump(JEQ, SYS_CLONE3, 0, 1),                # clone3's flags sit behind a pointer BPF cannot
+        stmt(RET, SECCOMP_RET_ERRNO | errno.ENOSYS),  # read: ENOSYS makes libc fall back to clone
+        jump(JEQ, SYS_CLONE, 0, 3),
+        stmt(LD_W_ABS, 16),                         # clone's flags (args[0], low word)
+        jump(JSET, NAMESPACE_FLAGS, 0, 1),
+        stmt(RET, SECCOMP_RET_KILL_PROCESS),
+        stmt(LD_W_ABS, 0),
+    ]
+    # Each forbidden number jumps forward to the final KILL; otherwise fall through to ALLOW.
+    for i, nr in enumerate(denied):
+        remaining = len(denied) - i - 1
+        prog.append(jump(JEQ, nr, remaining + 1, 0))
+    prog.append(stmt(RET, SECCOMP_RET_ALLOW))
+    prog.append(stmt(RET, SECCOMP_RET_KILL_PROCESS))
+    return b"".join(prog)
+
+
+def prepare() -> None:
+    global _program
+    _program = compile_filter()
+
+
+def install() -> None:
+    """Installs the filter on this process (irrevocably, and on every process it forks)."""
+    program = _program or compile_filter()
+    buffer = ctypes.create_string_buffer(program, len(program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(buffer))
+    prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(NO_NEW_PRIVS)")
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(SECCOMP)")

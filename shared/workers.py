@@ -1,0 +1,202 @@
+"""A pool of worker processes that answer framed requests; a worker that fails is replaced.
+
+The sandbox (its jail workers) and the verifier (its scoring processes) both run
+work that may crash or hang a process, so they run it in children of the
+service. Each child speaks `framing` on its stdin and stdout: its first frame
+says it is ready, then it answers every request with one reply frame.
+
+A request takes an idle worker. If anything goes wrong while a caller holds one
+(it died, closed its output, did not answer in time, the caller found the reply
+to be an error, the caller was cancelled mid-request), the state of that worker's
+stream is unknown: a late reply would answer the next caller. So it is stopped
+and started afresh in the background, and rejoins the idle workers once it says
+it is ready again; the caller gets its error at once, without waiting for the
+restart.
+
+Callers that wait for a busy pool are bounded (`max_waiting`): past the bound a
+request is refused with PoolFull at once, the pool's backpressure point.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+from crucible.shared import framing
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[int], Awaitable[asyncio.subprocess.Process]]  # worker index -> its started process
+
+
+class PoolFull(Exception):
+    """Every worker is busy and as many requests as the pool allows are already waiting."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker died, closed its output or broke the framing (it is being replaced)."""
+
+
+class WorkerTimeout(WorkerFailed):
+    """A worker did not answer in time (it is being replaced)."""
+
+
+class Worker:
+    """One worker process: request frames to its stdin, reply frames from its stdout."""
+
+    def __init__(self, name: str, index: int, spawn: Spawn, ready: Callable[[bytes], bool], frame_limit: int):
+        self.name, self.index = name, index
+        self.process: asyncio.subprocess.Process | None = None
+        self._spawn, self._ready, self._limit = spawn, ready, frame_limit
+
+    def __repr__(self) -> str:
+        return f"{self.name} {self.index}"
+
+    async def start(self) -> None:
+        """Starts the process and waits for its first frame, which must pass `ready`."""
+        self.process = await self._spawn(self.index)
+        hello = await self._receive()
+        if not self._ready(hello):
+            raise WorkerFailed(f"{self} did not start: {hello[:300]!r}")
+
+    async def ask(self, *frames: bytes, timeout: float | None = None) -> bytes:
+        """Sends `frames` (one request) and returns the reply frame; WorkerFailed or WorkerTimeout
+        if none comes."""
+        try:
+            return await asyncio.wait_for(self._exchange(frames), timeout)
+        except TimeoutError:
+            raise WorkerTimeout(f"{self} did not answer within {timeout:g}s") from None
+
+    async def stop(self, grace_s: float) -> None:
+        """Closes its input (a worker leaves when it ends), kills it after `grace_s`, reaps it."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            if process.returncode is None and grace_s > 0:
+                await asyncio.wait_for(process.wait(), grace_s)
+        except TimeoutError:
+            pass
+        finally:  # also when cancelled while waiting: the process must not outlive its pool
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        await process.wait()
+
+    async def _exchange(self, frames: tuple[bytes, ...]) -> bytes:
+        request = b"".join(framing.encode(frame, self._limit) for frame in frames)
+        try:
+            self.process.stdin.write(request)
+            await self.process.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise WorkerFailed(f"{self} stopped reading its input: {exc!r}") from None
+        return await self._receive()
+
+    async def _receive(self) -> bytes:
+        try:
+            frame = await framing.read_stream(self.process.stdout, self._limit)
+        except (framing.TruncatedFrame, framing.FrameTooLarge, ConnectionResetError) as exc:
+            raise WorkerFailed(f"{self} broke the framing: {exc}") from None
+        if frame is None:
+            raise WorkerFailed(f"{self} closed its output (it exited or was killed)")
+        return frame
+
+
+class WorkerPool:
+    """`size` workers started by `spawn`; requests go to idle ones, failed ones are replaced."""
+
+    def __init__(self, name: str, size: int, spawn: Spawn, *, ready: Callable[[bytes], bool],
+                 max_waiting: int | None = None, stop_grace_s: float = 5.0,
+                 frame_limit: int = framing.DEFAULT_LIMIT):
+        self.name = name  # "sandbox worker": used in logs and errors
+        self.size = size
+        self.max_waiting = max_waiting
+        self.stop_grace_s = stop_grace_s  # how long a worker whose input closed may take to leave
+        self.restarts = 0
+        self._spawn, self._ready, self._frame_limit = spawn, ready, frame_limit
+        self._workers: list[Worker] = []
+        self._idle: asyncio.Queue[Worker | None] = asyncio.Queue()
+        self._waiting = 0
+        self._restarting: set[asyncio.Task] = set()
+        self._closed = False
+
+    async def start(self) -> "WorkerPool":
+        self._workers = [Worker(self.name, i, self._spawn, self._ready, self._frame_limit) for i in range(self.size)]
+        outcomes = await asyncio.gather(*(w.start() for w in self._workers), return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            await asyncio.gather(*(w.stop(0) for w in self._workers), return_exceptions=True)
+            raise failed[0]
+        for worker in self._workers:
+            self._idle.put_nowait(worker)
+        return self
+
+    async def close(self) -> None:
+        """Stops every worker; requests still waiting for one fail."""
+        self._closed = True
+        for task in self._restarting:
+            task.cancel()
+        await asyncio.gather(*self._restarting, return_exceptions=True)
+        await asyncio.gather(*(w.stop(self.stop_grace_s) for w in self._workers), return_exceptions=True)
+        self._idle.put_nowait(None)
+
+    def has_capacity(self) -> bool:
+        """Whether a request now would be taken (by an idle worker, or to wait within the bound)."""
+        return self._idle.qsize() > 0 or self.max_waiting is None or self._waiting < self.max_waiting
+
+    @contextlib.asynccontextmanager
+    async def worker(self) -> AsyncIterator[Worker]:
+        """An idle worker for one request; if the block raises (anything, cancellation included),
+        the worker is replaced rather than handed to the next caller."""
+        if self._closed:
+            raise RuntimeError(f"the {self.name} pool is closed")
+        if not self.has_capacity():
+            raise PoolFull(f"all {self.size} {self.name}s are busy and {self._waiting} requests are waiting")
+        self._waiting += 1
+        try:
+            worker = await self._idle.get()
+        finally:
+            self._waiting -= 1
+        if worker is None or self._closed:  # close() put None in for the waiters; each passes it on
+            self._idle.put_nowait(None)
+            raise RuntimeError(f"the {self.name} pool was closed")
+        try:
+            yield worker
+        except BaseException as exc:
+            self._replace(worker, exc)
+            raise
+        self._idle.put_nowait(worker)
+
+    async def ask(self, *frames: bytes, timeout: float | None = None) -> bytes:
+        """One request to an idle worker: its reply frame (see Worker.ask)."""
+        async with self.worker() as worker:
+            return await worker.ask(*frames, timeout=timeout)
+
+    def _replace(self, worker: Worker, why: BaseException) -> None:
+        if self._closed:
+            return  # close() stops every worker
+        self.restarts += 1
+        reason = "the request was cancelled" if isinstance(why, asyncio.CancelledError) else (
+            str(why) or type(why).__name__)
+        log.warning("%s: %s; restarting it", worker, reason)
+        task = asyncio.get_running_loop().create_task(self._restart(worker))
+        self._restarting.add(task)
+        task.add_done_callback(self._restarting.discard)
+
+    async def _restart(self, worker: Worker) -> None:
+        await worker.stop(self.stop_grace_s)
+        delay = 0.5
+        while not self._closed:
+            try:
+                await worker.start()
+            except Exception as exc:
+                await worker.stop(0)
+                log.error("%s did not restart (%s); trying again in %.1fs", worker, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 30.0)
+                continue
+            self._idle.put_nowait(worker)
+            return
