@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     backend = create_backend("torch", seed=0)
-    params = SamplingParams(max_tokens=args.max_tokens, seed=1)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1)
     prompts = [f"Q{i}: what is {i} + {2 * i}? A:" for i in range(args.prompts)]
     print(f"policy {count_to_str(backend.model.num_parameters())} parameters, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.prompts} prompts x {args.group} samples, "

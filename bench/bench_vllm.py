@@ -41,7 +41,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark is for a machine with an NVIDIA GPU")
     prompts = [f"Q{i}: {i} + {i * 3} = " for i in range(args.prompts)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=1)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         first = fresh_policy(0)
         v0 = save_checkpoint(first, Path(tmp) / "v0", {"version": 0})

@@ -19,8 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crucible.v1 import policy_pb2
-from crucible.shared import bus, messages
+from crucible.shared import bus
 from crucible.ml.kinds import registry
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
 from crucible.ml.policy.sampling import SamplingParams, sample
@@ -87,7 +86,7 @@ def heldout_pass_rate(checkpoint: Path, tasks) -> float:
     model, _ = load_checkpoint(checkpoint)
     tok = ByteTokenizer()
     prompts = [tok.encode(registry.kind_of(t).render_prompt(t)) for t in tasks]
-    out = sample(model, prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    out = sample(model, prompts, SamplingParams(temperature=0.0, top_p=1.0, max_tokens=8))
     return sum(registry.kind_of(t).score(t, s.text).passed for t, s in zip(tasks, out)) / len(tasks)
 
 
@@ -202,10 +201,9 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     s = run.settings
     echo = o.echo
     train_stream = digits_tasks("train", seed=o.seed, ops=o.ops, group_size=o.group_size)
-    from aiokafka import AIOKafkaConsumer
-
-    follower = AIOKafkaConsumer(s.topic("policy"), bootstrap_servers=s.kafka_bootstrap,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
+    # Every version from the start of the run's policy topic; an observer: it dead-letters nothing.
+    follower = bus.Reader(["policy"], s.consumer_group_prefix + "train-follower", settings=s,
+                          offsets={"policy": {}}, dead_letters=False)
     await follower.start()
     started = time.monotonic()
     published = 0
@@ -223,30 +221,28 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     task = next(train_stream)
                     await producer.send("tasks", task, key=task.id)
                     published += 1
-                batches = await follower.getmany(timeout_ms=500)
-                for records in batches.values():
-                    for record in records:
-                        pv = messages.decode(record.value, policy_pb2.PolicyVersion)
-                        if pv.version <= version:
-                            continue
-                        version = pv.version
-                        if version == 0:
-                            continue
-                        m = pv.metrics
-                        elapsed = time.monotonic() - started
-                        point = {"t": round(elapsed, 1), "version": version, "reward_mean": m.reward_mean,
-                                 "pass_rate": m.pass_rate, "kl": m.kl, "step_ms": m.step_ms}
-                        last_step_ms.append(m.step_ms)
-                        if version == 1:
-                            report.train_pass_first = m.pass_rate
-                        report.train_pass_last = m.pass_rate
-                        if version % o.eval_every == 0:
-                            point["heldout"] = await asyncio.to_thread(
-                                heldout_pass_rate, path_from_uri(pv.checkpoint_uri), run.heldout)
-                        report.curve.append(point)
-                        echo(f"      step {version:4d}/{o.steps}  reward {m.reward_mean:5.3f}  pass {m.pass_rate:5.3f}"
-                             f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  {elapsed:6.1f}s"
-                             + (f"  held-out {point['heldout']:.3f}" if "heldout" in point else ""))
+                for incoming in await follower.fetch(timeout_ms=500):
+                    pv = incoming.message
+                    if pv.version <= version:
+                        continue
+                    version = pv.version
+                    if version == 0:
+                        continue
+                    m = pv.metrics
+                    elapsed = time.monotonic() - started
+                    point = {"t": round(elapsed, 1), "version": version, "reward_mean": m.reward_mean,
+                             "pass_rate": m.pass_rate, "kl": m.kl, "step_ms": m.step_ms}
+                    last_step_ms.append(m.step_ms)
+                    if version == 1:
+                        report.train_pass_first = m.pass_rate
+                    report.train_pass_last = m.pass_rate
+                    if version % o.eval_every == 0:
+                        point["heldout"] = await asyncio.to_thread(
+                            heldout_pass_rate, path_from_uri(pv.checkpoint_uri), run.heldout)
+                    report.curve.append(point)
+                    echo(f"      step {version:4d}/{o.steps}  reward {m.reward_mean:5.3f}  pass {m.pass_rate:5.3f}"
+                         f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  {elapsed:6.1f}s"
+                         + (f"  held-out {point['heldout']:.3f}" if "heldout" in point else ""))
     finally:
         await follower.stop()
     report.steps = max(version, 0)

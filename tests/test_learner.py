@@ -25,7 +25,7 @@ def trajectories_for(group: str, policy_version: int, rewards: list[float], *, t
                      top_p: float = 1.0) -> list[trajectory_pb2.Trajectory]:
     """A group sampled from the learner's own initial policy, so its log-probs are real."""
     backend = create_backend("torch", seed=SEED, sample_seed=hash(group) % 1000)
-    params = SamplingParams(max_tokens=6, temperature=temperature, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=6)
     completions = backend.sample([f"{group}: 2+2="], len(rewards), params)[0]
     mean = sum(rewards) / len(rewards)
     return [trajectory_pb2.Trajectory(

@@ -54,7 +54,7 @@ def test_batched_sampling_logprobs_match_a_forward_pass():
     model = fresh_policy(5)
     tok = ByteTokenizer()
     prompts = [tok.encode(p) for p in ["a", "a much longer prompt than the first", "mid-length one"]]
-    samples = sample(model, prompts, SamplingParams(max_tokens=20, seed=7))
+    samples = sample(model, prompts, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=20, seed=7))
     for prompt, s in zip(prompts, samples):
         ids = torch.tensor([prompt + s.token_ids])
         logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))
@@ -64,10 +64,10 @@ def test_batched_sampling_logprobs_match_a_forward_pass():
 def test_sampling_is_seeded_and_greedy_is_deterministic():
     model = fresh_policy(5)
     prompts = [ByteTokenizer().encode("x")] * 3
-    a = sample(model, prompts, SamplingParams(max_tokens=10, seed=1))
-    b = sample(model, prompts, SamplingParams(max_tokens=10, seed=1))
+    a = sample(model, prompts, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=10, seed=1))
+    b = sample(model, prompts, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=10, seed=1))
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
-    g = sample(model, prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    g = sample(model, prompts, SamplingParams(temperature=0.0, top_p=1.0, max_tokens=10))
     assert len({tuple(s.token_ids) for s in g}) == 1
 
 
@@ -75,7 +75,7 @@ def test_hf_backend_matches_the_torch_policy(tmp_path):
     model = fresh_policy(8)
     folder = save_checkpoint(model, tmp_path / "hf", {"version": 0})
     backend = create_backend("hf", checkpoint=str(folder))
-    groups = backend.sample(["hello", "a longer prompt"], 2, SamplingParams(max_tokens=8, seed=3))
+    groups = backend.sample(["hello", "a longer prompt"], 2, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8, seed=3))
     for group in groups:
         assert len(group) == 2
         for c in group:
@@ -89,7 +89,7 @@ async def test_lag_bound_pauses_until_a_new_version(tmp_path):
     batcher = Batcher(backend, max_tasks=1, wait_ms=0, lag=LagBound(max_lag=0, groups_per_step=2))
     batcher.start()
     try:
-        params = SamplingParams(max_tokens=2)
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=2)
         await asyncio.wait_for(batcher.sample("a", 1, params), 10)
         await asyncio.wait_for(batcher.sample("b", 1, params), 10)
         third = asyncio.create_task(batcher.sample("c", 1, params))  # a third group at version 0: too far ahead
@@ -114,7 +114,7 @@ def test_warm_start_teaches_the_answer_format():
     prompts = [tok.encode(p) for p, _ in pairs[:32]]
 
     def parse_rate():
-        out = sample(model, prompts, SamplingParams(max_tokens=6, temperature=0.0))
+        out = sample(model, prompts, SamplingParams(temperature=0.0, top_p=1.0, max_tokens=6))
         return sum(bool(re.fullmatch(r"\d+", s.text)) and s.token_ids[-1] == EOS_ID for s in out) / len(out)
 
     before = parse_rate()

@@ -17,9 +17,11 @@ from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
+    """How one sampling call draws (no defaults here: a run's come from RunConfig, a test says what it wants)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
