@@ -11,8 +11,10 @@ import pytest
 import pytest_asyncio
 
 from crucible.services.sandbox_executor import isolation
+from crucible.services.sandbox_executor import pool as pool_module
 from crucible.services.sandbox_executor.pool import Job, JobRejected, PoolFull, SandboxPool
 from crucible.shared.settings import Settings
+from crucible.shared.workers import WorkerFailed
 
 pytestmark = pytest.mark.sandbox
 
@@ -234,6 +236,17 @@ async def test_a_worker_killed_from_outside_is_replaced_and_the_pool_keeps_servi
         assert outcomes[-1] == b"2\n"
         assert set(jail_workers()) - others not in (set(), {old})
         assert (await small.execute(Job(code="print(6 * 7)"))).stdout == b"42\n"
+
+
+async def test_a_pool_whose_workers_cannot_start_leaves_nothing_behind(monkeypatch, tmp_path):
+    broken = tmp_path / "broken_worker.py"
+    broken.write_text("raise SystemExit('no worker today')\n")
+    monkeypatch.setattr(pool_module, "JAIL_MAIN", broken)
+    failing = SandboxPool(Settings(sandbox_workers=2))
+    with pytest.raises(WorkerFailed, match="closed its output"):
+        await failing.start()
+    assert not failing.runtime_dir.exists()
+    assert list(Path("/sys/fs/cgroup").glob(f"*/{failing.runtime_dir.name}")) == []
 
 
 async def test_refuses_weak_isolation_unless_allowed(monkeypatch):

@@ -139,7 +139,11 @@ class SandboxPool:
         log.warning("sandbox: %s", self.report.describe()) if self.report.missing else \
             log.info("sandbox: %s", self.report.describe())
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        await self._workers.start()
+        try:
+            await self._workers.start()
+        except BaseException:
+            await self.close()  # no caller will: `async with` does not exit what did not enter
+            raise
         return self
 
     async def close(self) -> None:
