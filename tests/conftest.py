@@ -14,7 +14,7 @@ from crucible.local.kafka import LocalKafka
 from crucible.shared.procs import free_port
 from crucible.shared.settings import Settings
 
-pytest_plugins = ["tests.fixtures_store"]
+pytest_plugins = ["tests.fixtures_store", "tests.checkout_guard"]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from crucible.shared.procs import free_port, stop_processes  # noqa: F401 (free_port: callers import it from here)
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `shared` package
 
 
 def spawn_store(
@@ -32,15 +31,15 @@ def spawn_store(
     """
     cmd = [sys.executable, "-m", "crucible.local.store.server", "--data", str(data_dir), "--host", host, "--port", str(port)]
     cmd += extra_args or []
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
     log_file = None
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")
     try:
         proc = subprocess.Popen(
-            cmd, env=env, cwd=str(_REPO_ROOT), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file
+            # Its own data folder as the working directory: whatever the engine writes lands there.
+            cmd, cwd=str(data_dir), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file
         )
     finally:
         if log_file is not None:

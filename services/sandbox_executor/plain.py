@@ -78,7 +78,6 @@ _CONVERT = (
     (set, lambda v: set(_set_iter(v))),
     (frozenset, lambda v: frozenset(_frozenset_iter(v))),
 )
-_PLAIN_TYPES = frozenset(t for t, _ in _CONVERT) | {type(None)}
 
 
 def _is_stdlib_class(cls) -> bool:
