@@ -287,3 +287,9 @@ async def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail(pool):
     assert failures == []
     wrong = await asyncio.gather(*(bounded(p, "    return None\n") for p in problems))
     assert sum(r.passed for r in wrong) == 0
+
+
+async def test_a_thread_bomb_is_a_process_limit_violation(pool):
+    r = await run(pool, "import threading, time\nwhile True:\n"
+                        "    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()")
+    assert r.violation == "processes", (r.violation, r.stderr[-300:])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from crucible.services.sandbox_executor import isolation
+from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS
 from crucible.services.sandbox_executor.runners import prepare
 from crucible.shared.settings import Settings, get_settings
 from crucible.shared.workers import PoolFull, WorkerFailed, WorkerPool  # noqa: F401 (PoolFull is part of this API)
@@ -256,7 +257,7 @@ class SandboxPool:
             if "memory" in made:
                 _write(Path(made["memory"]) / "memory.limit_in_bytes", self.limits.memory_bytes + (64 << 20))
             if "pids" in made:
-                _write(Path(made["pids"]) / "pids.max", self.limits.processes + 8)
+                _write(Path(made["pids"]) / "pids.max", self.limits.processes + JAIL_OWN_TASKS)
             if "cpu" in made:
                 _write(Path(made["cpu"]) / "cpu.cfs_period_us", 100_000)
                 _write(Path(made["cpu"]) / "cpu.cfs_quota_us", 100_000)  # at most one core per job
@@ -270,7 +271,7 @@ class SandboxPool:
             path.mkdir(exist_ok=True)
             self._cgroup_dirs += [path, parent]
             _write(path / "memory.max", self.limits.memory_bytes + (64 << 20))
-            _write(path / "pids.max", self.limits.processes + 8)
+            _write(path / "pids.max", self.limits.processes + JAIL_OWN_TASKS)
             _write(path / "cpu.max", "100000 100000")
             made["unified"] = str(path)
         return made

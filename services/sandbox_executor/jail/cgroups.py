@@ -9,6 +9,9 @@ import os
 import signal
 import time
 
+# Tasks a slot's pids.max allows beyond the job's own `processes`: the jail's pid 1 and its helpers.
+JAIL_OWN_TASKS = 8
+
 
 class Cgroups:
     """A slot's directories by controller ("unified" for v2); empty when the host has none."""
@@ -44,6 +47,17 @@ class Cgroups:
         except (OSError, ValueError):
             pass
         return 0
+
+    def pids_events(self) -> int:
+        """How many times a fork or clone was refused at the slot's pids.max (a counter that only grows)."""
+        path = self.paths.get("pids") or self.paths.get("unified")
+        if not path:
+            return 0
+        try:
+            with open(os.path.join(path, "pids.events")) as f:
+                return int(dict(line.split() for line in f).get("max", 0))
+        except (OSError, ValueError):
+            return 0
 
     def reset_memory_events(self) -> int:
         """Zeroes the v1 counter; returns the count now (cgroup v2 counters only grow: compare to it)."""

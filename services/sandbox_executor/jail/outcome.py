@@ -47,8 +47,11 @@ def parse_report(data: bytes) -> dict:
     return {"tests": tests[:1000], "tamper": tamper[:100], "candidate": candidate}
 
 
+PROCESS_LIMIT_SIGNS = (b"[Errno 11] Resource temporarily unavailable", b"can't start new thread")
+
+
 def classify(sig: int, exit_code: int, stderr: bytes, cgroups: Cgroups, limits: dict,
-             cpu_s: float, memory_events_before: int = 0) -> tuple[str, str]:
+             cpu_s: float, memory_events_before: int = 0, pids_events_before: int = 0) -> tuple[str, str]:
     """(violation, detail): the limit a finished program ran into, from its signal, the cgroup's
     counters and its last error; ("", "") when none.
 
@@ -62,10 +65,15 @@ def classify(sig: int, exit_code: int, stderr: bytes, cgroups: Cgroups, limits: 
         return "cpu", f"CPU limit of {limits['cpu_s']}s reached"
     if cgroups.memory_events() > memory_events_before or (exit_code != 0 and tail.endswith(b"MemoryError")):
         return "memory", f"memory limit of {limits['memory_bytes']} bytes reached"
+    if cgroups.pids_events() > pids_events_before:
+        # Counted by the kernel in any process or thread of the job, whatever its output looks like.
+        return "processes", f"process limit of {limits['processes']} reached"
     if sig == signal.SIGXFSZ or (exit_code != 0 and b"[Errno 27] File too large" in tail):
         return "file_size", f"file size limit of {limits['file_bytes']} bytes reached"
     if exit_code != 0 and b"[Errno 28] No space left on device" in tail:
         return "file_size", f"work directory limit of {limits['work_bytes']} bytes reached"
-    if exit_code != 0 and b"[Errno 11] Resource temporarily unavailable" in tail:
+    # A refused fork or thread start, wherever it shows in the output: many processes failing at
+    # once interleave their tracebacks, so the last lines need not be the telling ones.
+    if exit_code != 0 and any(sign in stderr for sign in PROCESS_LIMIT_SIGNS):
         return "processes", f"process limit of {limits['processes']} reached"
     return "", ""

@@ -113,6 +113,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     pid = prepared["pid"]
     out_r, err_r, report_r, in_w = prepared["out_r"], prepared["err_r"], prepared["report_r"], prepared["in_w"]
     memory_events = cgroups.reset_memory_events()
+    pids_events = cgroups.pids_events()
     started = time.monotonic()
     tested = "tests" in job
     program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
@@ -206,7 +207,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         # In a tested job the harness outlives a candidate killed by a limit: classify by the candidate's end.
         limit_sig = sig or report["candidate"].get("signal", 0)
         violation, detail = outcome.classify(limit_sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s,
-                                             memory_events)
+                                             memory_events, pids_events)
     return {
         "exit_code": exit_code if exit_code >= 0 else 128 + sig,
         "signal": sig,
