@@ -9,9 +9,7 @@ does, then one prompt per call. Prints tokens/s for both and the ratio. Not a te
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 
 import torch  # noqa: E402

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 

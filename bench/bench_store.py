@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clickhouse_connect.datatypes.registry import get_from_name  # noqa: E402
 from clickhouse_connect.driver.insert import InsertContext  # noqa: E402

@@ -18,9 +18,7 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 
 from crucible.v1 import rollout_pb2, verdict_pb2  # noqa: E402

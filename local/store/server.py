@@ -39,7 +39,6 @@ from crucible.local.store.errors import (
     UNSUPPORTED_METHOD,
     StoreError,
 )
-from crucible.local.store.launcher import spawn_store, stop_store, wait_ready  # noqa: F401  (the process helpers live there)
 from crucible.local.store.lock import DataDirLock, DataDirLocked
 from crucible.local.store.request import RequestSpec, build_spec, parse_multipart, parse_query_string
 from crucible.shared.store.sqltext import split_insert

@@ -105,11 +105,6 @@ class Result:
     violation_detail: str = ""
     tamper: list[dict] = field(default_factory=list)  # {"pattern", "detail"} the harness saw the candidate try
 
-    @property
-    def passed(self) -> bool:
-        return (self.exit_code == 0 and not self.violation and not self.tamper
-                and all(t["passed"] for t in self.tests))
-
 
 class SandboxPool:
     def __init__(self, settings: Settings | None = None, *, workers: int | None = None,
