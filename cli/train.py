@@ -202,8 +202,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     echo = o.echo
     train_stream = digits_tasks("train", seed=o.seed, ops=o.ops, group_size=o.group_size)
     # Every version from the start of the run's policy topic; an observer: it dead-letters nothing.
-    follower = bus.Reader(["policy"], s.consumer_group_prefix + "train-follower", settings=s,
-                          offsets={"policy": {}}, dead_letters=False)
+    follower = bus.Reader(["policy"], None, settings=s, offsets={"policy": {}}, dead_letters=False)
     await follower.start()
     started = time.monotonic()
     published = 0

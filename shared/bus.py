@@ -198,6 +198,7 @@ class Reader:
     partition of its topics instead and starts at those positions ({topic: {partition: offset}};
     partitions not named start at the group's committed offset, else at the beginning): a
     caller that keeps its own positions (beside the state they belong to) resumes exactly there.
+    Such a reader may have no group at all (`group_id=None`): it then commits nothing.
 
     A topic's records are judged once, by the service that acts on them (its owner); a reader
     with `dead_letters=False` only observes (control's task log on crucible.tasks): what it
@@ -207,7 +208,7 @@ class Reader:
     def __init__(
         self,
         topics: Sequence[str],
-        group_id: str,
+        group_id: str | None,
         *,
         settings: Settings | None = None,
         producer: Producer | None = None,
@@ -256,7 +257,7 @@ class Reader:
         self._consumer.assign(tps)
         for tp in tps:
             saved = self._start_offsets.get(tp.topic, {}).get(tp.partition)
-            if saved is None:
+            if saved is None and self.group_id is not None:
                 saved = await self._consumer.committed(tp)
             if saved is None:
                 await self._consumer.seek_to_beginning(tp)
@@ -330,7 +331,7 @@ class Reader:
     async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
         """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""
         offsets = self.positions if offsets is None else offsets
-        if offsets:
+        if offsets and self.group_id is not None:
             await self._consumer.commit({TopicPartition(t, p): o for (t, p), o in offsets.items()})
 
 
