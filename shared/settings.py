@@ -19,8 +19,12 @@ class RunConfig(BaseModel):
     run_id: str = Field(default="local", description="Names the training run in stored rows and checkpoints.")
     seed: int = Field(default=0, description="Seeds the initial policy (when no init_checkpoint) and sampling.")
     init_checkpoint: str | None = Field(default=None, description="Starting weights of the policy and the frozen "
-                                        "KL reference (a checkpoint folder or file:// URI); unset: a fresh policy "
-                                        "from `seed`.")
+                                        "KL reference: a checkpoint folder or file:// URI, the built-in policy's or "
+                                        "any Hugging Face causal LM's; unset: a fresh built-in policy from `seed`.")
+
+    # how a task becomes the text the model continues
+    chat_template: bool = Field(default=False, description="Wrap each prompt in the model's chat template.")
+    system_prompt: str = Field(default="", description="The system message, when the chat template is used.")
 
     # sampling
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
@@ -54,6 +58,10 @@ class RunConfig(BaseModel):
     entropy_coef: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     dpo_beta: float = Field(default=0.1, gt=0)
+    micro_batch_size: int = Field(default=0, ge=0, description="Samples per forward/backward pass; gradients "
+                                  "accumulate over the step's batch (0: the whole batch at once).")
+    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass "
+                                         "(transformers models): less memory, more time.")
 
     def environment(self) -> dict[str, str]:
         """These values as CRUCIBLE_* variables, for the services a run starts as processes."""
@@ -110,7 +118,8 @@ class Settings(BaseSettings, RunConfig):
 
     # generator
     generator_grpc_port: int = 50052
-    generator_backend: str = Field(default="torch", pattern="^(torch|hf|vllm)$")
+    generator_backend: str = Field(default="auto", pattern="^(auto|torch|hf|vllm)$", description="auto: the "
+                                   "built-in policy in torch, any other checkpoint with transformers.")
     generator_batch_tasks: int = Field(default=16, ge=1, description="Tasks sampled together in one batch.")
     generator_batch_wait_ms: float = Field(default=20.0, ge=0.0, description="How long a batch waits to fill.")
 

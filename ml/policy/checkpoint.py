@@ -2,6 +2,8 @@
 
 The same folder loads in transformers (`AutoModelForCausalLM.from_pretrained`) and vLLM.
 `crucible.json` beside them records what Crucible needs to resume (version, step, ...).
+A checkpoint is the built-in policy (config.json says so) or any transformers causal LM
+(ml/policy/hf.py); `load_checkpoint` and `save_checkpoint` take either.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from urllib.parse import urlparse
 import torch
 from safetensors.torch import load_file, save_file
 
+from crucible.ml.policy import hf
 from crucible.ml.policy.model import Policy, PolicyConfig
 from crucible.ml.policy.tokenizer import ByteTokenizer
 
@@ -28,11 +31,15 @@ def path_from_uri(uri: str) -> Path:
     raise ValueError(f"checkpoint URI {uri!r}: only local paths and file:// URIs are supported")
 
 
-def save_checkpoint(model: Policy, folder: Path, meta: dict | None = None, extra: dict | None = None) -> Path:
+def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict | None = None,
+                    tokenizer_from: Path | None = None) -> Path:
     """Writes the checkpoint into a temporary sibling, then renames it into place (never half-written).
 
     `extra` maps file names to tensors dicts saved alongside (e.g. optimizer state) with torch.save.
+    A transformers model's tokenizer files are copied from `tokenizer_from` (its initial folder).
     """
+    if not isinstance(model, Policy):
+        return hf.save(model, folder, tokenizer_from, meta or {}, extra or {})
     folder = Path(folder)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -61,10 +68,14 @@ def save_checkpoint(model: Policy, folder: Path, meta: dict | None = None, extra
     return folder
 
 
-def load_checkpoint(folder: Path | str) -> tuple[Policy, dict]:
+def load_checkpoint(folder: Path | str, device: str = "cpu"):
+    """(the model, crucible.json's contents): the built-in Policy, or a transformers model."""
     folder = path_from_uri(str(folder)) if isinstance(folder, str) else Path(folder)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} is not a checkpoint: config.json is missing")
+    meta = json.loads((folder / META_FILE).read_text()) if (folder / META_FILE).exists() else {}
+    if not hf.is_builtin(folder):
+        return hf.load_model(folder, device), meta
     config = PolicyConfig.from_hf(json.loads((folder / "config.json").read_text()))
     model = Policy(config)
     state = load_file(str(folder / "model.safetensors"))
@@ -72,7 +83,6 @@ def load_checkpoint(folder: Path | str) -> tuple[Policy, dict]:
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
-    meta = json.loads((folder / META_FILE).read_text()) if (folder / META_FILE).exists() else {}
     return model, meta
 
 

@@ -42,6 +42,7 @@ class PolicyConfig:
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
             "head_dim": self.head_dim, "rope_scaling": None, "use_cache": True,
+            "crucible_policy": "builtin",  # this code path, not transformers', trains and samples it
             **asdict(self),
         }
 
@@ -195,7 +196,7 @@ def causal_mask(valid: torch.Tensor, query_len: int) -> torch.Tensor:
     return allowed | (diag & ~allowed.any(-1, keepdim=True))
 
 
-def sequence_logprobs(model: Policy, ids: torch.Tensor, valid: torch.Tensor,
+def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor,
                       temperature: float | torch.Tensor = 1.0,
                       top_p: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of each token given the ones before it, and the entropy of each prediction,
@@ -204,6 +205,10 @@ def sequence_logprobs(model: Policy, ids: torch.Tensor, valid: torch.Tensor,
     ids/valid: [B, T] (valid marks real tokens; padding may be on either side). Returns two [B, T-1]
     tensors aligned with ids[:, 1:].
     """
+    if not isinstance(model, Policy):  # a transformers model
+        from crucible.ml.policy import hf
+
+        return hf.sequence_logprobs(model, ids, valid, temperature, top_p)
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(ids, positions, causal_mask(valid, ids.shape[1]))[:, :-1].float()
     logp = sampling_logprobs(logits, temperature, top_p)

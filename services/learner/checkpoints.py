@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from crucible.ml.policy.checkpoint import load_checkpoint, save_checkpoint
+from crucible.ml.policy.checkpoint import load_checkpoint, path_from_uri, save_checkpoint
 from crucible.shared.settings import Settings
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -45,7 +45,8 @@ def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list
             "offsets": {str(p): o for p, o in offsets.items()}, "trained_ids_past_offsets": trained_ids,
             "reference_uri": reference_uri}
     folder = save_checkpoint(trainer.model, version_dir(settings, trainer.version), meta,
-                             extra={OPTIMIZER_FILE: trainer.optimizer.state_dict()})
+                             extra={OPTIMIZER_FILE: trainer.optimizer.state_dict()},
+                             tokenizer_from=path_from_uri(reference_uri))
     prune(settings)
     return folder
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crucible.ml.policy.losses import dpo_loss, grpo_loss, masked_mean, ppo_loss
-from crucible.ml.policy.model import Policy, sequence_logprobs
-from crucible.ml.policy.tokenizer import PAD_ID
+from crucible.ml.policy.model import sequence_logprobs
 from crucible.shared.settings import RunConfig
 from crucible.v1 import trajectory_pb2
 
@@ -53,7 +52,7 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
     rows = [(list(s.prompt_token_ids), list(s.completion_token_ids), list(s.logprobs)) for s in samples]
     width = max(len(p) + len(c) for p, c, _ in rows)
     n = len(rows)
-    ids = torch.full((n, width), PAD_ID, dtype=torch.long)
+    ids = torch.zeros((n, width), dtype=torch.long)  # padding is masked out; 0 is in every vocabulary
     valid = torch.zeros((n, width), dtype=torch.bool)
     mask = torch.zeros((n, width - 1))
     old = torch.zeros((n, width - 1))
@@ -69,10 +68,13 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
 
 
 class Trainer:
-    def __init__(self, model: Policy, config: RunConfig, *, reference: Policy | None = None,
+    def __init__(self, model, config: RunConfig, *, reference=None,
                  version: int = 0, step: int = 0, optimizer_state: dict | None = None):
         self.model = model
         self.config = config
+        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
         self.reference = (reference or copy.deepcopy(model)).eval()
         for p in self.reference.parameters():
             p.requires_grad_(False)
@@ -123,6 +125,7 @@ class Trainer:
         if usable:
             self.model.train()
             for epoch in range(self.config.epochs):
+                self.optimizer.zero_grad(set_to_none=True)
                 if self.config.objective == "dpo":
                     loss, epoch_stats, epoch_entropy, unpaired = self._dpo(usable)
                     if epoch == 0:
@@ -133,13 +136,11 @@ class Trainer:
                     stats, entropy = epoch_stats, epoch_entropy
                 if loss is None:
                     break
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
                 norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
                 self.optimizer.step()
                 stepped = True
                 if epoch == 0:
-                    grad_norm, loss_value = norm, float(loss.detach())
+                    grad_norm, loss_value = norm, loss
             self.model.eval()
         if stepped:
             self.step_count += 1
@@ -149,20 +150,38 @@ class Trainer:
                         "step_ms": (time.perf_counter() - started) * 1000, **stats})
         return StepResult(stepped, metrics, skipped)
 
-    def _logprobs(self, model: Policy, batch: Batch):
+    def _logprobs(self, model, batch: Batch):
         return sequence_logprobs(model, batch.ids, batch.valid, batch.temperature, batch.top_p)
 
+    def micro_batches(self, samples: list) -> list[list]:
+        size = self.config.micro_batch_size or len(samples)
+        return [samples[i:i + size] for i in range(0, len(samples), size)]
+
     def _policy_gradient(self, samples):
-        batch = completion_batch(samples)
-        logp, entropy = self._logprobs(self.model, batch)
-        with torch.no_grad():
-            ref_logp, _ = self._logprobs(self.reference, batch)
+        """Forward and backward over micro-batches; gradients accumulate to those of the whole batch.
+
+        Each micro-batch's token-mean loss is weighted by its share of the batch's completion tokens,
+        so the sum is the token mean over the whole batch, as if it had been one pass.
+        """
         loss_fn = grpo_loss if self.config.objective == "grpo" else ppo_loss
-        loss, stats = loss_fn(logp, batch.old_logp, ref_logp, batch.advantages, batch.mask,
-                              clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef,
-                              entropy_coef=self.config.entropy_coef, entropy=entropy)
-        stats["mismatch_kl"] = mismatch_kl(batch.old_logp, logp.detach(), batch.mask)
-        return loss, stats, float(masked_mean(entropy.detach(), batch.mask))
+        total = sum(len(s.completion_token_ids) for s in samples)
+        loss_value, entropy_value, stats = 0.0, 0.0, Counter()
+        for chunk in self.micro_batches(samples):
+            batch = completion_batch(chunk)
+            weight = float(batch.mask.sum()) / total
+            logp, entropy = self._logprobs(self.model, batch)
+            with torch.no_grad():
+                ref_logp, _ = self._logprobs(self.reference, batch)
+            loss, chunk_stats = loss_fn(logp, batch.old_logp, ref_logp, batch.advantages, batch.mask,
+                                        clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef,
+                                        entropy_coef=self.config.entropy_coef, entropy=entropy)
+            (loss * weight).backward()
+            loss_value += float(loss.detach()) * weight
+            entropy_value += float(masked_mean(entropy.detach(), batch.mask)) * weight
+            chunk_stats["mismatch_kl"] = mismatch_kl(batch.old_logp, logp.detach(), batch.mask)
+            for k, v in chunk_stats.items():
+                stats[k] += v * weight
+        return loss_value, dict(stats), entropy_value
 
     def _dpo(self, samples):
         """Pairs from groups: each group's best sample against its worst. Returns the loss (None without
@@ -188,8 +207,9 @@ class Trainer:
         seq, ref_seq = (logp * batch.mask).sum(-1), (ref_logp * batch.mask).sum(-1)
         k = len(chosen)
         loss, stats = dpo_loss(seq[:k], seq[k:], ref_seq[:k], ref_seq[k:], beta=self.config.dpo_beta)
+        loss.backward()
         stats = {**stats, "dpo_pairs": k, "mismatch_kl": mismatch_kl(batch.old_logp, logp.detach(), batch.mask)}
-        return loss, stats, float(masked_mean(entropy.detach(), batch.mask)), unpaired
+        return float(loss.detach()), stats, float(masked_mean(entropy.detach(), batch.mask)), unpaired
 
 
 def mismatch_kl(sampler_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> float:

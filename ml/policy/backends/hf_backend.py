@@ -1,11 +1,11 @@
 """A transformers causal LM from a local folder, offline (no hub access, ever)."""
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
+from crucible.ml.policy import hf
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
 from crucible.ml.policy.checkpoint import path_from_uri
 from crucible.ml.policy.distribution import draw, sampling_logprobs
@@ -13,78 +13,103 @@ from crucible.ml.policy.sampling import SamplingParams
 
 
 class HFBackend(PolicyBackend):
+    """Samples with our own decoding loop over the model's KV cache, so log-probs are those of
+    crucible.ml.policy.distribution, exactly what the learner recomputes.
+
+    The tokenizer (and chat template) come from the first folder and stay: later checkpoints
+    only bring new weights. EOS is the generation config's, not the tokenizer's guess.
+    """
+
     name = "hf"
 
-    def __init__(self, checkpoint: str, gguf_file: str | None = None, max_batch: int = 64,
-                 device: str = "cpu", **_):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        self.checkpoint = checkpoint
-        self.gguf_file = gguf_file
+    def __init__(self, checkpoint: str, max_batch: int = 64, device: str = "cpu", chat_template: bool = False,
+                 system_prompt: str = "", sample_seed: int | None = None, **_):
+        folder = path_from_uri(checkpoint)
         self.device = device
         self.max_batch = max_batch
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
         self._lock = threading.Lock()
-        self.model, self.tokenizer = self._load(checkpoint)
+        self.tokenizer = hf.load_tokenizer(folder)
+        if chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the model in {folder} has no chat template: set chat_template = false in the recipe")
+        self.model = hf.load_model(folder, device).eval()
+        self.eos = hf.eos_ids(self.model, self.tokenizer)
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(sample_seed if sample_seed is not None else torch.seed())
         self.version = 0
 
-    def _load(self, uri: str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def render(self, prompt: str) -> str:
+        """The text the model continues: the prompt itself, or its chat template around it."""
+        if not self.chat_template:
+            return prompt
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-        folder = str(path_from_uri(uri))
-        kwargs = {"local_files_only": True}
-        if self.gguf_file:
-            kwargs["gguf_file"] = self.gguf_file
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).to(self.device).eval()
-        return model, tokenizer
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(self.render(prompt), add_special_tokens=not self.chat_template)["input_ids"]
 
     @torch.no_grad()
     def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
-        """Our own decoding loop over the model's KV cache, so log-probs mean the same as in the torch backend."""
         out: list[list[Completion]] = [[] for _ in prompts]
-        flat = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        eos = self.tokenizer.eos_token_id
+        encoded = [self.encode(p) for p in prompts]
+        flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
         with self._lock:
+            generator = self._generator
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
             for start in range(0, len(flat), self.max_batch):
                 chunk = flat[start:start + self.max_batch]
-                self.tokenizer.padding_side = "left"
-                if self.tokenizer.pad_token is None:
-                    self.tokenizer.pad_token = self.tokenizer.eos_token
-                enc = self.tokenizer([p for _, p in chunk], return_tensors="pt", padding=True).to(self.device)
-                ids, mask = enc["input_ids"], enc["attention_mask"]
-                prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-                result = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
-                past, logits = result.past_key_values, result.logits[:, -1].float()
-                tokens_out = [[] for _ in chunk]
-                logps_out = [[] for _ in chunk]
-                done = torch.zeros(len(chunk), dtype=torch.bool, device=self.device)
-                reasons = ["length"] * len(chunk)
-                for _ in range(params.max_tokens):
-                    logp = sampling_logprobs(logits, params.temperature, params.top_p)
-                    tokens = draw(logp, params.temperature, generator)
-                    token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
-                    for i in (~done).nonzero().flatten().tolist():
-                        tokens_out[i].append(int(tokens[i]))
-                        logps_out[i].append(float(token_logp[i]))
-                        text = self.tokenizer.decode(tokens_out[i], skip_special_tokens=True)
-                        if int(tokens[i]) == eos or any(text.endswith(s) for s in params.stop):
-                            done[i] = True
-                            reasons[i] = "stop"
-                    if bool(done.all()):
-                        break
-                    mask = torch.cat((mask, torch.ones((len(chunk), 1), dtype=mask.dtype, device=self.device)), 1)
-                    step = torch.where(done, torch.full_like(tokens, eos if eos is not None else 0), tokens)
-                    result = self.model(input_ids=step[:, None], attention_mask=mask, past_key_values=past,
-                                        use_cache=True)
-                    past, logits = result.past_key_values, result.logits[:, -1].float()
-                for k, (i, _) in enumerate(chunk):
-                    text = self.tokenizer.decode(tokens_out[k], skip_special_tokens=True)
-                    out[i].append(Completion(text, prompt_ids[k], tokens_out[k], logps_out[k], reasons[k]))
+                for (i, ids), completion in zip(chunk, self._sample_batch([ids for _, ids in chunk], params,
+                                                                          generator)):
+                    out[i].append(completion)
         return out
 
+    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, generator) -> list[Completion]:
+        b, width = len(prompts), max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((b, width), pad, dtype=torch.long, device=self.device)
+        valid = torch.zeros((b, width), dtype=torch.bool, device=self.device)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[row, width - len(p):] = True
+        result = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=hf.positions(valid),
+                            use_cache=True)
+        past, logits = result.past_key_values, result.logits[:, -1].float()
+        next_pos = valid.sum(-1, keepdim=True) - 1
+        tokens_out: list[list[int]] = [[] for _ in prompts]
+        logps_out: list[list[float]] = [[] for _ in prompts]
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        reasons = ["length"] * b
+        for _ in range(params.max_tokens):
+            logp = sampling_logprobs(logits, params.temperature, params.top_p)
+            tokens = draw(logp, params.temperature, generator)
+            token_logp = logp.gather(-1, tokens[:, None]).squeeze(-1)
+            for row in (~done).nonzero().flatten().tolist():
+                token = int(tokens[row])
+                tokens_out[row].append(token)
+                logps_out[row].append(float(token_logp[row]))
+                ended = token in self.eos
+                if not ended and params.stop:
+                    text = self.tokenizer.decode(tokens_out[row], skip_special_tokens=True)
+                    ended = any(text.endswith(s) for s in params.stop)
+                if ended:
+                    done[row] = True
+                    reasons[row] = "stop"
+            if bool(done.all()):
+                break
+            valid = torch.cat((valid, torch.ones((b, 1), dtype=torch.bool, device=self.device)), 1)
+            next_pos = next_pos + 1
+            step = torch.where(done, torch.full_like(tokens, pad), tokens)
+            result = self.model(input_ids=step[:, None], attention_mask=valid.long(), position_ids=next_pos,
+                                past_key_values=past, use_cache=True)
+            past, logits = result.past_key_values, result.logits[:, -1].float()
+        return [Completion(self.tokenizer.decode(t, skip_special_tokens=True), p, t, lp, reason)
+                for p, t, lp, reason in zip(prompts, tokens_out, logps_out, reasons)]
+
     def load_weights(self, version: int, uri: str) -> None:
-        model, tokenizer = self._load(uri)
+        model = hf.load_model(path_from_uri(uri), self.device).eval()
         with self._lock:
-            self.model, self.tokenizer, self.version = model, tokenizer, version
+            self.model, self.version = model, version

@@ -1,0 +1,119 @@
+"""Any Hugging Face causal LM as a policy: loaded offline from a folder, scored, saved as a folder.
+
+The built-in policy (ml/policy/model.py) is one such folder too; its config.json says
+`"crucible_policy": "builtin"`, and `is_builtin` tells the two apart, so that a checkpoint picks
+its own code path wherever it is loaded (generator, learner, evaluator).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from crucible.ml.policy.distribution import sampling_logprobs
+
+BUILTIN_MARK = "crucible_policy"
+# What a folder's tokenizer and prompt formatting consist of: copied as they are into every checkpoint.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def offline() -> None:
+    """Never reach a model hub: every model comes from a local folder."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def is_builtin(folder: Path) -> bool:
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get(BUILTIN_MARK) == "builtin"
+    except (OSError, ValueError):
+        return False
+
+
+def dtype_for(device: str) -> torch.dtype:
+    """bf16 where the GPU supports it, float32 on the CPU (bf16 matmuls there are slow and lossy)."""
+    if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(folder: Path, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    offline()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype_for(device), local_files_only=True).to(device)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    offline()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tokenizer.pad_token_id is None:  # padding is always masked out: any real token will do
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    return tokenizer
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a completion: the generation config's (a converted tokenizer may name the wrong
+    one), else the tokenizer's."""
+    config = getattr(model, "generation_config", None)
+    value = getattr(config, "eos_token_id", None) if config is not None else None
+    if value is None:
+        value = tokenizer.eos_token_id
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    return {int(i) for i in ids if i is not None}
+
+
+def positions(valid: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only, whichever side the padding is on."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature=1.0, top_p=1.0):
+    """As crucible.ml.policy.model.sequence_logprobs, for a transformers model."""
+    out = model(input_ids=ids, attention_mask=valid.long(), position_ids=positions(valid), use_cache=False)
+    logits = out.logits[:, :-1].float()
+    logp = sampling_logprobs(logits, temperature, top_p)
+    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+    return token_logp, entropy
+
+
+def save(model, folder: Path, tokenizer_from: Path | None, meta: dict, extra: dict) -> Path:
+    """Writes a Hugging Face folder (weights, config, generation config, the tokenizer files of
+    `tokenizer_from`, crucible.json, `extra` objects) atomically: a temporary sibling renamed into place."""
+    folder = Path(folder)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if hasattr(model, "merge_and_unload"):  # LoRA: generators load plain weights
+        model = _merged_copy(model)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).exists():
+                shutil.copy2(Path(tokenizer_from) / name, tmp / name)
+    for name, obj in extra.items():
+        torch.save(obj, tmp / name)
+    (tmp / "crucible.json").write_text(json.dumps(meta, indent=1))
+    with open(tmp / "crucible.json") as f:  # durable before the rename publishes it
+        os.fsync(f.fileno())
+    if folder.exists():
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+        folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(folder)
+    return folder
+
+
+def _merged_copy(peft_model):
+    import copy
+
+    return copy.deepcopy(peft_model).merge_and_unload()
