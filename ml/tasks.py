@@ -7,6 +7,14 @@ from crucible.ml import kinds
 from crucible.shared.settings import Settings, get_settings
 
 
+HELDOUT_SPLIT = "heldout"
+
+
+def is_heldout(task: task_pb2.Task) -> bool:
+    """Held-out tasks measure the policy; nothing ever trains on them."""
+    return task.split == HELDOUT_SPLIT
+
+
 def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list[str]:
     """Everything wrong with `task`, each as a sentence a publisher can act on; [] when it is fine."""
     settings = settings or get_settings()

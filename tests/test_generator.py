@@ -97,6 +97,8 @@ async def test_policy_version_event_swaps_weights(generator, tmp_path):
     (task_pb2.Task(id="huge", kind="exact", prompt="p", group_size=100_000,
                    answer=task_pb2.ExpectedAnswer(answer="1")), "above the limit"),
     (task_pb2.Task(id="odd", kind="poetry", prompt="p", group_size=2), "unknown kind 'poetry'"),
+    (task_pb2.Task(id="held", kind="exact", prompt="p", group_size=2, split="heldout",
+                   answer=task_pb2.ExpectedAnswer(answer="1")), "is held out"),
 ])
 async def test_bad_tasks_land_in_dlq_with_reason(generator, bad, reason):
     settings = generator

@@ -71,11 +71,14 @@ def test_an_all_stale_batch_takes_no_step_and_counts_what_it_skipped():
     for t in empty:
         del t.completion_token_ids[:]
         del t.logprobs[:]
+    heldout = trajectories_for("h", 3, [1, 0])
+    for t in heldout:  # published by anyone: never trained on
+        t.heldout = True
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    result = trainer.step(stale + empty)
+    result = trainer.step(stale + empty + heldout)
     assert not result.stepped
     assert trainer.version == 3 and trainer.step_count == 0
-    assert result.skipped == {"stale": 4, "empty_completion": 2}
+    assert result.skipped == {"stale": 4, "empty_completion": 2, "heldout": 2}
     assert all((a == b).all() for a, b in zip(before, trainer.model.parameters()))
 
 

@@ -75,6 +75,11 @@ def test_verdict_is_a_flat_sample_with_components():
     assert verdict.verifier_version == handler.VERIFIER_VERSION and verdict.id == "r/verdict"
     assert not verdict.HasField("execution")
     assert verdict.sample.passed and verdict.sample.task_id == "capital" and verdict.task_kind == "exact"
+    assert not verdict.sample.heldout
+    held = task_pb2.Task()
+    held.CopyFrom(CAPITAL)
+    held.split = "heldout"
+    assert handler.verify(request("r", held, "Answer: Paris")).sample.heldout
     whole = handler.in_group(verdict, group("h", CAPITAL, "Answer: Paris"))
     s = whole.sample
     assert (s.group_id, s.group_size, s.policy_version, list(s.prompt_token_ids)) == ("h", 1, 3, [9, 9])

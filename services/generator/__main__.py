@@ -15,7 +15,7 @@ from crucible.ml.policy.backends import create_backend
 from crucible.ml.policy.checkpoint import path_from_uri
 from crucible.ml.policy.hf import is_builtin
 from crucible.shared.settings import Settings
-from crucible.ml.tasks import task_problems
+from crucible.ml.tasks import is_heldout, task_problems
 
 log = logging.getLogger("crucible.generator")
 
@@ -43,6 +43,9 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
         problems = task_problems(task, settings)
         if problems:
             raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))
+        if is_heldout(task):
+            raise bus.Reject(f"task {task.id!r} is held out (split {task.split!r}): it is never sampled for "
+                             "training; the evaluator scores held-out tasks through Generator.Generate")
         completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)
         group_id = group_id_for(task.id, f"{incoming.topic}/{incoming.partition}@{incoming.offset}")
         group = rollout_group(task, group_id, completions, params, policy_version=version,

@@ -22,6 +22,7 @@ from crucible.v1 import trajectory_pb2
 STALE = "stale"                      # sampled more than max_policy_lag versions ago
 EMPTY = "empty_completion"           # no completion token carries a gradient
 NO_PREFERENCE = "no_preference"      # DPO: its group has no reward spread, so no pair
+HELDOUT = "heldout"                  # its task is held out: never trained on, whoever published it
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Trainer:
         return self.config.max_policy_lag < 0 or lag <= self.config.max_policy_lag
 
     def skip_reason(self, s: trajectory_pb2.Trajectory) -> str | None:
+        if s.heldout:
+            return HELDOUT
         if not self.fresh_enough(s):
             return STALE
         if not s.completion_token_ids:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 
 from crucible.ml import kinds
+from crucible.ml.tasks import is_heldout
 from crucible.v1 import execution_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
 
 VERIFIER_VERSION = "crucible-verifier/2"
@@ -81,7 +82,7 @@ def verdict(request: verdict_pb2.VerifyRequest, score: kinds.Score,
     sample = trajectory_pb2.Trajectory(
         id=rollout.id, task_id=task.id, sample_index=rollout.sample_index,
         completion_token_ids=rollout.token_ids, logprobs=rollout.logprobs,
-        passed=score.passed, tampered=score.tampered, truncated=truncated)
+        passed=score.passed, tampered=score.tampered, truncated=truncated, heldout=is_heldout(task))
     message = verdict_pb2.Verdict(
         id=f"{rollout.id}/verdict", sample=sample, task_kind=task.kind, components=components,
         reward=score.reward, tampered=score.tampered, tamper_patterns=list(score.patterns),
