@@ -6,6 +6,7 @@
     crucible.services  services/            one package per service (`python -m crucible.services.<name>`)
     crucible.local     local/               one-machine infrastructure: local Kafka, the chDB store server
     crucible.cli       cli/                 the `crucible` command and `crucible train`
+    crucible.recipes   recipes/             the shipped recipes (TOML, package data)
 """
 from setuptools import find_packages, setup
 
@@ -16,6 +17,7 @@ FOLDERS = {
     "crucible.services": "services",
     "crucible.local": "local",
     "crucible.cli": "cli",
+    "crucible.recipes": "recipes",
 }
 
 packages = []

@@ -184,13 +184,31 @@ def _tail(path: Path, n: int = 20) -> str:
 # --- training -----------------------------------------------------------------------------------
 
 def cmd_train(args, settings: Settings) -> int:
-    """Runs a real RL job on the embedded stack and reports the held-out pass rate before and after."""
-    from crucible.cli.train import TrainOptions, builtin_config, train
+    """Runs a recipe's RL job on the embedded stack and reports the held-out pass rate before and after."""
+    from crucible.cli import recipe as recipes
+    from crucible.cli.train import train
+    from crucible.ml.models import ModelError
+    from crucible.ml.task_sources import TaskFileError
 
-    started_here = ensure_stack(settings)
-    options = TrainOptions(steps=args.steps, minutes=args.minutes, config=builtin_config(args.seed), echo=echo)
     try:
-        report = asyncio.run(train(settings, options))
+        recipe = recipes.load(args.recipe) if args.recipe else recipes.builtin()
+    except recipes.RecipeError as exc:
+        echo(str(exc))
+        return 2
+    # Flags given on the command line win over the recipe (they have no defaults of their own).
+    if args.steps is not None:
+        recipe.budget.steps = args.steps
+    if args.minutes is not None:
+        recipe.budget.minutes = args.minutes
+    if args.seed is not None:
+        recipe.algorithm.seed = args.seed
+    echo(f"recipe: {recipe.source or 'built-in'}")
+    started_here = ensure_stack(settings)
+    try:
+        report = asyncio.run(train(settings, recipe, echo))
+    except (TaskFileError, ModelError, ValueError) as exc:
+        echo(f"cannot run this recipe: {exc}")
+        return 2
     finally:
         if not args.keep:
             for service in reversed(started_here):
@@ -249,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start the stack, submit a task, show it consumed and stored")
     p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("train", help="train the built-in policy with RL through all five services")
-    p.add_argument("--steps", type=int, default=80, help="policy steps to take (default 80)")
-    p.add_argument("--minutes", type=float, default=15.0, help="stop after this long in any case")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("train", help="run a recipe's RL job through all five services (default: the built-in one)")
+    p.add_argument("recipe", nargs="?", help="a recipe TOML file (see recipes/); none: recipes/digits.toml")
+    p.add_argument("--steps", type=int, help="policy steps to take (overrides the recipe's budget)")
+    p.add_argument("--minutes", type=float, help="stop after this long in any case (overrides the recipe)")
+    p.add_argument("--seed", type=int, help="overrides the recipe's algorithm.seed")
     p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("test", help="run the test suite (starts its own broker and store)")

@@ -11,10 +11,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from crucible.cli.train import Run, TrainOptions
+from crucible.cli.recipe import Recipe
+from crucible.cli.train import Run
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.shared import bus, telemetry
-from crucible.shared.settings import RunConfig
 from crucible.v1 import task_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
@@ -32,7 +32,9 @@ def read_spans(path) -> list[dict]:
 async def test_a_task_is_one_trace_through_all_five_services_and_the_learner_step(stack_settings, tmp_path):
     spans_file = tmp_path / "spans.jsonl"
     settings = stack_settings.model_copy(update={"home": tmp_path, "otel_span_file": spans_file})
-    run = Run(settings, TrainOptions(steps=1, config=RunConfig(groups_per_step=1, max_tokens=6, max_policy_lag=-1)))
+    recipe = Recipe.model_validate({"algorithm": {"groups_per_step": 1, "max_policy_lag": -1},
+                                    "sampling": {"max_tokens": 6}, "budget": {"steps": 1}})
+    run = Run(settings, recipe)
     init = save_checkpoint(fresh_policy(0), tmp_path / "init", {"version": 0})
     await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts"],
                             settings=run.settings)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from crucible.cli.train import TrainOptions, builtin_config, train
+from crucible.cli import recipe as recipes
+from crucible.cli.train import train
 from crucible.shared import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store]
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store]
 async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     lines = []
     settings = stack_settings.model_copy(update={"home": tmp_path})
-    report = await train(settings, TrainOptions(steps=80, minutes=8, config=builtin_config(0), echo=lines.append))
+    recipe = recipes.builtin()  # what `crucible train` runs with no recipe: recipes/digits.toml
+    recipe.budget.minutes = 8
+    report = await train(settings, recipe, echo=lines.append)
     assert report.steps >= 80
     assert 0.3 <= report.heldout_before <= 0.7, "the warm-start taught the format, not the answers"
     assert report.heldout_after >= report.heldout_before + 0.25, (report.heldout_before, report.heldout_after)

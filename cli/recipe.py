@@ -1,0 +1,181 @@
+"""Recipes: a whole training job in one TOML file.
+
+    [model]      name = "builtin" | a name from `crucible models list` | a folder; chat_template, system_prompt
+    [[tasks.sources]]  family = "digits" | jsonl = "file.jsonl" | set = "humaneval"|"math" | reasoning_gym = "gcd"
+    [heldout]    file = "..." or fraction = 0.2 (a stable hash split), size
+    [sampling]   group_size, max_tokens, temperature, top_p
+    [algorithm]  objective, estimator, lr, kl_coef, groups_per_step, max_policy_lag, ...
+    [budget]     steps and/or minutes
+    [eval]       every
+
+Every field has one default, in one place: what the services read is RunConfig's
+(shared/settings.py; `SECTIONS` below says which recipe section holds each), what only
+`crucible train` reads is declared here. An unknown or mistyped field is an error naming
+the field, the file and the line.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from crucible.shared.settings import RunConfig
+
+# Which section of a recipe holds each RunConfig field (run_id and init_checkpoint are set by the job).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("chat_template", "system_prompt"),
+    "sampling": ("temperature", "top_p", "max_tokens"),
+    "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "epochs", "clip_eps", "kl_coef",
+                  "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",
+                  "micro_batch_size", "gradient_checkpointing", "reward_weights", "length_penalty",
+                  "length_target", "group_timeout_s"),
+}
+SET_BY_THE_JOB = ("run_id", "init_checkpoint")
+
+STRICT = ConfigDict(extra="forbid")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the text names the file, the line and the field."""
+
+
+def _section(section: str, **own: Any) -> type[BaseModel]:
+    """A section model: its RunConfig fields (with RunConfig's defaults) plus its own (defaults here)."""
+    fields = {f: (RunConfig.model_fields[f].annotation, RunConfig.model_fields[f]) for f in SECTIONS.get(section, ())}
+    return create_model(f"{section.title()}Section", __config__=STRICT, **fields, **own)
+
+
+class TaskSource(BaseModel):
+    """One source of training tasks; exactly one of family, jsonl, set, reasoning_gym."""
+
+    model_config = STRICT
+    family: str | None = Field(default=None, description="A built-in procedural family: digits.")
+    ops: list[str] | None = Field(default=None, description="The digits family's ops (default: parity).")
+    jsonl: str | None = Field(default=None, description="A file of Task JSON, one per line (relative to the recipe).")
+    set: str | None = Field(default=None, description="A built-in set: humaneval, math.")
+    reasoning_gym: str | None = Field(default=None, description="A reasoning-gym generator name.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The reasoning-gym generator's config.")
+    count: int | None = Field(default=None, ge=1, description="How many tasks to take (sets and generators).")
+
+    @model_validator(mode="after")
+    def one_kind(self):
+        chosen = [k for k in ("family", "jsonl", "set", "reasoning_gym") if getattr(self, k) is not None]
+        if len(chosen) != 1:
+            raise ValueError("give exactly one of family, jsonl, set, reasoning_gym"
+                             + (f" (got {', '.join(chosen)})" if chosen else ""))
+        return self
+
+
+ModelSection = _section("model", name=(str, Field(default="builtin", description="builtin, a registered model "
+                                                     "name, or a folder holding a Hugging Face causal LM.")),
+                        warm_start_steps=(int, Field(default=100, ge=0, description="The built-in policy only: "
+                                                     "steps that teach it the digits answer format first.")))
+SamplingSection = _section("sampling", group_size=(int, Field(default=8, ge=1, description="Samples per task.")))
+AlgorithmSection = _section("algorithm")
+
+
+class TasksSection(BaseModel):
+    model_config = STRICT
+    sources: list[TaskSource] = Field(default_factory=lambda: [TaskSource(family="digits")])
+
+
+class HeldoutSection(BaseModel):
+    model_config = STRICT
+    file: str | None = Field(default=None, description="Held-out tasks from their own JSONL file.")
+    fraction: float = Field(default=0.2, ge=0.0, lt=1.0, description="Otherwise: this share of the tasks, "
+                            "chosen by a stable hash of the task id (the same tasks every run).")
+    size: int = Field(default=200, ge=0, description="At most this many held-out tasks are scored.")
+
+
+class BudgetSection(BaseModel):
+    model_config = STRICT
+    steps: int = Field(default=80, ge=1)
+    minutes: float = Field(default=15.0, gt=0)
+
+
+class EvalSection(BaseModel):
+    model_config = STRICT
+    every: int = Field(default=20, ge=1, description="Score the held-out set every this many policy steps.")
+
+
+class Recipe(BaseModel):
+    model_config = STRICT
+    model: ModelSection = Field(default_factory=ModelSection)
+    tasks: TasksSection = Field(default_factory=TasksSection)
+    heldout: HeldoutSection = Field(default_factory=HeldoutSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    budget: BudgetSection = Field(default_factory=BudgetSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    source: Path | None = Field(default=None, exclude=True, description="The file it came from, if any.")
+
+    def run_config(self, **job: Any) -> RunConfig:
+        """The services' part of the recipe, plus what the job sets (run_id, init_checkpoint)."""
+        values = {f: getattr(getattr(self, section), f) for section, names in SECTIONS.items() for f in names}
+        return RunConfig(**values, **job)
+
+    def path(self, relative: str) -> Path:
+        """A path the recipe names, relative to the recipe's own folder."""
+        p = Path(relative).expanduser()
+        return p if p.is_absolute() or self.source is None else self.source.parent / p
+
+
+def load(path: str | Path) -> Recipe:
+    """The recipe in `path`; RecipeError naming the file, line and field for anything wrong in it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc.strerror}") from None
+    return parse(text, path)
+
+
+def parse(text: str, path: Path) -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = [str(p) for p in error["loc"]]
+            line = find_line(text, loc)
+            what = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
+            where = f"{path}:{line}" if line else str(path)
+            problems.append(f"{where}: {'.'.join(loc)}: {what}")
+        raise RecipeError("recipe is not valid:\n  " + "\n  ".join(problems)) from None
+    recipe.source = path.resolve()
+    return recipe
+
+
+def find_line(text: str, loc: list[str]) -> int | None:
+    """The line where the field at `loc` (e.g. ["algorithm", "klcoef"]) is written, else its table's line."""
+    keys = [p for p in loc if not p.isdigit()]
+    if not keys:
+        return None
+    table, field = keys[:-1], keys[-1]
+    current: list[str] = []
+    table_line = None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        header = re.match(r"^\[\[?\s*([^\]]+?)\s*\]\]?", stripped)
+        if header:
+            current = [h.strip() for h in header.group(1).split(".")]
+            if current == keys[:len(current)] and table_line is None:
+                table_line = number
+            continue
+        # a key written in its table, as a dotted key, or inside an inline table ({ ... key = ... })
+        if current == table[:len(current)] and re.search(rf"(^|[{{,\s.]){re.escape(field)}\s*=", stripped):
+            return number
+    return table_line
+
+
+def builtin() -> Recipe:
+    """The recipe `crucible train` runs when given none: recipes/digits.toml, shipped with the package."""
+    return parse(resources.files("crucible.recipes").joinpath("digits.toml").read_text(), Path("recipes/digits.toml"))

@@ -1,0 +1,117 @@
+"""Where a job's tasks come from: built-in families and sets, reasoning-gym generators, JSONL files.
+
+A JSONL file holds one Task a line in protobuf's JSON mapping (the form accepted on crucible.tasks);
+a line that is not a valid task is an error naming the file and the line. Finite sources are split
+into training and held-out tasks by a stable hash of each task's id, so the same tasks are held
+out in every run and none of them is ever published for training.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+from crucible.ml.kinds import builtin_sets
+from crucible.ml.task_families import DEFAULT_OPS, digits_tasks
+from crucible.ml.tasks import HELDOUT_SPLIT, task_problems
+from crucible.shared import messages
+from crucible.v1 import task_pb2
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be used; the text names the file and the line."""
+
+
+def read_jsonl(path: Path, group_size: int | None = None) -> list[task_pb2.Task]:
+    """Every task in a JSONL file, checked as the generator would check it; TaskFileError naming the line."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TaskFileError(f"cannot read task file {path}: {exc.strerror}") from None
+    tasks, seen = [], {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            task = messages.decode(line.encode(), task_pb2.Task, content_type=messages.CONTENT_TYPE_JSON)
+        except messages.MessageDecodeError as exc:
+            raise TaskFileError(f"{path}:{number}: {exc}") from None
+        if group_size is not None and not task.group_size:
+            task.group_size = group_size
+        problems = task_problems(task)
+        if problems:
+            raise TaskFileError(f"{path}:{number}: task {task.id!r}: " + "; ".join(problems))
+        if task.id in seen:
+            raise TaskFileError(f"{path}:{number}: task id {task.id!r} already used on line {seen[task.id]}")
+        seen[task.id] = number
+        tasks.append(task)
+    if not tasks:
+        raise TaskFileError(f"{path}: no tasks in it")
+    return tasks
+
+
+def in_heldout(task_id: str, fraction: float) -> bool:
+    """A stable choice: the same ids are held out in every run, on every machine."""
+    bucket = int(hashlib.sha256(task_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return bucket < fraction
+
+
+def finite_tasks(source, *, seed: int, group_size: int, base: Path) -> list[task_pb2.Task]:
+    if source.jsonl is not None:
+        path = Path(source.jsonl)
+        return read_jsonl(path if path.is_absolute() else base / path, group_size)
+    if source.set is not None:
+        return builtin_sets.load(source.set, source.count, seed=seed, group_size=group_size)
+    return builtin_sets.reasoning_gym(source.reasoning_gym, source.count or 100, seed=seed,
+                                      config=source.config or None, group_size=group_size)
+
+
+def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, heldout_file: Path | None,
+            heldout_size: int, base: Path) -> tuple[Iterator[task_pb2.Task], list[task_pb2.Task]]:
+    """(an endless stream of training tasks, the held-out tasks): sources interleaved in turn."""
+    trains: list[Iterator[task_pb2.Task]] = []
+    heldout: list[task_pb2.Task] = []
+    for i, source in enumerate(sources):
+        if source.family is not None:
+            if source.family != "digits":
+                raise ValueError(f"unknown task family {source.family!r}: the built-in family is digits")
+            ops = tuple(source.ops or DEFAULT_OPS)
+            trains.append(digits_tasks("train", seed=seed + i, ops=ops, group_size=group_size))
+            if heldout_file is None:
+                stream = digits_tasks(HELDOUT_SPLIT, seed=seed + 1000 + i, ops=ops, group_size=1)
+                heldout += list(itertools.islice(stream, heldout_size))
+            continue
+        tasks = finite_tasks(source, seed=seed + i, group_size=group_size, base=base)
+        train = [t for t in tasks if heldout_file is not None or not in_heldout(t.id, heldout_fraction)]
+        if heldout_file is None:
+            for t in tasks:
+                if in_heldout(t.id, heldout_fraction):
+                    t.split = HELDOUT_SPLIT
+                    heldout.append(t)
+        if not train:
+            raise ValueError(f"task source {i + 1} left no training tasks once held-out ones were set aside")
+        for t in train:
+            t.split = "train"
+        trains.append(_cycle(train))
+    if heldout_file is not None:
+        heldout = read_jsonl(heldout_file, 1)
+        for t in heldout:
+            t.split = HELDOUT_SPLIT
+    return _interleave(trains), heldout[:heldout_size]
+
+
+def _cycle(tasks: list[task_pb2.Task]) -> Iterator[task_pb2.Task]:
+    """Epochs over the tasks; each epoch's copies get their own ids, so a task's groups stay apart."""
+    for epoch in itertools.count():
+        for t in tasks:
+            copy = task_pb2.Task()
+            copy.CopyFrom(t)
+            if epoch:
+                copy.id = f"{t.id}#{epoch}"
+            yield copy
+
+
+def _interleave(streams: list[Iterator[task_pb2.Task]]) -> Iterator[task_pb2.Task]:
+    for stream in itertools.cycle(streams):
+        yield next(stream)

@@ -1,0 +1,97 @@
+"""Recipes: one file describes a job; every field has one default; mistakes name the file and the line."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from crucible.cli import recipe as recipes
+from crucible.ml import task_sources
+from crucible.shared.settings import RunConfig
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def test_every_run_setting_has_one_recipe_section():
+    placed = [f for names in recipes.SECTIONS.values() for f in names]
+    assert len(placed) == len(set(placed))
+    assert set(placed) | set(recipes.SET_BY_THE_JOB) == set(RunConfig.model_fields)
+
+
+def test_an_empty_recipe_is_the_defaults_and_they_are_runconfigs():
+    recipe = recipes.parse("", Path("empty.toml"))
+    assert recipe.run_config() == RunConfig()
+    assert recipe.algorithm.kl_coef == RunConfig.model_fields["kl_coef"].default
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_recipes_load_and_round_trip(path):
+    recipe = recipes.load(path)
+    assert recipe.source == path.resolve()
+    dumped = recipe.model_dump(exclude_defaults=True, exclude_none=True)
+    again = recipes.Recipe.model_validate(dumped)
+    assert again.run_config() == recipe.run_config() and again.budget == recipe.budget
+    text = path.read_text()
+    assert text.lstrip().startswith("#"), "each shipped recipe says what it shows"
+    assert tomllib.loads(text)  # plain TOML
+
+
+def test_the_builtin_recipe_is_the_shipped_digits_file():
+    assert recipes.builtin().run_config() == recipes.load(RECIPES / "digits.toml").run_config()
+    assert recipes.builtin().run_config().kl_coef == 0.05
+
+
+@pytest.mark.parametrize("text,line,field,what", [
+    ('[algorithm]\nlr = 1e-4\nklcoef = 0.1\n', 3, "algorithm.klcoef", "unknown field"),
+    ('[sampling]\n\ntemperature = "hot"\n', 3, "sampling.temperature", "valid number"),
+    ('[budget]\nsteps = 10\n[bugdet]\nsteps = 3\n', 3, "bugdet", "unknown field"),
+    ('[model]\nname = "builtin"\n[[tasks.sources]]\nfamily = "digits"\njsonll = "x.jsonl"\n', 5,
+     "tasks.sources.0.jsonll", "unknown field"),
+    ('[algorithm.reward_weights]\nanswer_correct = "a lot"\n', 2, "algorithm.reward_weights.answer_correct",
+     "valid number"),
+])
+def test_a_mistake_names_the_file_the_line_and_the_field(text, line, field, what, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(recipes.RecipeError) as err:
+        recipes.load(path)
+    message = str(err.value)
+    assert f"{path}:{line}: {field}:" in message and what in message, message
+
+
+def test_bad_toml_names_its_line(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[budget]\nsteps = = 3\n")
+    with pytest.raises(recipes.RecipeError, match=r"broken.toml: not valid TOML: .*line 2"):
+        recipes.load(path)
+
+
+def test_a_task_file_with_a_bad_line_names_the_line(tmp_path):
+    good = '{"id": "a", "kind": "exact", "prompt": "1+1?", "answer": {"answer": "2"}}'
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(good + "\n\n" + '{"id": "b", "kind": "exact", "prompt": "2+2?", "answr": {}}\n')
+    with pytest.raises(task_sources.TaskFileError, match=r"tasks.jsonl:3: JSON does not match"):
+        task_sources.read_jsonl(path, 4)
+    path.write_text(good + "\n" + '{"id": "c", "kind": "exact", "prompt": "3+3?"}\n')
+    with pytest.raises(task_sources.TaskFileError, match=r"tasks.jsonl:2: task 'c': .*needs a 'answer' payload"):
+        task_sources.read_jsonl(path, 4)
+    path.write_text(good + "\n" + good + "\n")
+    with pytest.raises(task_sources.TaskFileError, match=r"tasks.jsonl:2: task id 'a' already used on line 1"):
+        task_sources.read_jsonl(path, 4)
+
+
+def test_held_out_tasks_are_a_stable_split_and_never_in_the_training_stream():
+    recipe = recipes.load(RECIPES / "my-tasks.toml")
+    train, heldout = task_sources.streams(
+        recipe.tasks.sources, seed=0, group_size=4, heldout_fraction=recipe.heldout.fraction, heldout_file=None,
+        heldout_size=100, base=recipe.source.parent)
+    again = task_sources.streams(
+        recipe.tasks.sources, seed=7, group_size=4, heldout_fraction=recipe.heldout.fraction, heldout_file=None,
+        heldout_size=100, base=recipe.source.parent)[1]
+    assert heldout and [t.id for t in heldout] == [t.id for t in again]
+    assert all(t.split == "heldout" for t in heldout)
+    held_ids = {t.id for t in heldout}
+    seen = [next(train) for _ in range(200)]
+    assert all(t.split == "train" and t.id.split("#")[0] not in held_ids for t in seen)
+    assert all(t.group_size == 4 for t in seen)
