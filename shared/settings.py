@@ -137,6 +137,14 @@ class Settings(BaseSettings, RunConfig):
     learner_grpc_port: int = 50055
     learner_keep_checkpoints: int = Field(default=5, ge=2)
 
+    # Checkpoints beyond one filesystem: any fsspec URI (s3://, gs://, ...) besides local folders.
+    checkpoint_base_uri: str | None = Field(
+        default=None, description="Where the learner publishes checkpoints for generators on other machines "
+        "(base_uri/<run_id>/v000123, optimizer state left behind); unset: the local run folder, file:// URIs.")
+    checkpoint_storage_options: dict[str, str] = Field(
+        default_factory=dict, description="fsspec options for remote checkpoint URIs (JSON), e.g. "
+        '{"endpoint_url": "http://minio:9000", "key": "...", "secret": "..."}; generators need the same.')
+
     # Tasks
     max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")
     max_prompt_chars: int = Field(default=32_000, ge=1)

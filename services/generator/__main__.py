@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
 
-from crucible.v1 import generator_pb2_grpc
+from crucible.v1 import generator_pb2_grpc, policy_pb2
 from crucible.services.generator.batcher import Batcher, LagBound
 from crucible.services.generator.handler import group_id_for, render_prompt, rollout_group
 from crucible.services.generator.servicer import GeneratorServicer, sampling_params
 from crucible.shared import bus, rpc, service
+from crucible.ml.policy import transfer
 from crucible.ml.policy.backends import create_backend
 from crucible.ml.policy.checkpoint import path_from_uri
 from crucible.ml.policy.hf import is_builtin
@@ -55,12 +57,89 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
     return handle
 
 
-def policy_handler(batcher: Batcher):
+class CheckpointVerifier:
+    """Fetches a policy's checkpoint (transfer.verify: into a local cache when remote) and checks it
+    against its hash, off the event loop. The loader and the judge of one generator ask for the same
+    version at about the same time: they share one check, in flight or finished less than `reuse_s`
+    ago. A check that failed is not kept (a transient error is tried again next time)."""
+
+    def __init__(self, settings: Settings, reuse_s: float = 60.0):
+        self.cache_dir = settings.home / "cache" / "checkpoints"
+        self.storage_options = dict(settings.checkpoint_storage_options)
+        self.reuse_s = reuse_s
+        self._checks: dict[tuple[str, str], tuple[asyncio.Future, float]] = {}  # -> (check, started)
+
+    async def verify(self, uri: str, sha256: str) -> str:
+        """The local folder holding the checkpoint, as a path; transfer.ChecksumMismatch if it does not match."""
+        now = asyncio.get_running_loop().time()
+        self._checks = {k: (f, t) for k, (f, t) in self._checks.items()
+                        if not f.done() or (now - t < self.reuse_s and not f.cancelled() and f.exception() is None)}
+        key = (uri, sha256)
+        if key not in self._checks:
+            check = asyncio.ensure_future(asyncio.to_thread(
+                transfer.verify, uri, sha256, self.cache_dir, self.storage_options))
+            self._checks[key] = (check, now)
+        return str(await asyncio.shield(self._checks[key][0]))
+
+
+def policy_problem(settings: Settings, policy: policy_pb2.PolicyVersion) -> str | None:
+    """Why this generator can never load the version, judged from the message alone; None when it may."""
+    if policy.run_id != settings.run_id:
+        return (f"policy version {policy.version} belongs to run {policy.run_id!r}, "
+                f"not to this generator's run {settings.run_id!r}")
+    if not policy.checkpoint_uri:
+        return f"policy version {policy.version} has no checkpoint_uri"
+    if not policy.checkpoint_sha256:
+        return f"policy version {policy.version} has no checkpoint_sha256: its checkpoint cannot be verified"
+    return None
+
+
+def policy_handler(settings: Settings, batcher: Batcher, verifier: CheckpointVerifier):
+    """The loader: every version of the policy topic reaches every generator. A version of this run
+    newer than what the batcher holds or has checked is offered; the batcher checks its hash beside
+    sampling and swaps it in between batches. What it refuses is logged here, not dead-lettered:
+    the judge (policy_judge) does that, once for all generators."""
+
     async def handle(incoming: bus.Incoming):
         policy = incoming.message
-        if not policy.checkpoint_uri:
-            raise bus.Reject(f"policy version {policy.version} has no checkpoint_uri")
-        batcher.offer_weights(policy.version, policy.checkpoint_uri)
+        problem = policy_problem(settings, policy)
+        if problem:
+            raise bus.Reject(problem)
+        uri, sha256 = policy.checkpoint_uri, policy.checkpoint_sha256
+        if not batcher.offer_weights(policy.version, uri, functools.partial(verifier.verify, uri, sha256)):
+            raise bus.Reject(f"policy version {policy.version} is not newer than version {batcher.newest_version} "
+                             "held or pending here")
+        return []
+
+    return handle
+
+
+def policy_judge(settings: Settings, verifier: CheckpointVerifier):
+    """The judge: one generator at a time (a consumer group all generators share) decides, for the
+    dead-letter queue, whether a PolicyVersion is acceptable: of this run, with a URI and a hash, newer
+    than the newest version of the run it accepted before (a re-announcement of that same checkpoint is
+    fine), and whose fetched checkpoint hashes to what it says. A refusal reaches crucible.policy.dlq
+    once, not once per generator. The newest accepted version is remembered per process: right after
+    the judge moves to another generator, an older version may pass here (every loader still refuses it)."""
+    newest: dict[str, tuple[int, str, str]] = {}
+
+    async def handle(incoming: bus.Incoming):
+        policy = incoming.message
+        problem = policy_problem(settings, policy)
+        if problem:
+            raise bus.Reject(problem)
+        this = (policy.version, policy.checkpoint_uri, policy.checkpoint_sha256)
+        before = newest.get(policy.run_id)
+        if before is not None and before[0] >= policy.version:
+            if this == before:
+                return []  # the learner announcing its current version again (a restart)
+            raise bus.Reject(f"policy version {policy.version} is not newer than version {before[0]} "
+                             f"already published for run {policy.run_id!r}")
+        try:
+            await verifier.verify(policy.checkpoint_uri, policy.checkpoint_sha256)
+        except (transfer.ChecksumMismatch, FileNotFoundError) as exc:
+            raise bus.Reject(f"policy version {policy.version}: {exc}") from exc
+        newest[policy.run_id] = this
         return []
 
     return handle
@@ -81,11 +160,16 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         tasks = bus.Consumer(["tasks"], settings.consumer_group_prefix + "generator",
                              task_handler(settings, batcher, generator_id), settings=settings, producer=producer,
                              concurrency=settings.generator_batch_tasks * 2)
-        # Every generator instance must see every policy version: a consumer group of its own.
-        policy = bus.Consumer(["policy"], f"{settings.consumer_group_prefix}generator-policy-{generator_id}",
-                              policy_handler(batcher), settings=settings, producer=producer)
-        async with tasks, policy:
-            await service.run_until(stop, tasks.run(), policy.run())
+        verifier = CheckpointVerifier(settings)
+        # Every generator must see every policy version: no group, every partition from the beginning
+        # (the newest version of the run is the one loaded). It dead-letters nothing...
+        policy = bus.Consumer(["policy"], None, policy_handler(settings, batcher, verifier), settings=settings,
+                              producer=producer, offsets={"policy": {}}, dead_letters=False)
+        # ...the judge does, in one group for all generators: each refused version reaches the DLQ once.
+        judge = bus.Consumer(["policy"], settings.consumer_group_prefix + "generator-policy",
+                             policy_judge(settings, verifier), settings=settings, producer=producer)
+        async with tasks, policy, judge:
+            await service.run_until(stop, tasks.run(), policy.run(), judge.run())
     await batcher.stop()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
@@ -62,6 +63,19 @@ class LagBound:
 _SWAP = object()  # queued to wake the batch loop when new weights are offered
 
 
+@dataclass(eq=False)
+class _Offer:
+    """A newer policy version offered to the batcher; loaded before a batch once `ready`."""
+
+    version: int
+    uri: str  # once ready: what the backend loads (the verified local folder)
+    prepare: Callable[[], Awaitable[str]] | None = None
+    ready: bool = False
+
+    def __repr__(self) -> str:
+        return f"version {self.version} from {self.uri}"
+
+
 class Batcher:
     def __init__(self, backend: PolicyBackend, *, max_tasks: int, wait_ms: float, lag: LagBound):
         self.backend = backend
@@ -69,7 +83,10 @@ class Batcher:
         self.wait_s = wait_ms / 1000
         self.lag = lag
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._pending_weights: tuple[int, str] | None = None
+        # Offered versions newer than the one loaded, newest first: the newest ready one is loaded before
+        # the next batch; older ones are kept only while a newer one is still being checked (a fallback).
+        self._offers: list[_Offer] = []
+        self._preparing: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self.batches = 0
         self.tokens = 0
@@ -82,6 +99,8 @@ class Batcher:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        if self._preparing:
+            self._preparing.cancel()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -95,17 +114,61 @@ class Batcher:
         await self._queue.put(_Request(prompt, n, params, future, counts_for_lag))
         return await future
 
-    def offer_weights(self, version: int, uri: str) -> None:
-        """Records a newer policy; it is loaded before the next batch (never in the middle of one)."""
-        if version > max(self.backend.version, self._pending_weights[0] if self._pending_weights else -1):
-            self._pending_weights = (version, uri)
+    MAX_OFFERS = 4  # versions kept in reserve while newer ones are checked (a replayed topic offers many)
+
+    @property
+    def newest_version(self) -> int:
+        """The version loaded, or the newest one checked and waiting for the next batch boundary."""
+        return max([self.backend.version] + [o.version for o in self._offers if o.ready])
+
+    def offer_weights(self, version: int, uri: str, prepare: Callable[[], Awaitable[str]] | None = None) -> bool:
+        """Records a newer policy; it is loaded before the next batch (never in the middle of one).
+
+        `prepare()` (fetch the checkpoint and check its hash; returns the local folder to load, raises
+        to refuse it) runs beside sampling, never inside the batch loop, one offer at a time, newest
+        first: offers that arrive while one is checked wait, and only the newest of them is checked
+        next, while an older one is kept as a fallback in case the newer one is refused. Without
+        `prepare`, `uri` is loaded as it is. Returns False, changing nothing, for a version not newer
+        than the one loaded or one already checked and pending, or one offered before.
+        """
+        if version <= self.newest_version or any(o.version == version for o in self._offers):
+            return False
+        offers = sorted([*self._offers, _Offer(version, uri, prepare, ready=prepare is None)],
+                        key=lambda o: o.version, reverse=True)
+        unchecked = [o for o in offers if not o.ready][: self.MAX_OFFERS]
+        self._offers = [o for o in offers if o.ready or o in unchecked]
+        if prepare is None:
             self._queue.put_nowait(_SWAP)
+        elif self._preparing is None or self._preparing.done():
+            self._preparing = asyncio.create_task(self._prepare_offers())
+        return True
+
+    async def _prepare_offers(self) -> None:
+        """Checks the newest unchecked offer that is newer than every checked one, until none is left."""
+        while True:
+            newest_ready = self.newest_version
+            offer = next((o for o in self._offers if not o.ready and o.version > newest_ready), None)
+            if offer is None:
+                return
+            try:
+                local = await offer.prepare()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # refused (hash mismatch, unreadable): sampling goes on with what we have
+                log.error("refusing policy %r: %s", offer, exc)
+                self._offers = [o for o in self._offers if o is not offer]
+                continue
+            if offer in self._offers:
+                offer.uri, offer.ready = local, True
+                self._offers = [o for o in self._offers if o.version >= offer.version]  # older: not needed
+                self._queue.put_nowait(_SWAP)
 
     async def _swap_weights_if_any(self) -> None:
-        if self._pending_weights is None:
+        offer = next((o for o in self._offers if o.ready), None)
+        if offer is None:
             return
-        version, uri = self._pending_weights
-        self._pending_weights = None
+        self._offers = [o for o in self._offers if o.version > offer.version]
+        version, uri = offer.version, offer.uri
         started = time.perf_counter()
         try:
             await asyncio.to_thread(self.backend.load_weights, version, uri)

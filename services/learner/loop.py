@@ -10,6 +10,7 @@ import asyncio
 import datetime as dt
 import logging
 
+from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
 from crucible.services.learner import checkpoints
 from crucible.services.learner.groups import Buffered, GroupBuffer
@@ -51,8 +52,16 @@ def build_trainer(settings: Settings) -> tuple[Trainer, dict]:
 
 def policy_message(settings: Settings, trainer: Trainer, uri: str, result: StepResult | None
                    ) -> policy_pb2.PolicyVersion:
+    """The PolicyVersion announcing the checkpoint folder at `uri`, with the folder's content hash; with
+    checkpoint_base_uri set, the folder is first copied to base/<run_id>/ and the message names the copy.
+    Reads the folder (and may upload it): off the event loop when that takes long."""
+    folder = transfer.local_path(uri)
+    sha256 = transfer.content_hash(folder)
+    if settings.checkpoint_base_uri:
+        uri = transfer.publish(folder, transfer.join(settings.checkpoint_base_uri, settings.run_id),
+                               settings.checkpoint_storage_options)
     pv = policy_pb2.PolicyVersion(run_id=settings.run_id, version=trainer.version, checkpoint_uri=uri,
-                                  step=trainer.step_count)
+                                  step=trainer.step_count, checkpoint_sha256=sha256)
     if result is not None:
         fields = policy_pb2.StepMetrics.DESCRIPTOR.fields_by_name
         pv.metrics.CopyFrom(policy_pb2.StepMetrics(
@@ -126,7 +135,7 @@ class Learner:
         folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
                                          {p: o for (t, p), o in positions.items() if t == self.topic},
                                          sorted(self.trained_past), self.reference_uri)
-        pv = policy_message(self.settings, trainer, folder.as_uri(), result)
+        pv = await asyncio.to_thread(policy_message, self.settings, trainer, folder.as_uri(), result)
         await self._publish(pv)
         await asyncio.to_thread(record_step, self.store, pv, result.metrics)
         for alert in self.monitor.check(trainer.step_count, trainer.version, result.metrics):

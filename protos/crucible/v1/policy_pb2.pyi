@@ -10,20 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PolicyVersion(_message.Message):
-    __slots__ = ("run_id", "version", "checkpoint_uri", "step", "metrics", "created_at")
+    __slots__ = ("run_id", "version", "checkpoint_uri", "step", "metrics", "created_at", "checkpoint_sha256")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_URI_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SHA256_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     checkpoint_uri: str
     step: int
     metrics: StepMetrics
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    checkpoint_sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., checkpoint_sha256: _Optional[str] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("loss", "kl", "entropy", "grad_norm", "reward_mean", "pass_rate", "samples", "dropped_stale", "step_ms", "learning_rate", "mismatch_kl", "skipped")
