@@ -23,7 +23,8 @@ from crucible.cli.recipe import Recipe
 from crucible.ml import models, task_sources
 from crucible.ml.kinds import registry
 from crucible.ml.policy.backends import create_backend
-from crucible.ml.policy.checkpoint import fresh_policy, path_from_uri, save_checkpoint
+from crucible.ml.policy import transfer
+from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.hf import is_builtin
 from crucible.ml.policy.sampling import SamplingParams
 from crucible.ml.policy.sft import warm_start
@@ -250,8 +251,10 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                         report.train_pass_first = m.pass_rate
                     report.train_pass_last = m.pass_rate
                     if version % recipe.eval.every == 0:
-                        point["heldout"] = await heldout_pass_rate(run, path_from_uri(pv.checkpoint_uri),
-                                                                   run.heldout)
+                        folder = await asyncio.to_thread(
+                            transfer.fetch, pv.checkpoint_uri, s.home / "cache" / "checkpoints",
+                            s.checkpoint_storage_options, sha256=pv.checkpoint_sha256)
+                        point["heldout"] = await heldout_pass_rate(run, folder, run.heldout)
                     report.curve.append(point)
                     echo(f"      step {version:4d}/{budget.steps}  reward {m.reward_mean:5.3f}  pass {m.pass_rate:5.3f}"
                          f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  {elapsed:6.1f}s"

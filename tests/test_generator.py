@@ -10,6 +10,7 @@ import torch
 from aiokafka import AIOKafkaProducer
 
 from crucible.services.control.__main__ import run as control_run
+from crucible.ml.policy import transfer
 from crucible.shared import store
 from crucible.v1 import generator_pb2, generator_pb2_grpc, policy_pb2, rollout_pb2, task_pb2
 from crucible.services.generator.__main__ import run
@@ -77,7 +78,9 @@ async def test_policy_version_event_swaps_weights(generator, tmp_path):
     new_model = fresh_policy(99)
     uri = save_checkpoint(new_model, tmp_path / "v7", {"version": 7}).as_uri()
     async with bus.Producer(settings) as producer:
-        await producer.send_and_wait("policy", policy_pb2.PolicyVersion(run_id="r", version=7, checkpoint_uri=uri))
+        await producer.send_and_wait("policy", policy_pb2.PolicyVersion(
+            run_id=settings.run_id, version=7, checkpoint_uri=uri,
+            checkpoint_sha256=transfer.content_hash(tmp_path / "v7")))
         await asyncio.sleep(1.0)  # the policy consumer records it; the swap happens before the next batch
         await producer.send_and_wait("tasks", task("after-swap", group_size=3), key="after-swap")
     records = await read_raw(settings, "rollouts", 1, timeout=60)

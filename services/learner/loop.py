@@ -92,9 +92,9 @@ class Learner:
 
     async def run(self, stop: asyncio.Event) -> None:
         async with self.reader:
-            await self._publish(policy_message(self.settings, self.trainer,
-                                               checkpoints.version_dir(self.settings, self.trainer.version).as_uri(),
-                                               None))
+            start_uri = checkpoints.version_dir(self.settings, self.trainer.version).as_uri()
+            # Hashing (and uploading, with a remote checkpoint base) takes a while: off the event loop.
+            await self._publish(await asyncio.to_thread(policy_message, self.settings, self.trainer, start_uri, None))
             log.info("learner ready: run %s, version %d, %d groups per step, objective %s", self.settings.run_id,
                      self.trainer.version, self.settings.groups_per_step, self.settings.objective)
             while not stop.is_set():
