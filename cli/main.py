@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+from crucible.cli import models as models_cmd
 from crucible.shared.procs import stop_processes
 from crucible.shared.settings import Settings, get_settings
 
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("protos", help="regenerate the protobuf/gRPC code under protos/")
     p.add_argument("--check", action="store_true", help="only report stale generated files")
     p.set_defaults(func=cmd_protos)
+    models_cmd.add_parser(sub)
     return parser
 
 

@@ -6,7 +6,7 @@
     [sampling]   group_size, max_tokens, temperature, top_p
     [algorithm]  objective, estimator, lr, kl_coef, groups_per_step, max_policy_lag, ...
     [budget]     steps and/or minutes
-    [eval]       every
+    [eval]       eval_every
 
 Every field has one default, in one place: what the services read is RunConfig's
 (shared/settings.py; `SECTIONS` below says which recipe section holds each), what only
@@ -29,6 +29,7 @@ from crucible.shared.settings import RunConfig
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("chat_template", "system_prompt"),
     "sampling": ("temperature", "top_p", "max_tokens"),
+    "eval": ("eval_every",),
     "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "epochs", "clip_eps", "kl_coef",
                   "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",
                   "micro_batch_size", "gradient_checkpointing", "reward_weights", "length_penalty",
@@ -97,9 +98,7 @@ class BudgetSection(BaseModel):
     minutes: float = Field(default=15.0, gt=0)
 
 
-class EvalSection(BaseModel):
-    model_config = STRICT
-    every: int = Field(default=20, ge=1, description="Score the held-out set every this many policy steps.")
+EvalSection = _section("eval")
 
 
 class Recipe(BaseModel):

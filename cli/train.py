@@ -20,21 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crucible.cli.recipe import Recipe
-from crucible.ml import models, task_sources
-from crucible.ml.kinds import registry
-from crucible.ml.policy.backends import create_backend
-from crucible.ml.policy import transfer
+from crucible.ml import evaluation, models, task_sources
+from crucible.ml.policy.backends import backend_for
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
-from crucible.ml.policy.hf import is_builtin
-from crucible.ml.policy.sampling import SamplingParams
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.shared import bus, rpc
 from crucible.shared.procs import free_port, stop_processes
 from crucible.shared.settings import Settings
-from crucible.v1 import rollout_pb2, verdict_pb2, verdict_pb2_grpc
 
-SERVICES = ("sandbox_executor", "verifier", "reward_aggregator", "learner", "generator")
+SERVICES = ("sandbox_executor", "verifier", "reward_aggregator", "learner", "generator", "evaluator")
 
 
 @dataclass
@@ -47,32 +42,17 @@ class TrainReport:
     steps: int = 0
     seconds: float = 0.0
     checkpoint: str = ""
-    curve: list[dict] = field(default_factory=list)  # {t, version, reward_mean, pass_rate, heldout?}
+    curve: list[dict] = field(default_factory=list)  # {t, version, reward_mean, pass_rate, kl, step_ms}
+    evaluations: list[dict] = field(default_factory=list)  # the evaluator's: {t, version, heldout, eval_ms}
     trajectories_per_s: float = 0.0
     learner_step_ms: float = 0.0
 
 
 async def heldout_pass_rate(run: "Run", checkpoint: Path, tasks) -> float:
-    """Greedy answers of the checkpoint's policy to the held-out tasks, scored by the run's verifier
-    (the same task kinds, and the sandbox for kinds that run code)."""
-    if not tasks:
-        return 0.0
-    backend = await asyncio.to_thread(run.backend_for, checkpoint)
-    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=run.settings.max_tokens)
-    groups = await asyncio.to_thread(backend.sample, [registry.render_prompt(t) for t in tasks], 1, params)
-    async with rpc.channel(run.verifier_address) as channel:
-        stub = verdict_pb2_grpc.VerifierStub(channel)
-        slots = asyncio.Semaphore(16)
-
-        async def verify(task, completion) -> bool:
-            async with slots:
-                verdict = await stub.Verify(verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(
-                    id=f"heldout/{task.id}", completion=completion.text, token_ids=completion.token_ids)),
-                    timeout=120)
-            return verdict.sample.passed
-
-        passed = await asyncio.gather(*(verify(t, g[0]) for t, g in zip(tasks, groups)))
-    return sum(passed) / len(tasks)
+    """Greedy answers of the checkpoint's policy to the held-out tasks, scored by the run's verifier."""
+    backend = await asyncio.to_thread(backend_for, run.settings, checkpoint.as_uri())
+    async with evaluation.verifier(run.verifier_address) as verify:
+        return (await evaluation.evaluate(backend, tasks, verify, max_tokens=run.settings.max_tokens)).pass_rate
 
 
 def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, str]:
@@ -104,14 +84,6 @@ class Run:
         self.echo = echo
         self.verifier_address = ""
 
-    def backend_for(self, checkpoint: Path):
-        """A sampler for a checkpoint of this run, the way the generator would build it."""
-        s = self.settings
-        if is_builtin(checkpoint):
-            return create_backend("torch", checkpoint=checkpoint.as_uri(), sample_seed=s.seed)
-        return create_backend("hf", checkpoint=checkpoint.as_uri(), chat_template=s.chat_template,
-                              system_prompt=s.system_prompt, sample_seed=s.seed)
-
     def start_services(self, init_uri: str) -> None:
         s = self.settings
         config = s.run_config().model_copy(update={
@@ -128,6 +100,7 @@ class Run:
             "CRUCIBLE_SANDBOX_GRPC_PORT": str(ports["sandbox"]),
             "CRUCIBLE_VERIFIER_GRPC_PORT": str(ports["verifier"]),
             "CRUCIBLE_VERIFIER_SANDBOX_TARGET": f"127.0.0.1:{ports['sandbox']}",
+            "CRUCIBLE_EVALUATOR_VERIFIER_TARGET": f"127.0.0.1:{ports['verifier']}",
             "CRUCIBLE_GENERATOR_GRPC_PORT": str(ports["generator"]),
             "CRUCIBLE_LEARNER_GRPC_PORT": str(ports["learner"]),
             "CRUCIBLE_SANDBOX_WORKERS": "1",
@@ -167,9 +140,13 @@ async def train(settings: Settings, recipe: Recipe, echo=print) -> TrainReport:
     run.train_tasks, run.heldout = train_tasks, heldout
 
     init = await _initial_policy(run, settings)
-    await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts"],
-                            settings=s)
-    echo(f"[2/5] starting the five services for run {run.run_id}")
+    await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts",
+                             "heldout", "evaluations"], settings=s)
+    async with bus.Producer(s) as producer:  # for the evaluator; the generator would refuse them as tasks
+        for task in heldout:
+            await producer.send("heldout", task, key=task.id)
+        await producer.flush()
+    echo(f"[2/5] starting the services for run {run.run_id}")
     run.start_services(init.as_uri())
     try:
         await rpc.wait_serving(run.verifier_address, "crucible.v1.Verifier", timeout=120)
@@ -219,6 +196,8 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     # Every version from the start of the run's policy topic; an observer: it dead-letters nothing.
     follower = bus.Reader(["policy"], None, settings=s, offsets={"policy": {}}, dead_letters=False)
     await follower.start()
+    evaluations = bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False)
+    await evaluations.start()
     started = time.monotonic()
     published = 0
     version = -1
@@ -250,17 +229,18 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     if version == 1:
                         report.train_pass_first = m.pass_rate
                     report.train_pass_last = m.pass_rate
-                    if version % recipe.eval.every == 0:
-                        folder = await asyncio.to_thread(
-                            transfer.fetch, pv.checkpoint_uri, s.home / "cache" / "checkpoints",
-                            s.checkpoint_storage_options, sha256=pv.checkpoint_sha256)
-                        point["heldout"] = await heldout_pass_rate(run, folder, run.heldout)
                     report.curve.append(point)
                     echo(f"      step {version:4d}/{budget.steps}  reward {m.reward_mean:5.3f}  pass {m.pass_rate:5.3f}"
-                         f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  {elapsed:6.1f}s"
-                         + (f"  held-out {point['heldout']:.3f}" if "heldout" in point else ""))
+                         f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  {elapsed:6.1f}s")
+                for incoming in await evaluations.fetch(timeout_ms=0):
+                    ev = incoming.message
+                    report.evaluations.append({"t": round(time.monotonic() - started, 1), "version": ev.policy_version,
+                                               "heldout": ev.pass_rate, "eval_ms": ev.eval_ms})
+                    echo(f"      held-out pass rate {ev.pass_rate:.3f} at version {ev.policy_version} "
+                         f"(evaluator, {ev.passed}/{ev.tasks} in {ev.eval_ms / 1000:.1f}s)")
     finally:
         await follower.stop()
+        await evaluations.stop()
     report.steps = max(version, 0)
     report.seconds = time.monotonic() - started
     report.trajectories_per_s = (report.steps * s.groups_per_step * recipe.sampling.group_size

@@ -328,6 +328,14 @@ class Reader:
                                         record.headers, reason)
         self.dead_lettered += 1
 
+    async def at_end(self) -> bool:
+        """Whether everything published to this reader's partitions so far has been read."""
+        assignment = list(self._consumer.assignment())
+        if not assignment:
+            return False
+        ends = await self._consumer.end_offsets(assignment)
+        return all(self.positions.get((tp.topic, tp.partition), 0) >= end for tp, end in ends.items())
+
     async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
         """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""
         offsets = self.positions if offsets is None else offsets

@@ -15,6 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from crucible.v1 import (
     alert_pb2,
+    evaluation_pb2,
     execution_pb2,
     policy_pb2,
     rollout_pb2,
@@ -35,6 +36,8 @@ TOPIC_SCHEMAS: dict[str, type[Message]] = {
     "trajectories": trajectory_pb2.Trajectory,
     "policy": policy_pb2.PolicyVersion,
     "alerts": alert_pb2.Alert,
+    "heldout": task_pb2.Task,              # held-out tasks, read by the evaluator only
+    "evaluations": evaluation_pb2.Evaluation,
 }
 
 SCHEMAS: dict[str, type[Message]] = {cls.DESCRIPTOR.full_name: cls for cls in TOPIC_SCHEMAS.values()}

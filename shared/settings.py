@@ -47,6 +47,10 @@ class RunConfig(BaseModel):
     group_timeout_s: float = Field(default=30.0, gt=0, description="A group still missing verdicts this long "
                                    "after its first one is emitted incomplete.")
 
+    # evaluation on held-out tasks
+    eval_every: int = Field(default=20, ge=1, description="The evaluator scores policy version 0 and every "
+                            "eval_every-th version on the held-out tasks.")
+
     # the policy update
     objective: str = Field(default="grpo", pattern="^(grpo|ppo|dpo)$")
     lr: float = Field(default=1e-3, gt=0)
@@ -132,6 +136,10 @@ class Settings(BaseSettings, RunConfig):
     verifier_score_timeout_s: float = Field(
         default=10.0, gt=0, le=600,
         description="Longest one completion may take to score; past it the scoring process is killed, reward 0.")
+
+    # evaluator
+    evaluator_verifier_target: str = Field(default="127.0.0.1:50054", description="The Verifier gRPC the "
+                                           "evaluator scores held-out completions with.")
 
     # learner
     learner_grpc_port: int = 50055

@@ -38,7 +38,7 @@ GRPC_PORT_FIELDS = {
     "verifier": "verifier_grpc_port",
     "learner": "learner_grpc_port",
 }
-NO_GRPC = {"reward_aggregator"}
+NO_GRPC = {"reward_aggregator", "evaluator"}
 # Services that share checkpoints: the learner writes CRUCIBLE_HOME/runs/<run_id>/checkpoints and
 # publishes file:// URIs the generators load.
 CHECKPOINT_SHARERS = ("learner", "generator")

@@ -13,9 +13,7 @@ from crucible.services.generator.handler import group_id_for, render_prompt, rol
 from crucible.services.generator.servicer import GeneratorServicer, sampling_params
 from crucible.shared import bus, rpc, service
 from crucible.ml.policy import transfer
-from crucible.ml.policy.backends import create_backend
-from crucible.ml.policy.checkpoint import path_from_uri
-from crucible.ml.policy.hf import is_builtin
+from crucible.ml.policy.backends import backend_for
 from crucible.shared.settings import Settings
 from crucible.ml.tasks import is_heldout, task_problems
 
@@ -23,18 +21,7 @@ log = logging.getLogger("crucible.generator")
 
 
 def build_backend(settings: Settings):
-    name = settings.generator_backend
-    if name == "auto":
-        builtin = not settings.init_checkpoint or is_builtin(path_from_uri(settings.init_checkpoint))
-        name = "torch" if builtin else "hf"
-    options = {"checkpoint": settings.init_checkpoint}
-    if name == "torch":
-        options["seed"] = settings.seed
-    else:
-        if not settings.init_checkpoint:
-            raise ValueError(f"the {name} backend needs a model: set init_checkpoint (CRUCIBLE_INIT_CHECKPOINT)")
-        options.update(chat_template=settings.chat_template, system_prompt=settings.system_prompt)
-    return create_backend(name, **options)
+    return backend_for(settings, settings.init_checkpoint)
 
 
 def task_handler(settings: Settings, batcher: Batcher, generator_id: str):

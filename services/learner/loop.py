@@ -85,19 +85,26 @@ class Learner:
                                  producer=producer, offsets={TOPIC: saved})
         # Samples trained on that sit past the saved positions (a restart re-reads them): id -> (partition, offset).
         self.trained_past: dict[str, tuple[int, int]] = {i: (-1, -1) for i in meta.get("trained_ids_past_offsets", [])}
+        # Held-out pass rates from the evaluator, for the health monitor (reward rising, held-out not).
+        self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
+                                      offsets={"evaluations": {}}, dead_letters=False)
         self.buffer = GroupBuffer()
         self.monitor = HealthMonitor(settings.run_id)
         self.on_publish = on_publish or (lambda pv: None)
         self.tracer = telemetry.tracer("crucible.learner")
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with self.reader:
+        async with self.reader, self.evaluations:
             start_uri = checkpoints.version_dir(self.settings, self.trainer.version).as_uri()
             # Hashing (and uploading, with a remote checkpoint base) takes a while: off the event loop.
             await self._publish(await asyncio.to_thread(policy_message, self.settings, self.trainer, start_uri, None))
             log.info("learner ready: run %s, version %d, %d groups per step, objective %s", self.settings.run_id,
                      self.trainer.version, self.settings.groups_per_step, self.settings.objective)
             while not stop.is_set():
+                for incoming in await self.evaluations.fetch(timeout_ms=0):
+                    ev = incoming.message
+                    if ev.run_id == self.settings.run_id and ev.tasks:
+                        self.monitor.record_heldout(int(ev.policy_version), ev.pass_rate)
                 for incoming in await self.reader.fetch(max_records=500):
                     if incoming.message.id not in self.trained_past:  # else: trained on before the restart
                         self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,

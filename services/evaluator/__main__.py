@@ -1,0 +1,136 @@
+"""python -m crucible.services.evaluator: crucible.policy + crucible.heldout -> crucible.evaluations + ClickHouse.
+
+Scores policy version 0 and every `eval_every`-th version of the run greedily on the held-out tasks
+(published to crucible.heldout, which nothing trains on), through the Verifier, so the same task
+kinds and the same sandbox judge them as in training. Each result is stored per task kind in the
+`evaluations` table and published on crucible.evaluations, where the learner's health monitor reads
+it (`reward_without_heldout`). A version is scored once: a restarted evaluator skips what is stored.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import socket
+
+from crucible.ml import evaluation
+from crucible.ml.policy import transfer
+from crucible.ml.policy.backends import backend_for
+from crucible.ml.tasks import is_heldout, task_problems
+from crucible.shared import bus, service, store, telemetry
+from crucible.shared.settings import Settings
+from crucible.v1 import evaluation_pb2, policy_pb2, task_pb2
+
+log = logging.getLogger("crucible.evaluator")
+
+COLUMNS = ["run_id", "policy_version", "task_kind", "tasks", "passed", "pass_rate", "eval_ms", "ts"]
+ALL_KINDS = "*"
+
+
+def evaluation_message(settings: Settings, version: int, result: evaluation.Result,
+                       evaluator_id: str) -> evaluation_pb2.Evaluation:
+    message = evaluation_pb2.Evaluation(
+        run_id=settings.run_id, policy_version=version, tasks=sum(result.tasks.values()),
+        passed=sum(result.passed.values()), pass_rate=result.pass_rate, evaluator_id=evaluator_id,
+        eval_ms=result.eval_ms,
+        by_kind={k: evaluation_pb2.KindResult(tasks=n, passed=result.passed[k]) for k, n in result.tasks.items()})
+    message.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    return message
+
+
+def rows(message: evaluation_pb2.Evaluation) -> list[list]:
+    ts = message.created_at.ToDatetime(tzinfo=dt.timezone.utc)
+    kinds = {ALL_KINDS: (message.tasks, message.passed), **{k: (r.tasks, r.passed) for k, r in message.by_kind.items()}}
+    return [[message.run_id, message.policy_version, kind, n, p, p / n if n else 0.0, message.eval_ms, ts]
+            for kind, (n, p) in kinds.items()]
+
+
+class Evaluator:
+    def __init__(self, settings: Settings, client, producer: bus.Producer):
+        self.settings = settings
+        self.store = client
+        self.producer = producer
+        self.id = f"{socket.gethostname()}-{os.getpid()}"
+        self.tasks: dict[str, task_pb2.Task] = {}
+        self.pending: dict[int, tuple[policy_pb2.PolicyVersion, object]] = {}
+        self.done: set[int] = set()
+        self.tracer = telemetry.tracer("crucible.evaluator")
+
+    def wants(self, pv: policy_pb2.PolicyVersion) -> bool:
+        return (pv.run_id == self.settings.run_id and pv.version % self.settings.eval_every == 0
+                and pv.version not in self.done)
+
+    def take_task(self, task: task_pb2.Task) -> None:
+        problems = task_problems(task, self.settings)
+        if problems or not is_heldout(task):
+            log.warning("ignoring task %r on the held-out topic: %s", task.id,
+                        "; ".join(problems) or f"its split is {task.split!r}, not heldout")
+            return
+        self.tasks[task.id] = task
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        self.done = set(await asyncio.to_thread(self._stored_versions))
+        heldout = bus.Reader(["heldout"], None, settings=s, producer=self.producer, offsets={"heldout": {}})
+        policy = bus.Reader(["policy"], None, settings=s, producer=self.producer, offsets={"policy": {}},
+                            dead_letters=False)  # the generators judge policy versions
+        async with heldout, policy:
+            log.info("evaluator ready: run %s, every %d versions, verifier %s", s.run_id, s.eval_every,
+                     s.evaluator_verifier_target)
+            while not stop.is_set():
+                for incoming in await heldout.fetch(timeout_ms=100):
+                    self.take_task(incoming.message)
+                for incoming in await policy.fetch(timeout_ms=200):
+                    if self.wants(incoming.message):
+                        self.pending[incoming.message.version] = (incoming.message, incoming.context)
+                # Score only once every held-out task published so far is in: a partial set is a different test.
+                if self.pending and self.tasks and await heldout.at_end():
+                    version = min(self.pending)
+                    pv, context = self.pending.pop(version)
+                    await self.evaluate(pv, context)
+
+    async def evaluate(self, pv: policy_pb2.PolicyVersion, context) -> None:
+        s = self.settings
+        with self.tracer.start_as_current_span("evaluate policy version", context=context) as span:
+            span.set_attribute("crucible.policy_version", pv.version)
+            try:
+                folder = await asyncio.to_thread(transfer.fetch, pv.checkpoint_uri, s.home / "cache" / "checkpoints",
+                                                 s.checkpoint_storage_options, sha256=pv.checkpoint_sha256 or None)
+                backend = await asyncio.to_thread(backend_for, s, folder.as_uri())
+            except Exception as exc:  # pruned, unreachable or tampered: that version goes unscored, the next will not
+                log.warning("cannot score version %d (%s): %s", pv.version, pv.checkpoint_uri, exc)
+                return
+            async with evaluation.verifier(s.evaluator_verifier_target) as verify:
+                result = await evaluation.evaluate(backend, list(self.tasks.values()), verify,
+                                                   max_tokens=s.max_tokens)
+            message = evaluation_message(s, pv.version, result, self.id)
+            await asyncio.to_thread(self.store.insert, "evaluations", rows(message), column_names=COLUMNS)
+            await self.producer.send_and_wait("evaluations", message, key=s.run_id)
+            self.done.add(pv.version)
+            log.info("version %d: held-out pass rate %.3f on %d tasks (%s) in %.0f ms", pv.version,
+                     message.pass_rate, message.tasks,
+                     ", ".join(f"{k} {r.passed}/{r.tasks}" for k, r in sorted(message.by_kind.items())),
+                     message.eval_ms)
+
+    def _stored_versions(self) -> list[int]:
+        return [r[0] for r in self.store.query(
+            "SELECT DISTINCT policy_version FROM evaluations FINAL WHERE run_id = {r:String} AND task_kind = '*'",
+            parameters={"r": self.settings.run_id}).result_rows]
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    await bus.ensure_topics(["heldout", "policy", "evaluations"], settings=settings)
+    client = await asyncio.to_thread(store.connect, settings)
+    await asyncio.to_thread(store.migrate, client)
+    async with bus.Producer(settings) as producer:
+        await Evaluator(settings, client, producer).run(stop)
+
+
+async def main() -> None:
+    settings = service.setup("evaluator")
+    await run(settings, service.stop_event())
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,75 @@
+"""The evaluator: policy versions scored on the held-out tasks, stored per kind, published for the learner."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from crucible.ml.policy import transfer
+from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
+from crucible.ml.task_families import digits_tasks
+from crucible.services.evaluator.__main__ import run
+from crucible.services.verifier.scorer_pool import ScorerPool
+from crucible.services.verifier.servicer import VerifierServicer
+from crucible.shared import bus, messages, rpc, store
+from crucible.v1 import evaluation_pb2, policy_pb2, task_pb2, verdict_pb2_grpc
+from tests.test_bus import read_raw
+
+pytestmark = [pytest.mark.kafka, pytest.mark.store]
+
+
+def version(settings, number: int, folder) -> policy_pb2.PolicyVersion:
+    return policy_pb2.PolicyVersion(run_id=settings.run_id, version=number, checkpoint_uri=folder.as_uri(),
+                                    checkpoint_sha256=transfer.content_hash(folder))
+
+
+async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack_settings, tmp_path):
+    async with ScorerPool(stack_settings.model_copy(update={"verifier_workers": 1})) as scorer:
+        server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", VerifierServicer(scorer, "127.0.0.1:1"),
+                                            verdict_pb2_grpc.add_VerifierServicer_to_server)])
+        async with server:
+            settings = stack_settings.model_copy(update={
+                "home": tmp_path, "run_id": "eval-run", "eval_every": 2, "max_tokens": 8,
+                "evaluator_verifier_target": server.address})
+            heldout = [t for t, _ in zip(digits_tasks("heldout", seed=3, group_size=1), range(12))]
+            init = save_checkpoint(fresh_policy(0), tmp_path / "v0", {"version": 0})
+            other = save_checkpoint(fresh_policy(5), tmp_path / "v2", {"version": 2})
+            await bus.ensure_topics(["heldout", "policy", "evaluations"], settings=settings)
+            async with bus.Producer(settings) as producer:
+                for t in heldout:
+                    await producer.send_and_wait("heldout", t, key=t.id)
+                trained = task_pb2.Task(id="train-1", kind="exact", prompt="p", group_size=1, split="train",
+                                        answer=task_pb2.ExpectedAnswer(answer="x"))
+                await producer.send_and_wait("heldout", trained)  # not held out: ignored
+                for pv in (version(settings, 0, init), version(settings, 1, init), version(settings, 2, other)):
+                    await producer.send_and_wait("policy", pv, key=settings.run_id)
+                elsewhere = version(settings, 4, other)
+                elsewhere.run_id = "another-run"
+                await producer.send_and_wait("policy", elsewhere)
+            stop = asyncio.Event()
+            evaluator = asyncio.create_task(run(settings, stop))
+            try:
+                records = await read_raw(settings, "evaluations", 2, timeout=120)
+                results = [messages.decode(r.value, evaluation_pb2.Evaluation) for r in records]
+                assert [e.policy_version for e in results] == [0, 2]  # every 2nd version, this run's only
+                for e in results:
+                    assert e.tasks == 12 and e.by_kind["exact"].tasks == 12 and 0 <= e.pass_rate <= 1
+                    assert e.passed == e.by_kind["exact"].passed
+                with pytest.raises(asyncio.TimeoutError):
+                    await read_raw(settings, "evaluations", 3, timeout=3)
+            finally:
+                stop.set()
+                await asyncio.wait_for(evaluator, 30)
+            client = store.connect(settings)
+            rows = client.query("SELECT policy_version, task_kind, tasks FROM evaluations FINAL "
+                                "WHERE run_id = 'eval-run' ORDER BY policy_version, task_kind").result_rows
+            assert rows == [(0, "*", 12), (0, "exact", 12), (2, "*", 12), (2, "exact", 12)]
+            # A restarted evaluator does not score a stored version again.
+            stop = asyncio.Event()
+            again = asyncio.create_task(run(settings, stop))
+            await asyncio.sleep(5)
+            stop.set()
+            await asyncio.wait_for(again, 30)
+            assert len(await read_raw(settings, "evaluations", 2, timeout=5)) == 2
+            with pytest.raises(asyncio.TimeoutError):
+                await read_raw(settings, "evaluations", 3, timeout=2)
