@@ -69,6 +69,15 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
+def render(tokenizer, prompt: str, chat_template: bool, system_prompt: str = "") -> str:
+    """The text a model continues: the prompt itself, or the model's chat template around it."""
+    if not chat_template:
+        return prompt
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def positions(valid: torch.Tensor) -> torch.Tensor:
     """Position ids that count real tokens only, whichever side the padding is on."""
     return (valid.long().cumsum(-1) - 1).clamp(min=0)

@@ -39,16 +39,9 @@ class HFBackend(PolicyBackend):
         self._generator.manual_seed(sample_seed if sample_seed is not None else torch.seed())
         self.version = 0
 
-    def render(self, prompt: str) -> str:
-        """The text the model continues: the prompt itself, or its chat template around it."""
-        if not self.chat_template:
-            return prompt
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
-        messages.append({"role": "user", "content": prompt})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer(self.render(prompt), add_special_tokens=not self.chat_template)["input_ids"]
+        text = hf.render(self.tokenizer, prompt, self.chat_template, self.system_prompt)
+        return self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
 
     @torch.no_grad()
     def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+from crucible.ml.policy import hf
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
 from crucible.ml.policy.checkpoint import path_from_uri
 from crucible.ml.policy.sampling import SamplingParams
@@ -14,13 +15,16 @@ from crucible.ml.policy.sampling import SamplingParams
 class VLLMBackend(PolicyBackend):
     name = "vllm"
 
-    def __init__(self, checkpoint: str, gpu_memory_utilization: float = 0.5, max_model_len: int = 2048, **_):
+    def __init__(self, checkpoint: str, gpu_memory_utilization: float = 0.5, max_model_len: int = 2048,
+                 chat_template: bool = False, system_prompt: str = "", tensor_parallel_size: int = 1, **_):
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
             raise RuntimeError("the vllm backend needs `pip install vllm` on a machine with an NVIDIA GPU; "
                                "use CRUCIBLE_GENERATOR_BACKEND=torch elsewhere") from exc
-        self.options = {"gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len}
+        self.options = {"gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+                        "tensor_parallel_size": tensor_parallel_size}
+        self.chat_template, self.system_prompt = chat_template, system_prompt
         self._lock = threading.Lock()
         self.llm = self._engine(checkpoint)
         self.version = 0
@@ -40,6 +44,9 @@ class VLLMBackend(PolicyBackend):
                                   max_tokens=params.max_tokens, stop=list(params.stop) or None,
                                   seed=params.seed, logprobs=0)  # 0: the sampled token's own log-prob
         with self._lock:
+            if self.chat_template:
+                tokenizer = self.llm.get_tokenizer()
+                prompts = [hf.render(tokenizer, p, True, self.system_prompt) for p in prompts]
             results = self.llm.generate(prompts, vparams, use_tqdm=False)
         out = []
         for result in results:
