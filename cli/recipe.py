@@ -1,7 +1,7 @@
 """Recipes: a whole training job in one TOML file.
 
     [model]      name = "builtin" | a name from `crucible models list` | a folder; chat_template, system_prompt
-    [[tasks.sources]]  family = "digits" | jsonl = "file.jsonl" | set = "humaneval"|"math" | reasoning_gym = "gcd"
+    [[tasks.sources]]  family = "digits"|"arithmetic" | jsonl = "file.jsonl" | set = "humaneval"|"math" | reasoning_gym = "gcd"
     [heldout]    file = "..." or fraction = 0.2 (a stable hash split), size
     [sampling]   group_size, max_tokens, temperature, top_p
     [algorithm]  objective, estimator, lr, kl_coef, groups_per_step, max_policy_lag, ...
@@ -54,8 +54,9 @@ class TaskSource(BaseModel):
     """One source of training tasks; exactly one of family, jsonl, set, reasoning_gym."""
 
     model_config = STRICT
-    family: str | None = Field(default=None, description="A built-in procedural family: digits.")
-    ops: list[str] | None = Field(default=None, description="The digits family's ops (default: parity).")
+    family: str | None = Field(default=None, description="A built-in procedural family: digits, arithmetic.")
+    ops: list[str] | None = Field(default=None, description="The family's ops (digits: parity, size, ...; "
+                                  "arithmetic: + and -); default: the family's own.")
     jsonl: str | None = Field(default=None, description="A file of Task JSON, one per line (relative to the recipe).")
     set: str | None = Field(default=None, description="A built-in set: humaneval, math.")
     reasoning_gym: str | None = Field(default=None, description="A reasoning-gym generator name.")

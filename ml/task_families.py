@@ -8,6 +8,10 @@ uses parity and size: a 0.7M-parameter policy learns them from rewards in minute
 cores, while the digit-copying ops need far longer.
 Scored by the `exact` kind; `prompt_format=raw` keeps the prompt as it is (a tiny policy
 does not read instructions).
+
+`arithmetic`: "Question: What is 47+38?\nAnswer:" with two-digit operands (+ and -, never
+negative), scored by `math_answer` (the last number the completion gives): the format a small
+pretrained model such as SmolLM2-135M answers in, about a third of the time correctly.
 """
 from __future__ import annotations
 
@@ -62,3 +66,32 @@ def format_examples(count: int, *, seed: int, ops: tuple[str, ...] = DEFAULT_OPS
     vocabulary = sorted({a for op in ops for a in ANSWERS.get(op, tuple("0123456789"))})
     tasks = digits_tasks("train", seed=seed + 1, ops=ops, n_digits=n_digits)
     return [(next(tasks).prompt, rng.choice(vocabulary)) for _ in range(count)]
+
+
+ARITHMETIC_OPS = ("+", "-")
+
+
+def arithmetic_tasks(split: str, *, seed: int, ops: tuple[str, ...] = ARITHMETIC_OPS,
+                     group_size: int = 8) -> Iterator[task_pb2.Task]:
+    """An endless, seeded stream of two-digit `arithmetic` tasks from one split."""
+    unknown = [op for op in ops if op not in ARITHMETIC_OPS]
+    if unknown:
+        raise ValueError(f"unknown arithmetic ops {unknown}: choose from {list(ARITHMETIC_OPS)}")
+    rng = random.Random(seed)
+    while True:
+        op = rng.choice(ops)
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        if op == "-" and a < b:
+            a, b = b, a
+        prompt = f"Question: What is {a}{op}{b}?\nAnswer:"
+        if split_of(prompt) != split:
+            continue
+        answer = str(a + b if op == "+" else a - b)
+        task_id = f"arith-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}-{rng.randrange(1 << 30):x}"
+        yield task_pb2.Task(id=task_id, kind="math_answer", prompt=prompt, group_size=group_size, split=split,
+                            answer=task_pb2.ExpectedAnswer(answer=answer),
+                            metadata={"family": "arithmetic", "op": op, "prompt_format": "raw"})
+
+
+# The procedural families a recipe can name (`[[tasks.sources]] family = ...`), with their default ops.
+FAMILIES = {"digits": (digits_tasks, DEFAULT_OPS), "arithmetic": (arithmetic_tasks, ARITHMETIC_OPS)}

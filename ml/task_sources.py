@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from crucible.ml.kinds import builtin_sets
-from crucible.ml.task_families import DEFAULT_OPS, digits_tasks
+from crucible.ml.task_families import FAMILIES
 from crucible.ml.tasks import HELDOUT_SPLIT, task_problems
 from crucible.shared import messages
 from crucible.v1 import task_pb2
@@ -74,12 +74,13 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
     heldout: list[task_pb2.Task] = []
     for i, source in enumerate(sources):
         if source.family is not None:
-            if source.family != "digits":
-                raise ValueError(f"unknown task family {source.family!r}: the built-in family is digits")
-            ops = tuple(source.ops or DEFAULT_OPS)
-            trains.append(digits_tasks("train", seed=seed + i, ops=ops, group_size=group_size))
+            if source.family not in FAMILIES:
+                raise ValueError(f"unknown task family {source.family!r}: built-in families are {sorted(FAMILIES)}")
+            family, default_ops = FAMILIES[source.family]
+            ops = tuple(source.ops or default_ops)
+            trains.append(family("train", seed=seed + i, ops=ops, group_size=group_size))
             if heldout_file is None:
-                stream = digits_tasks(HELDOUT_SPLIT, seed=seed + 1000 + i, ops=ops, group_size=1)
+                stream = family(HELDOUT_SPLIT, seed=seed + 1000 + i, ops=ops, group_size=1)
                 heldout += list(itertools.islice(stream, heldout_size))
             continue
         tasks = finite_tasks(source, seed=seed + i, group_size=group_size, base=base)
