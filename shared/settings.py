@@ -66,6 +66,10 @@ class RunConfig(BaseModel):
                                   "accumulate over the step's batch (0: the whole batch at once).")
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass "
                                          "(transformers models): less memory, more time.")
+    lora_rank: int = Field(default=0, ge=0, description="Train LoRA adapters of this rank on every linear layer "
+                           "instead of all weights (transformers models, through peft); 0: full fine-tuning. "
+                           "Checkpoints hold the merged weights, so generators load plain folders.")
+    lora_alpha: float = Field(default=16.0, gt=0, description="LoRA scaling numerator (the update is alpha/rank).")
 
     def environment(self) -> dict[str, str]:
         """These values as CRUCIBLE_* variables, for the services a run starts as processes."""

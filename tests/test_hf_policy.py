@@ -163,3 +163,59 @@ async def test_the_services_sample_train_publish_and_hot_swap_a_transformers_mod
     finally:
         stop.set()
         await asyncio.gather(*services, return_exceptions=True)
+
+
+def smollm2_folder():
+    from crucible.ml import models
+    from crucible.shared.settings import Settings
+
+    try:
+        return models.resolve("smollm2-135m", Settings())
+    except (ValueError, models.ModelError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_folder() is None, reason="SmolLM2 not added here (crucible models add smollm2-135m)")
+def test_smollm2_samples_trains_one_step_and_swaps(tmp_path):
+    """The real pretrained model, read from where `crucible models add` put it (never written to)."""
+    folder = smollm2_folder()
+    backend = HFBackend(str(folder), sample_seed=1, chat_template=True, system_prompt="Answer briefly.")
+    samples = samples_from(backend, ["What is 47+38?", "What is 12+30?"], 4, temperature=1.0, top_p=1.0)
+    assert all(s.completion_token_ids for s in samples)
+    model, _ = load_checkpoint(folder)
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([list(s.prompt_token_ids) + list(s.completion_token_ids)])
+        logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))
+        worst = max(worst, max(abs(a - b) for a, b in zip(logp[0, len(s.prompt_token_ids) - 1:].tolist(), s.logprobs)))
+    assert worst < LOGPROB_TOLERANCE
+    trainer = Trainer(model, RunConfig(lr=1e-5, micro_batch_size=4, gradient_checkpointing=True))
+    result = trainer.step(samples)
+    assert result.stepped and result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    saved = save_checkpoint(trainer.model, tmp_path / "v000001", {"version": 1}, tokenizer_from=folder)
+    backend.load_weights(1, saved.as_uri())
+    assert backend.version == 1 and backend.sample(["What is 2+2?"], 1, SamplingParams(0.0, 1.0, 4))[0][0].token_ids
+
+
+def test_lora_trains_adapters_only_and_checkpoints_merged_weights(llama, tmp_path):
+    pytest.importorskip("peft")
+    backend = HFBackend(str(llama), sample_seed=11)
+    samples = samples_from(backend, ["3+3=", "8-5="], 6, temperature=1.0, top_p=1.0)
+    base = [p.detach().clone() for p in load_checkpoint(llama)[0].parameters()]
+    trainer = Trainer(load_checkpoint(llama)[0], RunConfig(lr=5e-2, lora_rank=4, lora_alpha=8))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in base) / 4  # adapters only
+    result = trainer.step(samples)
+    assert result.stepped and result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # B = 0 at start
+    folder = save_checkpoint(trainer.model, tmp_path / "v000001", {"version": 1}, tokenizer_from=llama)
+    merged, _ = load_checkpoint(folder)  # a plain transformers model: generators need no peft
+    assert not hasattr(merged, "peft_config")
+    changed = [float((m - b).abs().max()) for m, b in zip(merged.parameters(), base)]
+    assert max(changed) > 0, "the merged checkpoint carries the adapters' update"
+    for s in samples[:3]:  # and it is the trained policy: same log-probs as the adapted model
+        ids = torch.tensor([list(s.prompt_token_ids) + list(s.completion_token_ids)])
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        a, _ = sequence_logprobs(merged, ids, valid)
+        b, _ = sequence_logprobs(trainer.model, ids, valid)
+        assert float((a - b).abs().max()) < LOGPROB_TOLERANCE

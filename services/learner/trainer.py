@@ -71,15 +71,18 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
 class Trainer:
     def __init__(self, model, config: RunConfig, *, reference=None,
                  version: int = 0, step: int = 0, optimizer_state: dict | None = None):
-        self.model = model
         self.config = config
         if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
         self.reference = (reference or copy.deepcopy(model)).eval()
+        if config.lora_rank:
+            model = with_lora(model, config)
+        self.model = model
         for p in self.reference.parameters():
             p.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                           weight_decay=0.0)
         if optimizer_state:
             self.optimizer.load_state_dict(optimizer_state)
         self.version = version
@@ -213,6 +216,20 @@ class Trainer:
         loss.backward()
         stats = {**stats, "dpo_pairs": k, "mismatch_kl": mismatch_kl(batch.old_logp, logp.detach(), batch.mask)}
         return float(loss.detach()), stats, float(masked_mean(entropy.detach(), batch.mask)), unpaired
+
+
+def with_lora(model, config: RunConfig):
+    """The model with LoRA adapters on every linear layer; only they train (the base stays frozen)."""
+    if not hasattr(model, "generation_config"):
+        raise ValueError("lora_rank applies to transformers models; the built-in policy trains all its weights")
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:  # peft is in requirements.lock; a hand-made environment may lack it
+        raise ValueError("lora_rank needs the peft package (pip install peft)") from exc
+    if config.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                            target_modules="all-linear", lora_dropout=0.0))
 
 
 def mismatch_kl(sampler_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> float:
