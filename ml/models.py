@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from crucible.shared import files
 from crucible.shared.settings import Settings
 
 META_FILE = "crucible-model.json"  # written last: a folder holding it is a complete conversion
@@ -249,8 +250,8 @@ def add(name: str, settings: Settings, echo: Callable[[str], None] = print, forc
     root.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(root, name)
     tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    echo(f"[2/2] converting to a float32 Hugging Face folder (dequantizing, fixing special tokens, "
-         f"checking the result)")
+    echo("[2/2] converting to a float32 Hugging Face folder (dequantizing, fixing special tokens, "
+         "checking the result)")
     started = time.monotonic()
     try:
         _convert_in_subprocess(spec, gguf, tmp, echo)
@@ -267,13 +268,7 @@ def _publish(tmp: Path, folder: Path, replace: bool) -> None:
     """Renames the finished conversion into place, so a reader sees either no folder or a whole one."""
     if folder.exists() and not replace:  # a concurrent `add` finished first: its folder is as good
         return
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(folder)
+    files.replace_folder(tmp, folder)
 
 
 def _remove_abandoned(root: Path, name: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from crucible.ml.policy import hf
+from crucible.shared import files
 from crucible.ml.policy.model import Policy, PolicyConfig
 from crucible.ml.policy.tokenizer import ByteTokenizer
 
@@ -35,37 +35,33 @@ def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict |
                     tokenizer_from: Path | None = None) -> Path:
     """Writes the checkpoint into a temporary sibling, then renames it into place (never half-written).
 
-    `extra` maps file names to tensors dicts saved alongside (e.g. optimizer state) with torch.save.
+    `extra` maps file names to objects saved alongside (e.g. optimizer state) with torch.save.
     A transformers model's tokenizer files are copied from `tokenizer_from` (its initial folder).
     """
-    if not isinstance(model, Policy):
-        return hf.save(model, folder, tokenizer_from, meta or {}, extra or {})
     folder = Path(folder)
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": model.config.to_hf()["bos_token_id"], "eos_token_id": model.config.to_hf()["eos_token_id"],
-         "pad_token_id": model.config.to_hf()["pad_token_id"]}, indent=1))
-    ByteTokenizer().save(tmp)
+    tmp = files.staging(folder)
+    if isinstance(model, Policy):
+        _write_builtin(model, tmp)
+    else:
+        hf.write(model, tmp, tokenizer_from)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
     (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=1))
     with open(tmp / META_FILE) as f:  # make the files durable before the rename publishes them
         os.fsync(f.fileno())
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(folder)
-    return folder
+    return files.replace_folder(tmp, folder)
+
+
+def _write_builtin(model: Policy, tmp: Path) -> None:
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = model.config.to_hf()
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=1))
+    ByteTokenizer().save(tmp)
 
 
 def load_checkpoint(folder: Path | str, device: str = "cpu"):

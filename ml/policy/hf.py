@@ -93,13 +93,9 @@ def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature
     return token_logp, entropy
 
 
-def save(model, folder: Path, tokenizer_from: Path | None, meta: dict, extra: dict) -> Path:
-    """Writes a Hugging Face folder (weights, config, generation config, the tokenizer files of
-    `tokenizer_from`, crucible.json, `extra` objects) atomically: a temporary sibling renamed into place."""
-    folder = Path(folder)
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def write(model, tmp: Path, tokenizer_from: Path | None) -> None:
+    """A transformers model's files into a checkpoint being written (see checkpoint.save_checkpoint):
+    weights and configs, and the tokenizer files of `tokenizer_from`. LoRA adapters are merged in."""
     if hasattr(model, "merge_and_unload"):  # LoRA: generators load plain weights
         model = _merged_copy(model)
     model.save_pretrained(str(tmp), safe_serialization=True)
@@ -107,19 +103,6 @@ def save(model, folder: Path, tokenizer_from: Path | None, meta: dict, extra: di
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_from) / name).exists():
                 shutil.copy2(Path(tokenizer_from) / name, tmp / name)
-    for name, obj in extra.items():
-        torch.save(obj, tmp / name)
-    (tmp / "crucible.json").write_text(json.dumps(meta, indent=1))
-    with open(tmp / "crucible.json") as f:  # durable before the rename publishes it
-        os.fsync(f.fileno())
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(folder)
-    return folder
 
 
 def _merged_copy(peft_model):

@@ -1,0 +1,26 @@
+"""Folders that appear whole or not at all: written under a temporary sibling name, then renamed into place."""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def staging(folder: Path) -> Path:
+    """A fresh, empty temporary sibling of `folder` to write into (the name says which process owns it)."""
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def replace_folder(tmp: Path, folder: Path) -> Path:
+    """Puts the finished `tmp` in place of `folder` (a reader sees the old folder or the new one, never half)."""
+    if folder.exists():
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(folder)
+    return folder
