@@ -42,7 +42,7 @@ def task(task_id: str, group_size: int = 4, prompt: str = "Add: 3+4=") -> task_p
 @pytest.fixture
 async def generator(settings):
     settings = settings.model_copy(update={"generator_grpc_port": free_port(), "seed": 11, "max_tokens": 12,
-                                           "temperature": 0.7, "top_p": 0.9, "generator_batch_wait_ms": 5.0})
+                                           "temperature": 0.7, "top_p": 1.0, "generator_batch_wait_ms": 5.0})
     await bus.ensure_topics(["tasks", "rollouts", "policy"], settings=settings)
     stop = asyncio.Event()
     service = asyncio.create_task(run(settings, stop))
@@ -64,7 +64,7 @@ async def test_task_yields_exactly_group_size_rollouts_with_matching_logprobs(ge
     model = fresh_policy(11)  # the generator's weights: same seed, fresh init
     for g in groups.values():
         assert g.policy_version == 0 and g.backend == "torch"
-        assert g.temperature == pytest.approx(0.7) and g.top_p == pytest.approx(0.9)
+        assert g.temperature == pytest.approx(0.7) and g.top_p == pytest.approx(1.0)
         for r in g.rollouts:
             assert len(r.token_ids) == len(r.logprobs) >= 1
             assert max(abs(a - b) for a, b in zip(recompute(model, g, r), r.logprobs)) < LOGPROB_TOLERANCE

@@ -23,7 +23,11 @@ from crucible.v1 import policy_pb2, rollout_pb2, task_pb2, trajectory_pb2
 from tests.test_bus import read_raw
 
 # Sampling (a KV cache, left padding) and the learner's recomputation (one full forward, right
-# padding) run the same float32 weights; they differ only in summation order.
+# padding) run the same float32 weights; they differ only in summation order. (With top_p < 1 a
+# token sitting exactly on the nucleus boundary can fall on the other side of it in one of the two,
+# which moves that position's log-prob by the boundary token's share; see distribution.py. The
+# per-token comparisons here therefore sample at top_p = 1; tests/test_learner.py checks top_p 0.9
+# through the batch's mean importance ratio.)
 LOGPROB_TOLERANCE = 1e-4
 
 
@@ -73,7 +77,7 @@ def test_a_transformers_folder_is_not_the_builtin_policy(llama, tmp_path):
 
 def test_learner_logprobs_match_the_samplers_within_tolerance(llama):
     backend = HFBackend(str(llama), sample_seed=3)
-    samples = samples_from(backend, ["2+2=", "a longer prompt: 12*3="], 4, temperature=0.7, top_p=0.9)
+    samples = samples_from(backend, ["2+2=", "a longer prompt: 12*3="], 4, temperature=0.7, top_p=1.0)
     model, _ = load_checkpoint(llama)
     worst = 0.0
     for s in samples:
@@ -211,11 +215,11 @@ def test_lora_trains_adapters_only_and_checkpoints_merged_weights(llama, tmp_pat
     folder = save_checkpoint(trainer.model, tmp_path / "v000001", {"version": 1}, tokenizer_from=llama)
     merged, _ = load_checkpoint(folder)  # a plain transformers model: generators need no peft
     assert not hasattr(merged, "peft_config")
-    changed = [float((m - b).abs().max()) for m, b in zip(merged.parameters(), base)]
+    changed = [float((m.detach() - b).abs().max()) for m, b in zip(merged.parameters(), base)]
     assert max(changed) > 0, "the merged checkpoint carries the adapters' update"
     for s in samples[:3]:  # and it is the trained policy: same log-probs as the adapted model
         ids = torch.tensor([list(s.prompt_token_ids) + list(s.completion_token_ids)])
         valid = torch.ones_like(ids, dtype=torch.bool)
         a, _ = sequence_logprobs(merged, ids, valid)
         b, _ = sequence_logprobs(trainer.model, ids, valid)
-        assert float((a - b).abs().max()) < LOGPROB_TOLERANCE
+        assert float((a - b).detach().abs().max()) < LOGPROB_TOLERANCE

@@ -6,7 +6,10 @@ and the learner recomputes the same log-probs, so the importance ratio of a fres
     p(v)        = p_T(v) / sum_{u in N} p_T(u)   for v in N, else 0
 
 The set N is chosen without gradient; the renormalisation keeps one, so the learner's
-log-probs are differentiable in the logits.
+log-probs are differentiable in the logits. N is a step function of the logits: when a token's
+cumulative probability lies within float32 noise of top_p, the sampler (KV cache) and the learner
+(one full forward) can disagree on it, and that position's log-prob then differs by the boundary
+token's share of the mass (seen once: 0.003). Rare, and averaged out in the importance ratio.
 """
 from __future__ import annotations
 
