@@ -3,7 +3,7 @@ crucible.tasks; Control.SubmitTasks answers a gRPC caller with the same list bef
 from __future__ import annotations
 
 from crucible.v1 import task_pb2
-from crucible.ml import kinds
+from crucible.ml import envs, kinds
 from crucible.shared.settings import Settings, get_settings
 
 
@@ -32,8 +32,11 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
     elif task.group_size > settings.max_group_size:
         problems.append(f"group_size {task.group_size} is above the limit of {settings.max_group_size} "
                         "(CRUCIBLE_MAX_GROUP_SIZE)")
+    if envs.is_environment(task):
+        problems += envs.get(task.kind).problems(task)
+        return problems
     try:
         problems += kinds.get(task.kind).problems(task)
     except kinds.UnknownKind as exc:
-        problems.append(str(exc))
+        problems.append(f"{exc}; environments are {', '.join(envs.known())}")
     return problems

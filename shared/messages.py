@@ -15,6 +15,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from crucible.v1 import (
     alert_pb2,
+    episode_pb2,
     evaluation_pb2,
     execution_pb2,
     policy_pb2,
@@ -38,6 +39,10 @@ TOPIC_SCHEMAS: dict[str, type[Message]] = {
     "alerts": alert_pb2.Alert,
     "heldout": task_pb2.Task,              # held-out tasks, read by the evaluator only
     "evaluations": evaluation_pb2.Evaluation,
+    # multi-turn episodes: generator -> actions -> sandbox-executor -> observations -> generator ... -> episodes -> verifier
+    "actions": episode_pb2.Episode,
+    "observations": episode_pb2.Episode,
+    "episodes": episode_pb2.Episode,
 }
 
 SCHEMAS: dict[str, type[Message]] = {cls.DESCRIPTOR.full_name: cls for cls in TOPIC_SCHEMAS.values()}

@@ -78,6 +78,45 @@ def render(tokenizer, prompt: str, chat_template: bool, system_prompt: str = "")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _template_source(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template if isinstance(template, str) else " ".join(map(str, template.values()))
+
+
+def episode_prompt(tokenizer, instructions: str, tools: list[dict], tools_text: str, chat_template: bool,
+                   system_prompt: str = "") -> str:
+    """The first text of a multi-turn episode: tool schemas through the chat template when it renders
+    tools, in the system prompt (`tools_text`) when it does not, after the prompt without a template."""
+    if not chat_template:
+        return f"{instructions}\n\n{tools_text}\n"
+    renders_tools = "tools" in _template_source(tokenizer)
+    system = system_prompt if renders_tools else "\n\n".join(p for p in (system_prompt, tools_text) if p)
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": instructions})
+    return tokenizer.apply_chat_template(messages, tools=tools if renders_tools else None, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+_MARK = "\x00crucible-turn\x00"
+
+
+def observation_text(tokenizer, observation: str, chat_template: bool, turn_end: str = "") -> str:
+    """What follows a model turn when the environment answers: the end of the assistant's turn (unless
+    the model already wrote it, `turn_end`), the observation as the template gives a tool's answer,
+    and the start of the next assistant turn."""
+    if not chat_template:
+        return f"\n<tool_response>\n{observation}\n</tool_response>\n"
+    source = _template_source(tokenizer)
+    tool_message = ({"role": "tool", "content": observation} if "tool" in source.replace("tools", "")
+                    else {"role": "user", "content": f"<tool_response>\n{observation}\n</tool_response>"})
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+    full = tokenizer.apply_chat_template(base + [tool_message], tokenize=False, add_generation_prompt=True)
+    suffix = full[full.index(_MARK) + len(_MARK):]
+    if turn_end and suffix.startswith(turn_end):
+        suffix = suffix[len(turn_end):]
+    return suffix
+
+
 def positions(valid: torch.Tensor) -> torch.Tensor:
     """Position ids that count real tokens only, whichever side the padding is on."""
     return (valid.long().cumsum(-1) - 1).clamp(min=0)

@@ -16,13 +16,26 @@ class Completion:
     finish_reason: str          # "stop" or "length"
 
 
+Prompt = str | list[int]  # text the backend renders and encodes, or token ids taken as they are
+
+
 class PolicyBackend(ABC):
     name: str = "base"
     version: int = 0
+    call_format: str = "hermes"  # how its policy writes tool calls (crucible.ml.envs.calls)
 
     @abstractmethod
-    def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
-        """`n` completions for each prompt, batched across prompts as the backend sees fit."""
+    def sample(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """`n` completions for each prompt, batched across prompts as the backend sees fit. A prompt
+        given as token ids (an episode's transcript so far) is continued exactly as it is."""
+
+    @abstractmethod
+    def episode_prompt_ids(self, instructions: str, tools: list[dict], tools_text: str) -> list[int]:
+        """The token ids an episode starts from: the instructions, with the tools as the model expects them."""
+
+    @abstractmethod
+    def observation_ids(self, observation: str, turn_ids: list[int]) -> list[int]:
+        """The token ids of an observation, as the model reads it after its turn `turn_ids`."""
 
     @abstractmethod
     def load_weights(self, version: int, uri: str) -> None:

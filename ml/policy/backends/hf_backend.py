@@ -39,12 +39,24 @@ class HFBackend(PolicyBackend):
         self._generator.manual_seed(sample_seed if sample_seed is not None else torch.seed())
         self.version = 0
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
         text = hf.render(self.tokenizer, prompt, self.chat_template, self.system_prompt)
         return self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
 
+    def episode_prompt_ids(self, instructions: str, tools: list[dict], tools_text: str) -> list[int]:
+        text = hf.episode_prompt(self.tokenizer, instructions, tools, tools_text, self.chat_template,
+                                 self.system_prompt)
+        return self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
+
+    def observation_ids(self, observation: str, turn_ids: list[int]) -> list[int]:
+        last = self.tokenizer.decode(turn_ids[-1:]) if turn_ids and turn_ids[-1] in self.eos else ""
+        text = hf.observation_text(self.tokenizer, observation, self.chat_template, last)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     @torch.no_grad()
-    def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def sample(self, prompts: list[str | list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         out: list[list[Completion]] = [[] for _ in prompts]
         encoded = [self.encode(p) for p in prompts]
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]

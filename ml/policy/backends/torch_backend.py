@@ -14,6 +14,7 @@ from crucible.ml.policy.tokenizer import ByteTokenizer
 
 class TorchBackend(PolicyBackend):
     name = "torch"
+    call_format = "plain"
 
     def __init__(self, checkpoint: str | None = None, seed: int = 0, config: PolicyConfig | None = None,
                  max_batch: int = 256, sample_seed: int | None = None):
@@ -30,8 +31,8 @@ class TorchBackend(PolicyBackend):
             self.version = 0
         self.model.eval()
 
-    def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
-        encoded = [self.tokenizer.encode(p) for p in prompts]
+    def sample(self, prompts: list[str | list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        encoded = [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
         out: list[list[Completion]] = [[] for _ in prompts]
         with self._lock:
@@ -45,6 +46,12 @@ class TorchBackend(PolicyBackend):
                 for (i, ids), s in zip(chunk, samples):
                     out[i].append(Completion(s.text, ids, s.token_ids, s.logprobs, s.finish_reason))
         return out
+
+    def episode_prompt_ids(self, instructions: str, tools: list[dict], tools_text: str) -> list[int]:
+        return self.tokenizer.encode(instructions + "\n")  # the plain format: a tiny policy reads no tool list
+
+    def observation_ids(self, observation: str, turn_ids: list[int]) -> list[int]:
+        return self.tokenizer.encode(f"\n= {observation}\n", bos=False)
 
     def load_weights(self, version: int, uri: str) -> None:
         model, _ = load_checkpoint(path_from_uri(uri))

@@ -37,7 +37,19 @@ class VLLMBackend(PolicyBackend):
         return LLM(model=str(path_from_uri(uri)), dtype="float32", enforce_eager=True, seed=0,
                    logprobs_mode="processed_logprobs", **self.options)
 
-    def sample(self, prompts: list[str], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def episode_prompt_ids(self, instructions: str, tools: list[dict], tools_text: str) -> list[int]:
+        tokenizer = self.llm.get_tokenizer()
+        text = hf.episode_prompt(tokenizer, instructions, tools, tools_text, self.chat_template, self.system_prompt)
+        return tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
+
+    def observation_ids(self, observation: str, turn_ids: list[int]) -> list[int]:
+        tokenizer = self.llm.get_tokenizer()
+        ends = set(tokenizer.all_special_ids)  # a turn ended by an end-of-turn token has written it already
+        last = tokenizer.decode(turn_ids[-1:]) if turn_ids and turn_ids[-1] in ends else ""
+        return tokenizer(hf.observation_text(tokenizer, observation, self.chat_template, last),
+                         add_special_tokens=False)["input_ids"]
+
+    def sample(self, prompts: list[str | list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams
 
         vparams = VSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
@@ -46,7 +58,9 @@ class VLLMBackend(PolicyBackend):
         with self._lock:
             if self.chat_template:
                 tokenizer = self.llm.get_tokenizer()
-                prompts = [hf.render(tokenizer, p, True, self.system_prompt) for p in prompts]
+                prompts = [p if isinstance(p, list) else hf.render(tokenizer, p, True, self.system_prompt)
+                           for p in prompts]
+            prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]  # TokensPrompt
             results = self.llm.generate(prompts, vparams, use_tqdm=False)
         out = []
         for result in results:

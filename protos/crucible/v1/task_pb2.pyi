@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Task(_message.Message):
-    __slots__ = ("id", "kind", "prompt", "python_tests", "answer", "generator", "group_size", "metadata", "created_at", "split")
+    __slots__ = ("id", "kind", "prompt", "python_tests", "answer", "generator", "environment", "group_size", "metadata", "created_at", "split")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Task(_message.Message):
     PYTHON_TESTS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -34,11 +35,12 @@ class Task(_message.Message):
     python_tests: PythonTests
     answer: ExpectedAnswer
     generator: GeneratorSpec
+    environment: EnvironmentSpec
     group_size: int
     metadata: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
     split: str
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., prompt: _Optional[str] = ..., python_tests: _Optional[_Union[PythonTests, _Mapping]] = ..., answer: _Optional[_Union[ExpectedAnswer, _Mapping]] = ..., generator: _Optional[_Union[GeneratorSpec, _Mapping]] = ..., group_size: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., prompt: _Optional[str] = ..., python_tests: _Optional[_Union[PythonTests, _Mapping]] = ..., answer: _Optional[_Union[ExpectedAnswer, _Mapping]] = ..., generator: _Optional[_Union[GeneratorSpec, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., group_size: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split: _Optional[str] = ...) -> None: ...
 
 class PythonTests(_message.Message):
     __slots__ = ("entry_point", "test_code", "language", "timeout_s")
@@ -71,3 +73,13 @@ class GeneratorSpec(_message.Message):
     config_json: str
     entry_json: str
     def __init__(self, name: _Optional[str] = ..., seed: _Optional[int] = ..., config_json: _Optional[str] = ..., entry_json: _Optional[str] = ...) -> None: ...
+
+class EnvironmentSpec(_message.Message):
+    __slots__ = ("instance_json", "max_turns", "max_tokens")
+    INSTANCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    instance_json: str
+    max_turns: int
+    max_tokens: int
+    def __init__(self, instance_json: _Optional[str] = ..., max_turns: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...

@@ -23,13 +23,14 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from crucible.v1 import episode_pb2 as crucible_dot_v1_dot_episode__pb2
 from crucible.v1 import execution_pb2 as crucible_dot_v1_dot_execution__pb2
 from crucible.v1 import rollout_pb2 as crucible_dot_v1_dot_rollout__pb2
 from crucible.v1 import task_pb2 as crucible_dot_v1_dot_task__pb2
 from crucible.v1 import trajectory_pb2 as crucible_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/verdict.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1b\x63rucible/v1/execution.proto\x1a\x19\x63rucible/v1/rollout.proto\x1a\x16\x63rucible/v1/task.proto\x1a\x1c\x63rucible/v1/trajectory.proto\"\xbf\x03\n\x07Verdict\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x06sample\x18\x02 \x01(\x0b\x32\x17.crucible.v1.Trajectory\x12\x11\n\ttask_kind\x18\x03 \x01(\t\x12\x38\n\ncomponents\x18\x04 \x03(\x0b\x32$.crucible.v1.Verdict.ComponentsEntry\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x10\n\x08tampered\x18\x06 \x01(\x08\x12\x17\n\x0ftamper_patterns\x18\x07 \x03(\t\x12/\n\texecution\x18\x08 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\x12\n\ncompletion\x18\t \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\n \x01(\x08\x12\x18\n\x10verifier_version\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x0c \x01(\t\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rgeneration_ms\x18\x0e \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x88\x01\n\rVerifyRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.crucible.v1.Task\x12%\n\x07rollout\x18\x02 \x01(\x0b\x32\x14.crucible.v1.Rollout\x12/\n\texecution\x18\x03 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult2F\n\x08Verifier\x12:\n\x06Verify\x12\x1a.crucible.v1.VerifyRequest\x1a\x14.crucible.v1.Verdictb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/verdict.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/episode.proto\x1a\x1b\x63rucible/v1/execution.proto\x1a\x19\x63rucible/v1/rollout.proto\x1a\x16\x63rucible/v1/task.proto\x1a\x1c\x63rucible/v1/trajectory.proto\"\xe6\x03\n\x07Verdict\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x06sample\x18\x02 \x01(\x0b\x32\x17.crucible.v1.Trajectory\x12\x11\n\ttask_kind\x18\x03 \x01(\t\x12\x38\n\ncomponents\x18\x04 \x03(\x0b\x32$.crucible.v1.Verdict.ComponentsEntry\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x10\n\x08tampered\x18\x06 \x01(\x08\x12\x17\n\x0ftamper_patterns\x18\x07 \x03(\t\x12/\n\texecution\x18\x08 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\x12\n\ncompletion\x18\t \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\n \x01(\x08\x12\x18\n\x10verifier_version\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x0c \x01(\t\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rgeneration_ms\x18\x0e \x01(\x01\x12%\n\x07\x65pisode\x18\x0f \x01(\x0b\x32\x14.crucible.v1.Episode\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x88\x01\n\rVerifyRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.crucible.v1.Task\x12%\n\x07rollout\x18\x02 \x01(\x0b\x32\x14.crucible.v1.Rollout\x12/\n\texecution\x18\x03 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult2F\n\x08Verifier\x12:\n\x06Verify\x12\x1a.crucible.v1.VerifyRequest\x1a\x14.crucible.v1.Verdictb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,12 +39,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERDICT_COMPONENTSENTRY']._loaded_options = None
   _globals['_VERDICT_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_VERDICT']._serialized_start=186
-  _globals['_VERDICT']._serialized_end=633
-  _globals['_VERDICT_COMPONENTSENTRY']._serialized_start=584
-  _globals['_VERDICT_COMPONENTSENTRY']._serialized_end=633
-  _globals['_VERIFYREQUEST']._serialized_start=636
-  _globals['_VERIFYREQUEST']._serialized_end=772
-  _globals['_VERIFIER']._serialized_start=774
-  _globals['_VERIFIER']._serialized_end=844
+  _globals['_VERDICT']._serialized_start=213
+  _globals['_VERDICT']._serialized_end=699
+  _globals['_VERDICT_COMPONENTSENTRY']._serialized_start=650
+  _globals['_VERDICT_COMPONENTSENTRY']._serialized_end=699
+  _globals['_VERIFYREQUEST']._serialized_start=702
+  _globals['_VERIFYREQUEST']._serialized_end=838
+  _globals['_VERIFIER']._serialized_start=840
+  _globals['_VERIFIER']._serialized_end=910
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from crucible.v1 import episode_pb2 as _episode_pb2
 from crucible.v1 import execution_pb2 as _execution_pb2
 from crucible.v1 import rollout_pb2 as _rollout_pb2
 from crucible.v1 import task_pb2 as _task_pb2
@@ -14,7 +15,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Verdict(_message.Message):
-    __slots__ = ("id", "sample", "task_kind", "components", "reward", "tampered", "tamper_patterns", "execution", "completion", "canary", "verifier_version", "detail", "created_at", "generation_ms")
+    __slots__ = ("id", "sample", "task_kind", "components", "reward", "tampered", "tamper_patterns", "execution", "completion", "canary", "verifier_version", "detail", "created_at", "generation_ms", "episode")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +37,7 @@ class Verdict(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_MS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
     id: str
     sample: _trajectory_pb2.Trajectory
     task_kind: str
@@ -50,7 +52,8 @@ class Verdict(_message.Message):
     detail: str
     created_at: _timestamp_pb2.Timestamp
     generation_ms: float
-    def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., task_kind: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., reward: _Optional[float] = ..., tampered: _Optional[bool] = ..., tamper_patterns: _Optional[_Iterable[str]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ..., completion: _Optional[str] = ..., canary: _Optional[bool] = ..., verifier_version: _Optional[str] = ..., detail: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_ms: _Optional[float] = ...) -> None: ...
+    episode: _episode_pb2.Episode
+    def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., task_kind: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., reward: _Optional[float] = ..., tampered: _Optional[bool] = ..., tamper_patterns: _Optional[_Iterable[str]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ..., completion: _Optional[str] = ..., canary: _Optional[bool] = ..., verifier_version: _Optional[str] = ..., detail: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_ms: _Optional[float] = ..., episode: _Optional[_Union[_episode_pb2.Episode, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("task", "rollout", "execution")

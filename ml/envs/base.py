@@ -1,0 +1,201 @@
+"""What an environment is: tools the model may call, how a call becomes an observation, how an episode is scored.
+
+An environment is stateless code: the state of one episode is built from the task's instance and
+the calls made so far (`earlier`), each time it is needed, and dropped afterwards. So an episode's
+whole state lives in its message on the log, and any service can be killed mid-episode.
+
+Untrusted actions (code, SQL) are never run here: a tool marked `sandboxed` turns a call into an
+ExecuteRequest (`job`) that the sandbox-executor runs in its jail; `observe` then reads the result.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from crucible.ml.kinds.registry import Score
+from crucible.v1 import episode_pb2, execution_pb2, task_pb2
+
+MAX_OBSERVATION_CHARS = 2000   # an observation longer than this is cut, and says so
+MAX_ARGUMENTS_CHARS = 8000     # a call's arguments, as JSON
+
+
+class InstanceError(ValueError):
+    """A task's environment instance that cannot be used; the text says why."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool: its name, what it does, and its parameters (all strings), as the model is told."""
+
+    name: str
+    description: str
+    parameters: dict[str, str] = field(default_factory=dict)  # name -> description
+    sandboxed: bool = False  # runs untrusted input in the sandbox (job + observe)
+
+    def schema(self) -> dict:
+        """The tool in the JSON-schema form chat templates take (`tools=`)."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": {"type": "object", "required": list(self.parameters),
+                           "properties": {p: {"type": "string", "description": d}
+                                          for p, d in self.parameters.items()}}}}
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    failed: bool = False  # the call could not be carried out (bad arguments, an error, a refused event)
+    done: bool = False    # the environment ended the episode (its state is final)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A parsed tool call: a known tool with checked string arguments."""
+
+    name: str
+    arguments: dict[str, str]
+
+
+def cut(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:
+    """`text`, cut to `limit` characters with a note saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
+
+
+class Environment(ABC):
+    """One environment. Subclasses set name, tools, max_turns and implement what differs."""
+
+    name: str = ""
+    description: str = ""
+    tools: tuple[Tool, ...] = ()
+    max_turns: int = 6
+
+    # --- the task ---------------------------------------------------------------------------------
+    def instance(self, task: task_pb2.Task) -> dict:
+        """The task's instance (the JSON its generator wrote); InstanceError when it is not usable."""
+        if task.WhichOneof("payload") != "environment":
+            raise InstanceError(f"environment {self.name!r} needs an 'environment' payload, "
+                                f"got {task.WhichOneof('payload') or 'none'}")
+        try:
+            data = json.loads(task.environment.instance_json or "{}", parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise InstanceError(f"environment.instance_json is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InstanceError("environment.instance_json must be a JSON object")
+        self.check_instance(data)
+        return data
+
+    def check_instance(self, data: dict) -> None:
+        """Raises InstanceError naming what the instance lacks; the default accepts anything."""
+
+    def problems(self, task: task_pb2.Task) -> list[str]:
+        try:
+            self.instance(task)
+        except InstanceError as exc:
+            return [str(exc)]
+        return []
+
+    def turn_limit(self, task: task_pb2.Task) -> int:
+        return task.environment.max_turns or self.max_turns
+
+    def instructions(self, task: task_pb2.Task, call_format: str) -> str:
+        """What the model reads first. The plain format (the built-in byte-level policy) gets the
+        prompt as it is; the Hermes format gets how to call tools too (the schemas themselves go
+        through the chat template, or into the system prompt when the template has no tools)."""
+        if call_format == "plain":
+            return task.prompt
+        return (f"{task.prompt.rstrip()}\n\nUse the tools to find out what you need: one call per turn, "
+                'written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>. When you know the '
+                "answer, reply with the answer alone and no tool call.")
+
+    # --- acting -----------------------------------------------------------------------------------
+    def job(self, task: task_pb2.Task, earlier: list[Call], call: Call) -> execution_pb2.ExecuteRequest:
+        """The sandbox job for a call of a sandboxed tool (earlier calls given to rebuild the state)."""
+        raise NotImplementedError(f"environment {self.name!r} has no sandboxed tool {call.name!r}")
+
+    @abstractmethod
+    def observe(self, task: task_pb2.Task, earlier: list[Call], call: Call,
+                result: execution_pb2.ExecutionResult | None = None) -> Observation:
+        """The observation a call gets: from the sandbox's result for sandboxed tools, directly otherwise."""
+
+    # --- scoring ----------------------------------------------------------------------------------
+    @abstractmethod
+    def check_answer(self, task: task_pb2.Task, answer: str, calls: list[Call]) -> dict[str, float]:
+        """Components of the final answer (given the episode's successful calls): at least
+        `answer_correct` (0 or 1). Pure: the same inputs give the same components."""
+
+    def score(self, task: task_pb2.Task, episode: episode_pb2.Episode) -> Score:
+        """The episode's score: the answer's components and how the episode went; reward 1 for a
+        right answer reached without a failed call, less for each failed call, 0 otherwise."""
+        calls, failed = [], 0
+        for turn in episode.turns:
+            if turn.HasField("call") and not turn.call.error and not turn.call_failed:
+                calls.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
+            elif turn.HasField("call"):
+                failed += 1
+        answered = episode.end in (episode_pb2.EPISODE_END_ANSWER, episode_pb2.EPISODE_END_DONE)
+        answer = episode.turns[-1].text if answered and episode.turns else ""
+        components = {"answer_correct": 0.0}
+        if answered:
+            components.update(self.check_answer(task, answer, calls))
+        correct = components["answer_correct"] >= 1.0
+        components.update({"tool_calls": float(len(calls) + failed), "failed_calls": float(failed),
+                           "turns": float(len(episode.turns)), "answered": float(answered)})
+        reward = max(0.0, 1.0 - 0.25 * failed) if correct else 0.0
+        detail = {episode_pb2.EPISODE_END_TURN_LIMIT: "the turn limit was reached before an answer",
+                  episode_pb2.EPISODE_END_TOKEN_LIMIT: "the token limit was reached before an answer"}.get(episode.end, "")
+        return Score(components, reward, detail=detail)
+
+    # --- tasks ------------------------------------------------------------------------------------
+    @abstractmethod
+    def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator[task_pb2.Task]:
+        """An endless, seeded stream of tasks from one split ("train" or "heldout"); a held-out
+        instance never appears in training, whatever the seeds."""
+
+    @abstractmethod
+    def reference(self, task: task_pb2.Task) -> list[str]:
+        """A reference solution: the model turns (tool calls in the plain format, then the answer)."""
+
+    def task(self, prompt: str, instance: dict, *, split: str, key: str, group_size: int,
+             **metadata: str) -> task_pb2.Task:
+        """A task of this environment with a stable id (from `key`, the instance's identity)."""
+        import hashlib
+
+        digest = hashlib.sha256(f"{self.name}\x00{key}".encode()).hexdigest()[:16]
+        return task_pb2.Task(id=f"{self.name}-{digest}", kind=self.name, prompt=prompt, group_size=group_size,
+                             split=split, environment=task_pb2.EnvironmentSpec(instance_json=json.dumps(instance)),
+                             metadata={"environment": self.name, **metadata})
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def split_of(key: str, fraction: float = 0.2) -> str:
+    """The split an instance falls in, by a stable hash of its identity."""
+    import hashlib
+
+    bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "heldout" if bucket < fraction else "train"
+
+
+def program_output(result: execution_pb2.ExecutionResult) -> Observation:
+    """What a program run in the sandbox says back: its output, its errors, and why it was stopped."""
+    if result.not_run:
+        return Observation(f"error: not run: {result.not_run}", failed=True)
+    out = result.stdout.decode("utf-8", errors="replace")
+    err = result.stderr.decode("utf-8", errors="replace")
+    text = out + ("\n[output cut by the sandbox]" if result.stdout_truncated else "")
+    if err.strip():
+        text += ("\n" if text else "") + "stderr:\n" + err + ("\n[cut]" if result.stderr_truncated else "")
+    failed = result.exit_code != 0 or result.signal != 0
+    if result.violation:
+        name = execution_pb2.Violation.Name(result.violation).removeprefix("VIOLATION_").lower()
+        text += f"\n[the sandbox stopped the program: {name}{': ' + result.violation_detail if result.violation_detail else ''}]"
+        failed = True
+    elif failed and not err.strip():
+        text += f"\n[exit code {result.exit_code}{f', signal {result.signal}' if result.signal else ''}]"
+    return Observation(text.strip("\n") or "(no output)", failed=failed)

@@ -1,0 +1,151 @@
+"""One episode's life, as pure steps every service (and the local evaluator) shares.
+
+    generator:         episode = start(...)            -> route(episode): "act" or "done"
+    sandbox-executor:  await act(env, episode, execute) (the last turn's call gets its observation)
+    generator:         context_ids(episode) + observation ids -> next turn -> add_turn -> route
+    verifier:          env.score(task, episode); flatten(episode) is the trainer's sample
+
+An episode ends at an answer (a turn with no call), at the environment's turn limit, at the token
+limit (the whole transcript), or when the environment says its state is final.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from crucible.ml.envs import calls as call_parser
+from crucible.ml.envs.base import Call, Environment, Observation, cut
+from crucible.v1 import episode_pb2, execution_pb2, rollout_pb2, task_pb2
+
+Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.ExecutionResult]]
+FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
+
+
+def start(task: task_pb2.Task, group_id: str, index: int, prompt_ids: list[int], *, temperature: float,
+          top_p: float, call_format: str, generator_id: str = "", backend: str = "") -> episode_pb2.Episode:
+    episode = episode_pb2.Episode(
+        id=f"{group_id}/{index}", group_id=group_id, index=index, group_size=task.group_size, task=task,
+        prompt_token_ids=prompt_ids, temperature=temperature, top_p=top_p, call_format=call_format,
+        generator_id=generator_id, backend=backend)
+    episode.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    return episode
+
+
+def add_turn(episode: episode_pb2.Episode, text: str, token_ids: list[int], logprobs: list[float],
+             finish_reason: str, policy_version: int, sample_ms: float = 0.0) -> episode_pb2.Turn:
+    """Appends the model's turn, with the call it makes (None: an answer)."""
+    turn = episode.turns.add(token_ids=token_ids, logprobs=logprobs, text=text, policy_version=policy_version,
+                             finish_reason=FINISH.get(finish_reason, 0))
+    call = call_parser.parse(text, episode.call_format)
+    if call is not None:
+        turn.call.CopyFrom(call)
+    episode.sample_ms += sample_ms
+    return turn
+
+
+def tokens_used(episode: episode_pb2.Episode) -> int:
+    return len(episode.prompt_token_ids) + sum(len(t.token_ids) + len(t.observation_token_ids) for t in episode.turns)
+
+
+def route(env: Environment, episode: episode_pb2.Episode, max_tokens: int) -> str:
+    """After a turn: "act" (its call goes to the environment) or "done" (episode.end is set)."""
+    last = episode.turns[-1]
+    if not last.HasField("call"):
+        episode.end = episode_pb2.EPISODE_END_ANSWER
+    elif len(episode.turns) >= env.turn_limit(episode.task):
+        episode.end = episode_pb2.EPISODE_END_TURN_LIMIT
+    elif tokens_used(episode) >= max_tokens:
+        episode.end = episode_pb2.EPISODE_END_TOKEN_LIMIT
+    return "done" if episode.end else "act"
+
+
+def earlier_calls(episode: episode_pb2.Episode, before: int) -> list[Call]:
+    """The calls of turns before `before` that the environment carried out (its state is built from them)."""
+    out = []
+    for turn in episode.turns[:before]:
+        if turn.HasField("call") and not turn.call.error and not turn.call_failed:
+            out.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
+    return out
+
+
+async def act(env: Environment, episode: episode_pb2.Episode, execute: Execute) -> Observation:
+    """Carries out the last turn's call (through `execute` for sandboxed tools) and records the observation.
+    A bad call, and a tool that fails, are observations saying what went wrong, never errors."""
+    turn = episode.turns[-1]
+    started = time.perf_counter()
+    resolved = call_parser.resolve(turn.call, env.tools)
+    if isinstance(resolved, str):
+        observation = Observation(f"error: {resolved}", failed=True)
+    else:
+        # the arguments as the tool reads them (a plain call's one argument named)
+        turn.call.arguments_json = json.dumps(resolved.arguments)
+        earlier = earlier_calls(episode, len(episode.turns) - 1)
+        tool = next(t for t in env.tools if t.name == resolved.name)
+        result = await execute(env.job(episode.task, earlier, resolved)) if tool.sandboxed else None
+        observation = env.observe(episode.task, earlier, resolved, result)
+    turn.observation = cut(observation.text)
+    turn.call_failed = observation.failed
+    turn.execution_ms = (time.perf_counter() - started) * 1000
+    if observation.done:
+        episode.end = episode_pb2.EPISODE_END_DONE
+    return observation
+
+
+def context_ids(episode: episode_pb2.Episode) -> list[int]:
+    """Everything the model has read and written so far, as token ids (observations included)."""
+    ids = list(episode.prompt_token_ids)
+    for turn in episode.turns:
+        ids += turn.token_ids
+        ids += turn.observation_token_ids
+    return ids
+
+
+def flatten(episode: episode_pb2.Episode) -> tuple[list[int], list[float], list[bool]]:
+    """The episode as one sample: completion ids (turns and observations in order), sampling log-probs
+    (0 for observation tokens) and the loss mask (True for the model's own tokens)."""
+    ids, logprobs, mask = [], [], []
+    for turn in episode.turns:
+        ids += turn.token_ids
+        logprobs += turn.logprobs
+        mask += [True] * len(turn.token_ids)
+        ids += turn.observation_token_ids
+        logprobs += [0.0] * len(turn.observation_token_ids)
+        mask += [False] * len(turn.observation_token_ids)
+    return ids, logprobs, mask
+
+
+def transcript(episode: episode_pb2.Episode) -> str:
+    """The episode as text, for people and stored rows."""
+    lines = []
+    for i, turn in enumerate(episode.turns, 1):
+        lines.append(f"[turn {i}] {turn.text}")
+        if turn.HasField("call") and (turn.observation or turn.call_failed):
+            lines.append(f"[observation {i}] {turn.observation}")
+    end = episode_pb2.EpisodeEnd.Name(episode.end).removeprefix("EPISODE_END_").lower()
+    lines.append(f"[end] {end}")
+    return "\n".join(lines)
+
+
+def policy_version(episode: episode_pb2.Episode) -> int:
+    """The oldest policy that sampled a turn: what staleness is measured from."""
+    return min((t.policy_version for t in episode.turns), default=0)
+
+
+async def play(env: Environment, task: task_pb2.Task, turns: list[str], execute: Execute, *,
+               call_format: str = "plain", max_tokens: int = 1 << 30) -> episode_pb2.Episode:
+    """An episode whose model turns are given (a reference solution, a test's attack): each turn is
+    added, routed and acted on as in the pipeline; turns left over once it ends are dropped."""
+    episode = start(task, "play", 0, [], temperature=1.0, top_p=1.0, call_format=call_format)
+    for text in turns:
+        add_turn(episode, text, [], [], "stop", 0)
+        if route(env, episode, max_tokens) == "done":
+            break
+        await act(env, episode, execute)
+        if episode.end:
+            break
+    else:
+        if not episode.end:
+            episode.end = episode_pb2.EPISODE_END_TURN_LIMIT
+    return episode

@@ -1,0 +1,111 @@
+"""`python`: a code interpreter for math and data questions. Run code, read its output, answer.
+
+Each call runs in the sandbox. The interpreter keeps its state across calls of one episode: the
+earlier cells that ran are run again first, with their output discarded, then the new cell; the
+state is gone when the episode ends. The answer is a number, checked to 1e-6.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+
+from crucible.ml import envs
+from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool, program_output, split_of
+from crucible.v1 import execution_pb2
+
+# The program the sandbox runs: fixed code; the cells arrive as data on its stdin.
+RUNNER = """\
+import contextlib, io, json, sys
+_cells = json.loads(sys.stdin.read())
+_g = {"__name__": "__main__"}
+for _c in _cells[:-1]:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            exec(compile(_c, "<earlier cell>", "exec"), _g)
+        except BaseException:
+            pass
+exec(compile(_cells[-1], "<cell>", "exec"), _g)
+"""
+
+QUESTIONS = [
+    ("What is the sum of the squares of the integers from 1 to {n} that are divisible by {k}?",
+     lambda n, k: sum(i * i for i in range(1, n + 1) if i % k == 0),
+     "print(sum(i * i for i in range(1, {n} + 1) if i % {k} == 0))"),
+    ("How many prime numbers are there below {n}?",
+     lambda n, k: sum(1 for i in range(2, n) if all(i % d for d in range(2, int(i ** 0.5) + 1))),
+     "print(sum(1 for i in range(2, {n}) if all(i % d for d in range(2, int(i ** 0.5) + 1))))"),
+    ("What is the {k}th Fibonacci number (F1 = F2 = 1)?", lambda n, k: _fib(k),
+     "a, b = 1, 1\nfor _ in range({k} - 1):\n    a, b = b, a + b\nprint(a)"),
+    ("How many integers from 1 to {n} have a digit sum divisible by {k}?",
+     lambda n, k: sum(1 for i in range(1, n + 1) if sum(map(int, str(i))) % k == 0),
+     "print(sum(1 for i in range(1, {n} + 1) if sum(map(int, str(i))) % {k} == 0))"),
+    ("What is the sum of the digits of {k} to the power {n}?", lambda n, k: sum(map(int, str(k ** n))),
+     "print(sum(map(int, str({k} ** {n}))))"),
+]  # (question, its answer, code that prints it)
+
+
+def _fib(k: int) -> int:
+    a, b = 1, 1
+    for _ in range(k - 1):
+        a, b = b, a + b
+    return a
+
+
+def numeric(text: str) -> float | None:
+    """The last number in `text` (commas between thousands allowed), or None."""
+    import re
+
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?", text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+class PythonInterpreter(Environment):
+    name = "python"
+    description = "Answer a math or data question with the help of a Python interpreter."
+    tools = (Tool("python", "Runs Python code and shows what it prints (state is kept between calls).",
+                  {"code": "the Python code"}, sandboxed=True),)
+    max_turns = 5
+
+    def check_instance(self, data: dict) -> None:
+        if not isinstance(data.get("answer"), (int, float)) or isinstance(data.get("answer"), bool):
+            raise InstanceError("python needs 'answer': the number that answers the question")
+
+    def job(self, task, earlier, call) -> execution_pb2.ExecuteRequest:
+        cells = [c.arguments["code"] for c in earlier if c.name == "python"] + [call.arguments["code"]]
+        return execution_pb2.ExecuteRequest(language="python", code=RUNNER, stdin=json.dumps(cells).encode(),
+                                            timeout_s=10.0)
+
+    def observe(self, task, earlier, call, result=None) -> Observation:
+        return program_output(result)
+
+    def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
+        expected, given = float(self.instance(task)["answer"]), numeric(answer)
+        right = given is not None and math.isclose(given, expected, rel_tol=1e-9, abs_tol=1e-6)
+        return {"answer_correct": float(right), "answer_numeric": float(given is not None)}
+
+    def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:
+        rng = random.Random(seed)
+        while True:
+            index = rng.randrange(len(QUESTIONS))
+            template, solve, _ = QUESTIONS[index]
+            n, k = rng.randrange(50, 2000), rng.randrange(2, 30)
+            question = template.format(n=n, k=k)
+            if split_of(question) != split:
+                continue
+            yield self.task(question, {"answer": solve(n, k), "template": index, "n": n, "k": k}, split=split,
+                            key=f"{question}:{rng.randrange(1 << 30)}", group_size=group_size)
+
+    def reference(self, task) -> list[str]:
+        data = self.instance(task)
+        code = QUESTIONS[data["template"]][2].format(n=data["n"], k=data["k"])
+        return ["@python " + json.dumps({"code": code}), str(data["answer"])]
+
+
+envs.register(PythonInterpreter())

@@ -1,0 +1,176 @@
+"""`sql`: a SQLite database built for each episode from the task's schema and rows.
+
+The model explores it with `sql` (one statement a call; what it changes stays for the rest of the
+episode: earlier statements are replayed first) and answers with the rows the question asks for,
+one row a line, values separated by commas. The answer is checked against the result of the task's
+reference query, order-insensitive unless the task says `"ordered": true`. Every statement the
+model writes runs in the sandbox; only the task's own reference query runs here, and only reads.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+from collections import Counter
+from collections.abc import Iterator
+
+from crucible.ml import envs
+from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool, program_output, split_of
+from crucible.v1 import execution_pb2
+
+MAX_ROWS_SHOWN = 30
+
+# The program the sandbox runs: fixed code; the database and the statements arrive on its stdin.
+RUNNER = """\
+import json, sqlite3, sys
+d = json.loads(sys.stdin.read())
+db = sqlite3.connect(":memory:")
+for statement in d["schema"]:
+    db.execute(statement)
+for table, rows in d["rows"].items():
+    if rows:
+        db.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
+for statement in d["earlier"]:
+    try:
+        db.execute(statement)
+    except sqlite3.Error:
+        pass
+try:
+    cursor = db.execute(d["query"])
+except sqlite3.Error as exc:
+    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(1)
+if cursor.description is None:
+    print(f"ok, {max(cursor.rowcount, 0)} rows changed")
+    sys.exit(0)
+rows = cursor.fetchmany(d["limit"] + 1)
+print(" | ".join(c[0] for c in cursor.description))
+for row in rows[: d["limit"]]:
+    print(" | ".join("NULL" if v is None else str(v) for v in row))
+if len(rows) > d["limit"]:
+    print(f"[more than {d['limit']} rows: only the first {d['limit']} shown]")
+"""
+
+FIRST = ["Ada", "Ben", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kai", "Lu", "Mo", "Ned", "Oz", "Pam"]
+DEPTS = ["sales", "ops", "research", "legal"]
+CITIES = ["Lyon", "Oslo", "Porto", "Riga"]
+SCHEMA = ["CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT, dept TEXT, salary INTEGER, city TEXT)",
+          "CREATE TABLE departments (name TEXT PRIMARY KEY, floor INTEGER)"]
+
+
+def _value(v) -> str:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return str(v).strip().lower()
+
+
+def answer_rows(answer: str) -> Counter:
+    """The model's answer as a multiset of rows (a line a row, commas or | between values)."""
+    rows = []
+    for line in answer.strip().splitlines():
+        if not line.strip():
+            continue
+        cells = [c for c in line.replace("|", ",").split(",")]
+        rows.append(tuple(_value(c) for c in cells))
+    return Counter(rows)
+
+
+def reference_rows(data: dict) -> list[tuple]:
+    """The reference query's result, computed here on a fresh in-memory database that it may only read."""
+    db = sqlite3.connect(":memory:")
+    reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
+    builds = reads | {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_CREATE_INDEX,
+                      sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_TRANSACTION}  # what creating the tables and filling them needs; never ATTACH
+    try:
+        db.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in builds else sqlite3.SQLITE_DENY)
+        for statement in data["schema"]:
+            db.execute(statement)
+        for table, rows in data["rows"].items():
+            if rows:
+                db.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
+        db.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in reads else sqlite3.SQLITE_DENY)
+        return [tuple(_value(v) for v in row) for row in db.execute(data["reference"]).fetchall()]
+    finally:
+        db.close()
+
+
+class SQL(Environment):
+    name = "sql"
+    description = "Answer a question about a database by querying it."
+    tools = (Tool("sql", "Runs one SQLite statement and shows its result.", {"query": "the SQL statement"},
+                  sandboxed=True),)
+    max_turns = 6
+
+    def check_instance(self, data: dict) -> None:
+        schema, rows, reference = data.get("schema"), data.get("rows"), data.get("reference")
+        if not (isinstance(schema, list) and all(isinstance(s, str) for s in schema) and schema):
+            raise InstanceError("sql needs 'schema': a list of CREATE TABLE statements")
+        if not (isinstance(rows, dict) and all(isinstance(r, list) for r in rows.values())):
+            raise InstanceError("sql needs 'rows': an object of table name to a list of rows")
+        if not all(t.isidentifier() for t in rows):
+            raise InstanceError("sql: every table name in 'rows' must be an identifier")
+        if not isinstance(reference, str) or not reference.strip():
+            raise InstanceError("sql needs 'reference': the query whose result is the answer")
+
+    def job(self, task, earlier, call) -> execution_pb2.ExecuteRequest:
+        data = self.instance(task)
+        payload = {"schema": data["schema"], "rows": data["rows"], "limit": MAX_ROWS_SHOWN,
+                   "earlier": [c.arguments["query"] for c in earlier if c.name == "sql"],
+                   "query": call.arguments["query"]}
+        return execution_pb2.ExecuteRequest(language="python", code=RUNNER, stdin=json.dumps(payload).encode(),
+                                            timeout_s=10.0)
+
+    def observe(self, task, earlier, call, result=None) -> Observation:
+        return program_output(result)
+
+    def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
+        data = self.instance(task)
+        try:
+            expected = reference_rows(data)
+        except sqlite3.Error as exc:
+            raise InstanceError(f"the task's reference query fails: {exc}") from None
+        given = answer_rows(answer)
+        if data.get("ordered"):
+            right = [r for r in (tuple(_value(c) for c in line.replace("|", ",").split(","))
+                                 for line in answer.strip().splitlines() if line.strip())] == expected
+        else:
+            right = given == Counter(expected)
+        overlap = sum((given & Counter(expected)).values()) / max(len(expected), 1)
+        return {"answer_correct": float(right), "rows_overlap": overlap}
+
+    def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:
+        rng = random.Random(seed)
+        while True:
+            names = rng.sample(FIRST, rng.randrange(6, 11))
+            employees = [[i + 1, n, rng.choice(DEPTS), rng.randrange(30, 120) * 1000, rng.choice(CITIES)]
+                         for i, n in enumerate(names)]
+            floors = rng.sample(range(1, 9), len(DEPTS))
+            departments = [[d, f] for d, f in zip(DEPTS, floors)]
+            dept, city = rng.choice(DEPTS), rng.choice(CITIES)
+            floor = dict(zip(DEPTS, floors))[dept]
+            threshold = rng.randrange(40, 110) * 1000
+            question, reference = rng.choice([
+                (f"Which employees work in {dept}? Answer with their names, one per line.",
+                 f"SELECT name FROM employees WHERE dept = '{dept}'"),
+                (f"How many employees earn more than {threshold}?",
+                 f"SELECT COUNT(*) FROM employees WHERE salary > {threshold}"),
+                (f"What is the total salary paid in {city}?",
+                 f"SELECT COALESCE(SUM(salary), 0) FROM employees WHERE city = '{city}'"),
+                (f"Which employees work on floor {floor}? Answer with name and city, one employee per line.",
+                 f"SELECT e.name, e.city FROM employees e JOIN departments d ON e.dept = d.name WHERE d.floor = {floor}"),
+            ])
+            data = {"schema": SCHEMA, "rows": {"employees": employees, "departments": departments},
+                    "reference": reference}
+            identity = json.dumps(data, sort_keys=True)
+            if split_of(identity) != split or not reference_rows(data):
+                continue
+            yield self.task(question + " The database has the tables employees and departments.", data,
+                            split=split, key=f"{identity}:{rng.randrange(1 << 30)}", group_size=group_size)
+
+    def reference(self, task) -> list[str]:
+        data = self.instance(task)
+        answer = "\n".join(", ".join(row) for row in reference_rows(data))
+        return ["@sql " + json.dumps({"query": data["reference"]}), answer]
+
+
+envs.register(SQL())
