@@ -1,7 +1,8 @@
 """Recipes: a whole training job in one TOML file.
 
     [model]      name = "builtin" | a name from `crucible models list` | a folder; chat_template, system_prompt
-    [[tasks.sources]]  family = "digits"|"arithmetic" | jsonl = "file.jsonl" | set = "humaneval"|"math" | reasoning_gym = "gcd"
+    [[tasks.sources]]  family = "digits"|"arithmetic" | environment = "lookup"|"sql"|"python"|"logs"|"events"
+                       | jsonl = "file.jsonl" | set = "humaneval"|"math" | reasoning_gym = "gcd"
     [heldout]    file = "..." or fraction = 0.2 (a stable hash split), size
     [sampling]   group_size, max_tokens, temperature, top_p
     [algorithm]  objective, estimator, lr, kl_coef, groups_per_step, max_policy_lag, ...
@@ -52,12 +53,14 @@ def _section(section: str, **own: Any) -> type[BaseModel]:
 
 
 class TaskSource(BaseModel):
-    """One source of training tasks; exactly one of family, jsonl, set, reasoning_gym."""
+    """One source of training tasks; exactly one of family, environment, jsonl, set, reasoning_gym."""
 
     model_config = STRICT
     family: str | None = Field(default=None, description="A built-in procedural family: digits, arithmetic.")
     ops: list[str] | None = Field(default=None, description="The family's ops (digits: parity, size, ...; "
                                   "arithmetic: + and -); default: the family's own.")
+    environment: str | None = Field(default=None, description="A built-in multi-turn environment's procedural "
+                                    "tasks: lookup, sql, python, logs, events (held out: the environment's own split).")
     jsonl: str | None = Field(default=None, description="A file of Task JSON, one per line (relative to the recipe).")
     set: str | None = Field(default=None, description="A built-in set: humaneval, math.")
     reasoning_gym: str | None = Field(default=None, description="A reasoning-gym generator name.")
@@ -66,9 +69,9 @@ class TaskSource(BaseModel):
 
     @model_validator(mode="after")
     def one_kind(self):
-        chosen = [k for k in ("family", "jsonl", "set", "reasoning_gym") if getattr(self, k) is not None]
+        chosen = [k for k in ("family", "environment", "jsonl", "set", "reasoning_gym") if getattr(self, k) is not None]
         if len(chosen) != 1:
-            raise ValueError("give exactly one of family, jsonl, set, reasoning_gym"
+            raise ValueError("give exactly one of family, environment, jsonl, set, reasoning_gym"
                              + (f" (got {', '.join(chosen)})" if chosen else ""))
         return self
 
@@ -76,7 +79,8 @@ class TaskSource(BaseModel):
 ModelSection = _section("model", name=(str, Field(default="builtin", description="builtin, a registered model "
                                                      "name, or a folder holding a Hugging Face causal LM.")),
                         warm_start_steps=(int, Field(default=100, ge=0, description="The built-in policy only: "
-                                                     "steps that teach it the digits answer format first.")))
+                                                     "steps that teach it the answer format first (digits; "
+                                                     "environments with a format, e.g. lookup's calls).")))
 SamplingSection = _section("sampling", group_size=(int, Field(default=8, ge=1, description="Samples per task.")))
 AlgorithmSection = _section("algorithm")
 

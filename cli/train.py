@@ -51,8 +51,9 @@ class TrainReport:
 async def heldout_pass_rate(run: "Run", checkpoint: Path, tasks) -> float:
     """Greedy answers of the checkpoint's policy to the held-out tasks, scored by the run's verifier."""
     backend = await asyncio.to_thread(backend_for, run.settings, checkpoint.as_uri())
-    async with evaluation.verifier(run.verifier_address) as verify:
-        return (await evaluation.evaluate(backend, tasks, verify, max_tokens=run.settings.max_tokens)).pass_rate
+    async with evaluation.verifier(run.verifier_address) as verify, evaluation.sandbox(run.sandbox_address) as execute:
+        return (await evaluation.evaluate(backend, tasks, verify, max_tokens=run.settings.max_tokens, execute=execute,
+                                          max_episode_tokens=run.settings.max_episode_tokens)).pass_rate
 
 
 def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, str]:
@@ -83,6 +84,7 @@ class Run:
         self.heldout: list = []
         self.echo = echo
         self.verifier_address = ""
+        self.sandbox_address = ""
 
     def start_services(self, init_uri: str) -> None:
         s = self.settings
@@ -106,6 +108,7 @@ class Run:
             "CRUCIBLE_SANDBOX_WORKERS": "1",
         }
         self.verifier_address = f"127.0.0.1:{ports['verifier']}"
+        self.sandbox_address = f"127.0.0.1:{ports['sandbox']}"
         env = service_env(s, run_settings)
         logs = self.dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -141,7 +144,7 @@ async def train(settings: Settings, recipe: Recipe, echo=print) -> TrainReport:
 
     init = await _initial_policy(run, settings)
     await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts",
-                             "heldout", "evaluations"], settings=s)
+                             "heldout", "evaluations", "actions", "observations", "episodes"], settings=s)
     async with bus.Producer(s) as producer:  # for the evaluator; the generator would refuse them as tasks
         for task in heldout:
             await producer.send("heldout", task, key=task.id)
@@ -166,6 +169,20 @@ async def train(settings: Settings, recipe: Recipe, echo=print) -> TrainReport:
     return report
 
 
+def format_only_examples(recipe: Recipe, seed: int) -> list:
+    """What the built-in policy's warm start trains on: the answer format of the recipe's digits tasks
+    and the call format of its environments that have one (lookup), every answer random."""
+    from crucible.ml import envs
+
+    examples: list = []
+    for source in recipe.tasks.sources:
+        if source.family == "digits":
+            examples += format_examples(2000, seed=seed, ops=tuple(source.ops or DEFAULT_OPS))
+        elif source.environment and hasattr(envs.get(source.environment), "format_examples"):
+            examples += envs.get(source.environment).format_examples(2000, seed=seed)
+    return examples
+
+
 async def _initial_policy(run: Run, settings: Settings) -> Path:
     """The starting checkpoint: the built-in policy (warm-started on the digits answer format), or the
     recipe's Hugging Face model as it is."""
@@ -175,13 +192,12 @@ async def _initial_policy(run: Run, settings: Settings) -> Path:
         echo(f"[1/5] model {recipe.model.name}: {folder}")
         return folder
     model = fresh_policy(s.seed)
-    digits = [src for src in recipe.tasks.sources if src.family == "digits"]
-    if recipe.model.warm_start_steps and digits:
-        ops = tuple(digits[0].ops or DEFAULT_OPS)
+    examples = format_only_examples(recipe, s.seed)
+    if recipe.model.warm_start_steps and examples:
         echo(f"[1/5] warm-starting a fresh policy on the answer format ({recipe.model.warm_start_steps} steps, "
              "random answers)")
         started = time.monotonic()
-        loss = await asyncio.to_thread(warm_start, model, format_examples(2000, seed=s.seed, ops=ops),
+        loss = await asyncio.to_thread(warm_start, model, examples,
                                        steps=recipe.model.warm_start_steps, batch_size=32, lr=3e-3, seed=s.seed)
         echo(f"      loss {loss:.3f} after {time.monotonic() - started:.1f}s; {model.num_parameters():,} parameters")
     else:

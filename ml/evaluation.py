@@ -13,13 +13,16 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from crucible.ml import envs
+from crucible.ml.envs import episode as ep
 from crucible.ml.kinds import registry
 from crucible.ml.policy.backends import PolicyBackend
 from crucible.ml.policy.sampling import SamplingParams
 from crucible.shared import rpc
-from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2, verdict_pb2_grpc
+from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2, verdict_pb2, verdict_pb2_grpc
 
 Verify = Callable[[verdict_pb2.VerifyRequest], Awaitable[verdict_pb2.Verdict]]
+Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.ExecutionResult]]
 
 
 @dataclass
@@ -35,13 +38,26 @@ class Result:
 
 
 async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: Verify, *, max_tokens: int,
-                   concurrency: int = 16) -> Result:
-    """Greedy completions of every task (one backend call), each verified; the pass counts by kind."""
+                   concurrency: int = 16, execute: Execute | None = None, max_episode_tokens: int = 480) -> Result:
+    """Greedy completions of every task (one backend call), each verified; the pass counts by kind.
+    An environment's tasks are played as episodes (greedy turns, tools carried out through
+    `execute`, the Sandbox) and scored by their environment."""
     started = time.perf_counter()
     result = Result()
     if not tasks:
         return result
     params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
+    episodic = [t for t in tasks if envs.is_environment(t)]
+    tasks = [t for t in tasks if not envs.is_environment(t)]
+    if episodic:
+        if execute is None:
+            execute = _no_sandbox
+        for e in await ep.drive(backend, episodic, execute, params, max_episode_tokens=max_episode_tokens):
+            result.tasks[e.task.kind] += 1
+            result.passed[e.task.kind] += int(envs.get(e.task.kind).score(e.task, e).passed)
+    if not tasks:
+        result.eval_ms = (time.perf_counter() - started) * 1000
+        return result
     groups = await asyncio.to_thread(backend.sample, [registry.render_prompt(t) for t in tasks], 1, params)
     slots = asyncio.Semaphore(concurrency)
 
@@ -69,3 +85,19 @@ async def verifier(target: str, timeout_s: float = 120.0) -> AsyncIterator[Verif
             return await stub.Verify(request, timeout=timeout_s)
 
         yield verify
+
+
+async def _no_sandbox(request: execution_pb2.ExecuteRequest) -> execution_pb2.ExecutionResult:
+    return execution_pb2.ExecutionResult(not_run="no sandbox was given to this evaluation")
+
+
+@contextlib.asynccontextmanager
+async def sandbox(target: str, timeout_s: float = 60.0) -> AsyncIterator[Execute]:
+    """An Execute function backed by the Sandbox gRPC service at `target` (an environment's tools)."""
+    async with rpc.channel(target) as channel:
+        stub = execution_pb2_grpc.SandboxStub(channel)
+
+        async def execute(request: execution_pb2.ExecuteRequest) -> execution_pb2.ExecutionResult:
+            return (await stub.Execute(request, timeout=timeout_s)).result
+
+        yield execute

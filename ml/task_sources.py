@@ -1,4 +1,4 @@
-"""Where a job's tasks come from: built-in families and sets, reasoning-gym generators, JSONL files.
+"""Where a job's tasks come from: built-in families, environments and sets, reasoning-gym generators, JSONL files.
 
 A JSONL file holds one Task a line in protobuf's JSON mapping (the form accepted on crucible.tasks);
 a line that is not a valid task is an error naming the file and the line. Finite sources are split
@@ -73,6 +73,15 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
     trains: list[Iterator[task_pb2.Task]] = []
     heldout: list[task_pb2.Task] = []
     for i, source in enumerate(sources):
+        if getattr(source, "environment", None) is not None:
+            from crucible.ml import envs
+
+            env = envs.get(source.environment)
+            trains.append(env.generate("train", seed=seed + i, group_size=group_size))
+            if heldout_file is None:
+                stream = env.generate(HELDOUT_SPLIT, seed=seed + 1000 + i, group_size=1)
+                heldout += list(itertools.islice(stream, heldout_size))
+            continue
         if source.family is not None:
             if source.family not in FAMILIES:
                 raise ValueError(f"unknown task family {source.family!r}: built-in families are {sorted(FAMILIES)}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -37,6 +38,8 @@ from crucible.shared.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 DLQ_SUFFIX = ".dlq"
+# The records a transactional consumer's handling of one record produces, sent when that record commits.
+_OUTBOX: contextvars.ContextVar[list | None] = contextvars.ContextVar("crucible_bus_outbox", default=None)
 H_SCHEMA = "schema"
 H_CONTENT_TYPE = "content-type"
 H_DLQ_REASON = "dlq-reason"
@@ -149,6 +152,26 @@ class Producer:
     async def send_and_wait(self, topic: str, message: Message, key: str | bytes | None = None):
         return await (await self.send(topic, message, key))
 
+    def prepare(self, topic: str, message: Message, key: str | bytes | None = None) -> "Prepared":
+        """A record ready to send later (in a transaction), its publish span and trace context taken now."""
+        topic = self.settings.topic(topic)
+        with self._tracer.start_as_current_span(f"{topic} publish", kind=trace.SpanKind.PRODUCER) as span:
+            span.set_attribute("messaging.system", "kafka")
+            span.set_attribute("messaging.destination.name", topic)
+            return Prepared(topic, messages.encode(message), _key_bytes(key), publish_headers(message))
+
+    async def commit_transaction(self, records: Sequence["Prepared"], offsets: dict[tuple[str, int], int],
+                                 group_id: str) -> None:
+        """Sends the records and commits the consumed offsets in one Kafka transaction: a reader at
+        read_committed sees all of it or none, so a replica killed in the middle leaves nothing behind
+        and its restart (fencing the old one) does the work exactly once."""
+        async with self._producer.transaction():
+            for r in records:
+                await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
+            await self._producer.send_offsets_to_transaction(
+                {TopicPartition(t, p): o for (t, p), o in offsets.items()}, group_id)
+
+
     async def dead_letter(self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
                           headers: Sequence[tuple[str, bytes]] | None, reason: str) -> None:
         """Sends one consumed record, as it came, to `<topic>.dlq` with the reason; waits for the broker."""
@@ -160,6 +183,14 @@ class Producer:
 
     async def flush(self) -> None:
         await self._producer.flush()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    topic: str  # full name
+    value: bytes | None
+    key: bytes | None
+    headers: list[tuple[str, bytes]]
 
 
 @contextlib.contextmanager
@@ -324,8 +355,14 @@ class Reader:
                      record.offset, reason)
             self.skipped += 1
             return
-        await self.producer.dead_letter(record.topic, record.partition, record.offset, record.key, record.value,
-                                        record.headers, reason)
+        outbox = _OUTBOX.get()
+        if outbox is not None:  # a transactional consumer: sent with the record's outputs, in its transaction
+            log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
+            outbox.append(Prepared(record.topic + DLQ_SUFFIX, record.value, record.key, dead_letter_headers(
+                record.topic, record.partition, record.offset, record.headers, reason)))
+        else:
+            await self.producer.dead_letter(record.topic, record.partition, record.offset, record.key,
+                                            record.value, record.headers, reason)
         self.dead_lettered += 1
 
     async def at_end(self) -> bool:
@@ -360,9 +397,19 @@ class Consumer(Reader):
         max_attempts: int = 3,
         batch_size: int = 100,
         concurrency: int = 1,
+        transactional: bool = False,
         **reader_options,
     ):
+        settings = reader_options.get("settings") or get_settings()
+        if transactional:
+            # Its own producer: a transaction holds everything sent on it, so it is never shared.
+            reader_options["producer"] = Producer(
+                settings, transactional_id=f"{group_id}/{settings.instance}",
+                transaction_timeout_ms=settings.transaction_timeout_ms)
         super().__init__(topics, group_id, **reader_options)
+        if transactional:
+            self._own_producer = True
+        self.transactional = transactional
         self.handler = handler
         self.max_attempts = max_attempts
         self.batch_size = batch_size
@@ -375,6 +422,9 @@ class Consumer(Reader):
         Offsets are committed once per fetched batch, after every output of the
         batch is acknowledged by the broker: a crash replays at most one batch
         (at-least-once; downstream writes are idempotent), and nothing is lost.
+        A transactional consumer sends a batch's outputs (dead letters included) and its
+        offsets in one transaction instead: exactly once, for hops whose work is not
+        repeatable (sampling the next turn of an episode).
         """
         done = 0
         loop = asyncio.get_running_loop()
@@ -389,6 +439,12 @@ class Consumer(Reader):
             idle_since = loop.time()
             offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
             pending: list[asyncio.Future] = []
+            if self.transactional:
+                await self._run_transactional(records)
+                done += len(records)
+                if max_records is not None and done >= max_records:
+                    break
+                continue
             if self.concurrency <= 1:
                 for record in records:
                     pending.extend(await self._process(record))
@@ -408,6 +464,35 @@ class Consumer(Reader):
             if max_records is not None and done >= max_records:
                 break
         return done
+
+    async def _run_transactional(self, records: list[ConsumerRecord]) -> None:
+        """Handles a batch concurrently; whenever the records handled form a longer prefix of the batch,
+        that prefix's outputs and offsets are committed in one transaction. A handler that waits (the
+        generator's policy-lag bound) holds back only what follows it, never what went before."""
+        slots = asyncio.Semaphore(max(1, self.concurrency))
+        finished: dict[int, list[Prepared]] = {}
+        committed = 0
+        lock = asyncio.Lock()
+
+        async def one(index: int, record: ConsumerRecord) -> None:
+            nonlocal committed
+            outbox: list[Prepared] = []
+            _OUTBOX.set(outbox)  # this task's own context: the handler's outputs and dead letters land here
+            async with slots:
+                await self._process(record)
+            finished[index] = outbox
+            async with lock:
+                end = committed
+                while end in finished:
+                    end += 1
+                if end == committed:
+                    return
+                sends = [p for i in range(committed, end) for p in finished.pop(i)]
+                offsets = {(r.topic, r.partition): r.offset + 1 for r in records[committed:end]}
+                await self.producer.commit_transaction(sends, offsets, self.group_id)
+                committed = end
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
 
     async def _process(self, record: ConsumerRecord) -> list[asyncio.Future]:
         """Decodes and handles one record; returns the delivery futures of its outputs."""
@@ -437,6 +522,10 @@ class Consumer(Reader):
                     await asyncio.sleep(0.1 * 2**attempt)
                     continue
                 self.handled += 1
+                outbox = _OUTBOX.get()
+                if outbox is not None:
+                    outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)
+                    return []
                 return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
         return []
 

@@ -29,7 +29,9 @@ class RunConfig(BaseModel):
     # sampling
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=64, ge=1, le=4096)
+    max_tokens: int = Field(default=64, ge=1, le=4096, description="Tokens per completion (per turn in an episode).")
+    max_episode_tokens: int = Field(default=480, ge=16, description="Tokens a multi-turn episode may hold in all "
+                                    "(prompt, turns, observations); a task's environment.max_tokens may ask for fewer.")
 
     # how sampling and learning interleave
     groups_per_step: int = Field(default=16, ge=1, description="Groups the learner trains on per policy step.")
@@ -158,6 +160,11 @@ class Settings(BaseSettings, RunConfig):
         '{"endpoint_url": "http://minio:9000", "key": "...", "secret": "..."}; generators need the same.')
 
     # Tasks
+    instance: str = Field(default_factory=lambda: __import__("socket").gethostname(), description="Names this "
+                          "replica of a service; stable across its restarts (a StatefulSet pod's name), unique "
+                          "among replicas: the episode hops' Kafka transactions are fenced by it.")
+    transaction_timeout_ms: int = Field(default=20_000, ge=1000, description="How long an open Kafka transaction "
+                                        "of a replica that died may hold readers back before the broker aborts it.")
     max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")
     max_prompt_chars: int = Field(default=32_000, ge=1)
 

@@ -45,6 +45,36 @@ def add_turn(episode: episode_pb2.Episode, text: str, token_ids: list[int], logp
     return turn
 
 
+def token_limit(max_episode_tokens: int, task: task_pb2.Task) -> int:
+    """The episode's token budget: the run's, or the task's own when it asks for fewer."""
+    own = task.environment.max_tokens
+    return min(max_episode_tokens, own) if own else max_episode_tokens
+
+
+def prompt_ids(backend, task: task_pb2.Task) -> list[int]:
+    """The ids an episode of `task` starts from, as `backend`'s policy expects tools to be presented."""
+    from crucible.ml import envs
+
+    env = envs.get(task.kind)
+    return backend.episode_prompt_ids(env.instructions(task, backend.call_format), [t.schema() for t in env.tools],
+                                      call_parser.describe_hermes(env.tools))
+
+
+def add_completion(episode: episode_pb2.Episode, completion, policy_version: int, sample_ms: float,
+                   limit: int) -> episode_pb2.Turn:
+    """Adds a sampled completion as the next turn, cut where the episode's token budget ends."""
+    room = max(0, limit - tokens_used(episode))
+    cut = len(completion.token_ids) > room
+    return add_turn(episode, completion.text, completion.token_ids[:room], completion.logprobs[:room],
+                    "length" if cut else completion.finish_reason, policy_version, sample_ms)
+
+
+def read_observation(backend, episode: episode_pb2.Episode) -> None:
+    """Tokenises the last observation as the model will read it (the generator does this, not the executor)."""
+    last = episode.turns[-1]
+    last.observation_token_ids[:] = backend.observation_ids(last.observation, list(last.token_ids))
+
+
 def tokens_used(episode: episode_pb2.Episode) -> int:
     return len(episode.prompt_token_ids) + sum(len(t.token_ids) + len(t.observation_token_ids) for t in episode.turns)
 
@@ -149,3 +179,38 @@ async def play(env: Environment, task: task_pb2.Task, turns: list[str], execute:
         if not episode.end:
             episode.end = episode_pb2.EPISODE_END_TURN_LIMIT
     return episode
+
+
+async def drive(backend, tasks: list[task_pb2.Task], execute: Execute, params, *,
+                max_episode_tokens: int) -> list[episode_pb2.Episode]:
+    """One episode per task, every turn sampled in one batch across the episodes still running, the
+    tools carried out through `execute`: the local twin of the pipeline's episode hops (held-out
+    evaluation uses it; the pipeline runs the same steps across services)."""
+    import asyncio
+
+    from crucible.ml import envs
+
+    episodes, active = [], []
+    for task in tasks:
+        e = start(task, f"eval/{task.id}", 0, prompt_ids(backend, task), temperature=params.temperature,
+                  top_p=params.top_p, call_format=backend.call_format, backend=backend.name)
+        episodes.append(e)
+        active.append(e)
+    while active:
+        groups = await asyncio.to_thread(backend.sample, [context_ids(e) for e in active], 1, params)
+        still = []
+        for e, group in zip(active, groups):
+            env, limit = envs.get(e.task.kind), token_limit(max_episode_tokens, e.task)
+            add_completion(e, group[0], backend.version, 0.0, limit)
+            if route(env, e, limit) == "done":
+                continue
+            await act(env, e, execute)
+            if e.end:
+                continue
+            read_observation(backend, e)
+            if len(context_ids(e)) >= limit:
+                e.end = episode_pb2.EPISODE_END_TOKEN_LIMIT
+                continue
+            still.append(e)
+        active = still
+    return episodes

@@ -98,12 +98,13 @@ class Events(Environment):
             start, target = rng.choice(states(machine)), rng.choice(states(machine))
             if start == target or path(machine, start, target) is None:
                 continue
-            identity = f"{machine}:{start}:{target}:{rng.randrange(1000)}"
+            identity = f"{machine}:{start}:{target}"  # held out: whole start/target pairs, never trained on
             if split_of(identity) != split:
                 continue
-            prompt = (f"The {machine} is {start}. Bring it to {target} by publishing events, then say done.")
-            yield self.task(prompt, {"machine": machine, "start": start, "target": target}, split=split,
-                            key=f"{identity}:{rng.randrange(1 << 30)}", group_size=group_size)
+            entity = f"{machine} {rng.randrange(1, 1000)}"
+            prompt = f"The {entity} is {start}. Bring it to {target} by publishing events, then say done."
+            yield self.task(prompt, {"machine": machine, "start": start, "target": target, "entity": entity},
+                            split=split, key=f"{identity}:{entity}:{rng.randrange(1 << 30)}", group_size=group_size)
 
     def reference(self, task) -> list[str]:
         data = self.instance(task)

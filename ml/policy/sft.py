@@ -16,27 +16,41 @@ from crucible.ml.policy.model import Policy, causal_mask
 from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 
 
-def batch_tensors(pairs: Sequence[tuple[str, str]], tokenizer: ByteTokenizer):
-    """(ids, valid, target_mask): right-padded prompt+answer+EOS, and which positions are answer targets."""
-    rows = []
-    for prompt, answer in pairs:
-        p = tokenizer.encode(prompt)
-        a = tokenizer.encode(answer, bos=False) + [EOS_ID]
-        rows.append((p + a, len(p)))
+Example = tuple[str, str] | list[str]  # (prompt, answer), or an episode: [prompt, turn, observation, turn, ...]
+
+
+def example_tokens(example: Example, tokenizer: ByteTokenizer) -> tuple[list[int], list[bool]]:
+    """An example's ids and which of them are targets (the model's own tokens, each turn with its EOS)."""
+    if isinstance(example, tuple):
+        prompt, answer = example
+        p, a = tokenizer.encode(prompt), tokenizer.encode(answer, bos=False) + [EOS_ID]
+        return p + a, [False] * len(p) + [True] * len(a)
+    ids = tokenizer.episode_prompt(example[0])
+    target = [False] * len(ids)
+    for i, text in enumerate(example[1:]):
+        part = tokenizer.encode(text, bos=False) + [EOS_ID] if i % 2 == 0 else tokenizer.observation(text)
+        ids += part
+        target += [i % 2 == 0] * len(part)
+    return ids, target
+
+
+def batch_tensors(examples: Sequence[Example], tokenizer: ByteTokenizer):
+    """(ids, valid, target_mask): right-padded examples, and which positions are targets."""
+    rows = [example_tokens(e, tokenizer) for e in examples]
     width = max(len(r) for r, _ in rows)
     ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
     valid = torch.zeros((len(rows), width), dtype=torch.bool)
     target = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (row, prompt_len) in enumerate(rows):
+    for i, (row, wanted) in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
         valid[i, : len(row)] = True
-        target[i, prompt_len: len(row)] = True
+        target[i, : len(row)] = torch.tensor(wanted)
     return ids, valid, target
 
 
-def warm_start(model: Policy, pairs: Sequence[tuple[str, str]], *, steps: int = 200, batch_size: int = 32,
+def warm_start(model: Policy, pairs: Sequence[Example], *, steps: int = 200, batch_size: int = 32,
                lr: float = 3e-3, seed: int = 0, progress: Callable[[int, float], None] | None = None) -> float:
-    """Trains on (prompt, answer) pairs for `steps` AdamW steps; returns the last loss."""
+    """Trains on (prompt, answer) pairs or episodes for `steps` AdamW steps; returns the last loss."""
     tokenizer = ByteTokenizer()
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -40,6 +40,14 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [BOS_ID, *ids] if bos else ids
 
+    # The plain episode format of the built-in policy: the prompt and a newline, each turn ended by
+    # EOS, each observation as "\n= <text>\n" (see crucible.ml.envs.calls for how its calls are written).
+    def episode_prompt(self, instructions: str) -> list[int]:
+        return self.encode(instructions + "\n")
+
+    def observation(self, text: str) -> list[int]:
+        return self.encode(f"\n= {text}\n", bos=False)
+
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_TOKENS).decode("utf-8", errors="replace")
 

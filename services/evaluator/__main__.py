@@ -101,9 +101,12 @@ class Evaluator:
             except Exception as exc:  # pruned, unreachable or tampered: that version goes unscored, the next will not
                 log.warning("cannot score version %d (%s): %s", pv.version, pv.checkpoint_uri, exc)
                 return
-            async with evaluation.verifier(s.evaluator_verifier_target) as verify:
+            # episodes' tools run in the same sandbox the verifier uses
+            async with evaluation.verifier(s.evaluator_verifier_target) as verify, \
+                    evaluation.sandbox(s.verifier_sandbox_target) as execute:
                 result = await evaluation.evaluate(backend, list(self.tasks.values()), verify,
-                                                   max_tokens=s.max_tokens)
+                                                   max_tokens=s.max_tokens, execute=execute,
+                                                   max_episode_tokens=s.max_episode_tokens)
             message = evaluation_message(s, pv.version, result, self.id)
             await asyncio.to_thread(self.store.insert, "evaluations", rows(message), column_names=COLUMNS)
             await self.producer.send_and_wait("evaluations", message, key=s.run_id)

@@ -1,4 +1,6 @@
-"""python -m crucible.services.generator: crucible.tasks -> crucible.rollouts (one RolloutGroup per task), weights from crucible.policy, gRPC Generator."""
+"""python -m crucible.services.generator: crucible.tasks -> crucible.rollouts (one RolloutGroup per task),
+an environment's tasks and crucible.observations -> turns of episodes (crucible.actions, crucible.episodes),
+weights from crucible.policy, gRPC Generator."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,7 @@ import os
 import socket
 
 from crucible.v1 import generator_pb2_grpc, policy_pb2
+from crucible.services.generator import episodes
 from crucible.services.generator.batcher import Batcher, LagBound
 from crucible.services.generator.handler import group_id_for, render_prompt, rollout_group
 from crucible.services.generator.servicer import GeneratorServicer, sampling_params
@@ -15,6 +18,7 @@ from crucible.shared import bus, rpc, service
 from crucible.ml.policy import transfer
 from crucible.ml.policy.backends import backend_for
 from crucible.shared.settings import Settings
+from crucible.ml import envs
 from crucible.ml.tasks import is_heldout, task_problems
 
 log = logging.getLogger("crucible.generator")
@@ -35,8 +39,10 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
         if is_heldout(task):
             raise bus.Reject(f"task {task.id!r} is held out (split {task.split!r}): it is never sampled for "
                              "training; the evaluator scores held-out tasks through Generator.Generate")
-        completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)
         group_id = group_id_for(task.id, f"{incoming.topic}/{incoming.partition}@{incoming.offset}")
+        if envs.is_environment(task):
+            return await episodes.start(task, group_id, batcher, params, settings=settings, generator_id=generator_id)
+        completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)
         group = rollout_group(task, group_id, completions, params, policy_version=version,
                               backend=batcher.backend.name, generator_id=generator_id, sample_ms=ms)
         return [bus.Outgoing("rollouts", group, key=group_id)]
@@ -134,7 +140,7 @@ def policy_judge(settings: Settings, verifier: CheckpointVerifier):
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     generator_id = f"{socket.gethostname()}-{os.getpid()}"
-    await bus.ensure_topics(["tasks", "rollouts", "policy"], settings=settings)
+    await bus.ensure_topics(["tasks", "rollouts", "policy", "actions", "observations", "episodes"], settings=settings)
     backend = await asyncio.to_thread(build_backend, settings)
     log.info("backend %s ready at policy version %d", backend.name, backend.version)
     batcher = Batcher(backend, max_tasks=settings.generator_batch_tasks, wait_ms=settings.generator_batch_wait_ms,
@@ -144,9 +150,14 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                                         generator_pb2_grpc.add_GeneratorServicer_to_server)],
                            host=settings.grpc_host, port=settings.generator_grpc_port)
     async with bus.Producer(settings) as producer, server:
+        # Sampling is not repeatable: what a task or an observation leads to is published, and the
+        # record consumed, in one Kafka transaction (exactly once, across kill -9 and restarts).
         tasks = bus.Consumer(["tasks"], settings.consumer_group_prefix + "generator",
-                             task_handler(settings, batcher, generator_id), settings=settings, producer=producer,
-                             concurrency=settings.generator_batch_tasks * 2)
+                             task_handler(settings, batcher, generator_id), settings=settings,
+                             concurrency=settings.generator_batch_tasks * 2, transactional=True)
+        turns = bus.Consumer(["observations"], settings.consumer_group_prefix + "generator-turns",
+                             episodes.continue_handler(settings, batcher, sampling_params(settings)),
+                             settings=settings, concurrency=settings.generator_batch_tasks * 8, transactional=True)
         verifier = CheckpointVerifier(settings)
         # Every generator must see every policy version: no group, every partition from the beginning
         # (the newest version of the run is the one loaded). It dead-letters nothing...
@@ -155,8 +166,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         # ...the judge does, in one group for all generators: each refused version reaches the DLQ once.
         judge = bus.Consumer(["policy"], settings.consumer_group_prefix + "generator-policy",
                              policy_judge(settings, verifier), settings=settings, producer=producer)
-        async with tasks, policy, judge:
-            await service.run_until(stop, tasks.run(), policy.run(), judge.run())
+        async with tasks, turns, policy, judge:
+            await service.run_until(stop, tasks.run(), turns.run(), policy.run(), judge.run())
     await batcher.stop()
 
 

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Request:
-    prompt: str
+    prompt: str | list[int]  # text, or an episode's token ids
     n: int
     params: SamplingParams
     future: asyncio.Future
@@ -105,7 +105,7 @@ class Batcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def sample(self, prompt: str, n: int, params: SamplingParams, *, counts_for_lag: bool = True
+    async def sample(self, prompt: str | list[int], n: int, params: SamplingParams, *, counts_for_lag: bool = True
                      ) -> tuple[list[Completion], int, float]:
         """n completions of one prompt, the policy version that produced them, and the batch's ms."""
         if counts_for_lag:
@@ -187,7 +187,8 @@ class Batcher:
                 continue
             batch = [first]
             deadline = loop.time() + self.wait_s
-            while len(batch) < self.max_tasks:
+            # Up to max_tasks groups of 8, counted in samples: an episode's next turn is one sample.
+            while len(batch) < self.max_tasks * 8 and sum(r.n for r in batch) < self.max_tasks * 8:
                 left = deadline - loop.time()
                 if left <= 0:
                     break

@@ -21,6 +21,7 @@ from crucible.v1 import trajectory_pb2
 # Why a sample is not trained on (StepResult.skipped, the PolicyVersion's metrics).
 STALE = "stale"                      # sampled more than max_policy_lag versions ago
 EMPTY = "empty_completion"           # no completion token carries a gradient
+MISMATCHED = "mismatched_loss_mask"  # a loss mask that does not cover the completion token for token
 NO_PREFERENCE = "no_preference"      # DPO: its group has no reward spread, so no pair
 HELDOUT = "heldout"                  # its task is held out: never trained on, whoever published it
 
@@ -49,6 +50,11 @@ class Batch:
     top_p: torch.Tensor        # [B]
 
 
+def model_tokens(s: trajectory_pb2.Trajectory) -> int:
+    """Completion tokens that carry loss: the model's own (an episode's observations do not)."""
+    return sum(s.loss_mask) if len(s.loss_mask) else len(s.completion_token_ids)
+
+
 def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
     rows = [(list(s.prompt_token_ids), list(s.completion_token_ids), list(s.logprobs)) for s in samples]
     width = max(len(p) + len(c) for p, c, _ in rows)
@@ -60,7 +66,8 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
     for i, (p, c, lp) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         valid[i, : len(p) + len(c)] = True
-        mask[i, len(p) - 1: len(p) + len(c) - 1] = 1.0
+        own = samples[i].loss_mask  # an episode: only the model's own tokens carry loss
+        mask[i, len(p) - 1: len(p) + len(c) - 1] = torch.tensor(list(own), dtype=torch.float32) if len(own) else 1.0
         old[i, len(p) - 1: len(p) + len(c) - 1] = torch.tensor(lp)
     return Batch(ids, valid, mask, old,
                  advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
@@ -103,7 +110,9 @@ class Trainer:
             return HELDOUT
         if not self.fresh_enough(s):
             return STALE
-        if not s.completion_token_ids:
+        if len(s.loss_mask) and len(s.loss_mask) != len(s.completion_token_ids):
+            return MISMATCHED
+        if not model_tokens(s):
             return EMPTY
         return None
 
@@ -170,7 +179,7 @@ class Trainer:
         so the sum is the token mean over the whole batch, as if it had been one pass.
         """
         loss_fn = grpo_loss if self.config.objective == "grpo" else ppo_loss
-        total = sum(len(s.completion_token_ids) for s in samples)
+        total = sum(model_tokens(s) for s in samples)
         loss_value, entropy_value, stats = 0.0, 0.0, Counter()
         for chunk in self.micro_batches(samples):
             batch = completion_batch(chunk)

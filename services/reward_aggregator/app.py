@@ -30,6 +30,8 @@ from crucible.services.reward_aggregator.handler import (
     check_verdict,
     group_trajectories,
     trajectory_row,
+    turn_rows,
+    TURN_COLUMNS,
 )
 from crucible.shared import bus, messages, telemetry
 from crucible.shared.settings import Settings
@@ -144,6 +146,9 @@ class Aggregator:
             trace_id = telemetry.current_trace_id()
             rows = [trajectory_row(by_id[t.id], t, trace_id) for t in trajectories]
             await asyncio.to_thread(self.store.insert, "trajectories", rows, column_names=TRAJECTORY_COLUMNS)
+            turns = [row for t in trajectories for row in turn_rows(by_id[t.id], t)]
+            if turns:
+                await asyncio.to_thread(self.store.insert, "episode_turns", turns, column_names=TURN_COLUMNS)
         await asyncio.gather(*[await self.producer.send("trajectories", t, key=group_id) for t in trajectories])
         self.groups_emitted += 1
         if not complete:

@@ -12,8 +12,11 @@ from crucible.v1 import alert_pb2, execution_pb2, trajectory_pb2, verdict_pb2
 TRAJECTORY_COLUMNS = [
     "trajectory_id", "task_id", "group_id", "sample_index", "task_kind", "policy_version",
     "completion", "reward_components", "reward", "advantage", "tamper_flags", "exit_code", "duration_ms",
-    "violation", "generation_ms", "execution_ms", "trace_id", "created_at",
+    "violation", "generation_ms", "execution_ms", "trace_id", "created_at", "turns",
 ]
+TURN_COLUMNS = ["trajectory_id", "task_id", "group_id", "turn", "task_kind", "policy_version", "action", "tool",
+                "arguments", "call_error", "call_failed", "observation", "tokens", "observation_tokens",
+                "execution_ms", "created_at"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,9 @@ def reward_of(verdict: verdict_pb2.Verdict, config: RewardConfig) -> float:
     """The verdict's reward: zero for a tampered sample whatever its components say."""
     if verdict.tampered:
         return 0.0
-    return weighted_reward(verdict.components, config.weights, default=verdict.reward,
-                           length=len(verdict.sample.completion_token_ids), length_penalty=config.length_penalty,
+    s = verdict.sample
+    length = sum(s.loss_mask) if len(s.loss_mask) else len(s.completion_token_ids)  # the model's own tokens
+    return weighted_reward(verdict.components, config.weights, default=verdict.reward, length=length, length_penalty=config.length_penalty,
                            length_target=config.length_target)
 
 
@@ -73,8 +77,17 @@ def trajectory_row(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory, trace_i
         t.id, t.task_id, t.group_id, t.sample_index, v.task_kind, t.policy_version,
         v.completion, dict(v.components), t.reward, t.advantage, list(v.tamper_patterns), ex.exit_code,
         ex.duration_ms, _violation_name(ex.violation), v.generation_ms, ex.duration_ms, trace_id,
-        t.created_at.ToDatetime(tzinfo=dt.timezone.utc),
+        t.created_at.ToDatetime(tzinfo=dt.timezone.utc), t.turns,
     ]
+
+
+def turn_rows(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory) -> list[list]:
+    """One row per model turn of an episode ([] for a single-turn sample)."""
+    created = t.created_at.ToDatetime(tzinfo=dt.timezone.utc)
+    return [[t.id, t.task_id, t.group_id, i, v.task_kind, turn.policy_version, turn.text, turn.call.name,
+             turn.call.arguments_json, turn.call.error, turn.call_failed, turn.observation, len(turn.token_ids),
+             len(turn.observation_token_ids), turn.execution_ms, created]
+            for i, turn in enumerate(v.episode.turns, 1)]
 
 
 def _violation_name(value: int) -> str:

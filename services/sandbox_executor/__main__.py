@@ -1,4 +1,5 @@
-"""python -m crucible.services.sandbox_executor: the jail pool behind gRPC Sandbox and crucible.rollouts -> crucible.executions."""
+"""python -m crucible.services.sandbox_executor: the jail pool behind gRPC Sandbox, crucible.rollouts ->
+crucible.executions, and the environments' tool calls: crucible.actions -> crucible.observations."""
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,15 @@ from crucible.services.sandbox_executor.handler import (
 )
 from crucible.services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
+from crucible.ml import envs
+from crucible.ml.envs import episode as ep
 from crucible.shared import bus, rpc, service
 
 log = logging.getLogger("crucible.sandbox")
 
 
-def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
-    """Runs every rollout of a group that needs running, all at once through the pool."""
+def backpressured(pool: SandboxPool, consumer_ref: list):
+    """Runs a job through the pool; while the pool is full, the consumer stops fetching."""
 
     async def execute(job) -> object:
         while True:
@@ -39,6 +42,13 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
                     await asyncio.sleep(0.01)
                 if consumer.paused:
                     consumer.resume()
+
+    return execute
+
+
+def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
+    """Runs every rollout of a group that needs running, all at once through the pool."""
+    execute = backpressured(pool, consumer_ref)
 
     async def run_one(task, rollout):
         try:
@@ -60,9 +70,41 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
     return handle
 
 
+def action_handler(pool: SandboxPool, consumer_ref: list):
+    """Carries out the last turn's tool call of an episode: through the jail for sandboxed tools
+    (code, SQL), in the environment's own code otherwise. A call that is malformed, names no tool,
+    or fails is an observation that says so; the episode goes back to the generator (or on to the
+    verifier when the environment ends it)."""
+    run_job = backpressured(pool, consumer_ref)
+
+    async def execute(request):
+        try:
+            return result_message(await run_job(job_for_request(request)))
+        except (NothingToRun, JobRejected) as exc:
+            return not_run_result(str(exc))
+
+    async def handle(incoming: bus.Incoming):
+        episode = incoming.message
+        if not envs.is_environment(episode.task):
+            raise bus.Reject(f"episode {episode.id!r}: task kind {episode.task.kind!r} is not an environment")
+        if not episode.turns or not episode.turns[-1].HasField("call") or episode.end:
+            raise bus.Reject(f"episode {episode.id!r} has no call waiting for an observation")
+        if episode.turns[-1].observation or episode.turns[-1].call_failed:
+            raise bus.Reject(f"episode {episode.id!r}: its last call was carried out already")
+        env = envs.get(episode.task.kind)
+        try:
+            await ep.act(env, episode, execute)
+        except envs.InstanceError as exc:
+            raise bus.Reject(f"episode {episode.id!r} (task {episode.task.id!r}): {exc}") from exc
+        topic = "episodes" if episode.end else "observations"
+        return [bus.Outgoing(topic, episode, key=episode.group_id)]
+
+    return handle
+
+
 async def main(allow_weak: bool) -> None:
     settings = service.setup("sandbox-executor")
-    await bus.ensure_topics(["rollouts", "executions"], settings=settings)
+    await bus.ensure_topics(["rollouts", "executions", "actions", "observations", "episodes"], settings=settings)
     async with SandboxPool(settings, allow_weak=allow_weak or None) as pool:
         log.info("isolation: %s", pool.report.describe())
         server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool),
@@ -73,8 +115,15 @@ async def main(allow_weak: bool) -> None:
         consumer = bus.Consumer(["rollouts"], settings.consumer_group_prefix + "sandbox-executor", handler,
                                 settings=settings, concurrency=2)
         consumer_ref.append(consumer)
-        async with server, consumer:
-            await service.run_until(service.stop_event(), consumer.run())
+        # A tool call is carried out, and its observation published, once: in one Kafka transaction
+        # with the consumed record (code the model wrote may not be repeatable).
+        actions_ref: list = []
+        actions = bus.Consumer(["actions"], settings.consumer_group_prefix + "sandbox-executor-actions",
+                               action_handler(pool, actions_ref), settings=settings, concurrency=8,
+                               transactional=True)
+        actions_ref.append(actions)
+        async with server, consumer, actions:
+            await service.run_until(service.stop_event(), consumer.run(), actions.run())
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ async def main() -> None:
         server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", servicer,
                                             verdict_pb2_grpc.add_VerifierServicer_to_server)],
                                host=settings.grpc_host, port=settings.verifier_grpc_port)
+        # Verdicts and the records they come from move in one transaction: a replay never sends a
+        # verdict twice (the aggregator would otherwise open a second, never-complete group for it).
         consumer = bus.Consumer(TOPICS, settings.consumer_group_prefix + "verifier", verdict_handler(scorer),
-                                settings=settings, concurrency=scorer.size * 2)
+                                settings=settings, concurrency=scorer.size * 2, transactional=True)
         log.info("scoring with %d processes, %gs limit each", scorer.size, scorer.timeout_s)
         async with server, consumer:
             await service.run_until(service.stop_event(), consumer.run())

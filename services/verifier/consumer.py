@@ -1,4 +1,5 @@
-"""The Kafka side: crucible.executions and answer-only crucible.rollouts -> crucible.verdicts (one per sample)."""
+"""The Kafka side: crucible.executions, answer-only crucible.rollouts and finished crucible.episodes ->
+crucible.verdicts (one per sample; an episode is one sample)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +8,22 @@ from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_pool import ScorerPool
 from crucible.shared import bus
 
-TOPICS = ["executions", "rollouts"]
+from crucible.v1 import episode_pb2
+
+TOPICS = ["executions", "rollouts", "episodes"]
 
 
 def verdict_handler(scorer: ScorerPool):
     """A bus handler: one verdict per sample of a group; a group that cannot be verified goes to the DLQ."""
 
     async def handle(incoming: bus.Incoming):
+        if isinstance(incoming.message, episode_pb2.Episode):
+            episode = incoming.message
+            try:
+                verdict = await asyncio.to_thread(handler.verify_episode, episode)
+            except handler.Unverifiable as exc:
+                raise bus.Reject(str(exc)) from exc
+            return [bus.Outgoing("verdicts", verdict, key=episode.group_id)]
         try:
             requests = handler.requests_for(incoming.message)
             verdicts = await asyncio.gather(*(scorer.verify(r) for r in requests))

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import datetime as dt
 
-from crucible.ml import kinds
+from crucible.ml import envs, kinds
+from crucible.ml.envs import episode as ep
 from crucible.ml.tasks import is_heldout
-from crucible.v1 import execution_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
+from crucible.v1 import episode_pb2, execution_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
 
 VERIFIER_VERSION = "crucible-verifier/2"
 
@@ -107,3 +108,48 @@ def in_group(verdict: verdict_pb2.Verdict, group: rollout_pb2.RolloutGroup) -> v
     s.top_p = group.top_p
     verdict.generation_ms = group.sample_ms
     return verdict
+
+
+def verify_episode(episode: episode_pb2.Episode, now: dt.datetime | None = None) -> verdict_pb2.Verdict:
+    """Scores a finished episode with its environment: one verdict whose sample is the whole episode
+    (the model's turns and the observations in order, only the model's tokens under the loss mask)."""
+    task = episode.task
+    what = f"episode {episode.id!r}"
+    if not envs.is_environment(task):
+        raise Unverifiable(f"{what}: task kind {task.kind!r} is not an environment")
+    env = envs.get(task.kind)
+    problems = env.problems(task)
+    if problems:
+        raise Unverifiable(f"{what}, task {task.id!r}: " + "; ".join(problems))
+    if not episode.turns or not episode.end:
+        raise Unverifiable(f"{what} has not ended: only finished episodes are scored")
+    if not episode.group_id or episode.group_size < 1 or episode.index >= episode.group_size:
+        raise Unverifiable(f"{what}: index {episode.index} is not within its group of {episode.group_size}")
+    for turn in episode.turns:
+        if len(turn.logprobs) != len(turn.token_ids):
+            raise Unverifiable(f"{what}: a turn has {len(turn.token_ids)} tokens and {len(turn.logprobs)} log-probs")
+    try:
+        score = env.score(task, episode)
+    except envs.InstanceError as exc:
+        raise Unverifiable(f"{what}: {exc}") from None
+    ids, logprobs, mask = ep.flatten(episode)
+    truncated = episode.end in (episode_pb2.EPISODE_END_TURN_LIMIT, episode_pb2.EPISODE_END_TOKEN_LIMIT)
+    components = dict(score.components)
+    components["length"] = float(sum(mask))
+    components["truncated"] = float(truncated)
+    sample = trajectory_pb2.Trajectory(
+        id=episode.id, task_id=task.id, group_id=episode.group_id, sample_index=episode.index,
+        group_size=episode.group_size, policy_version=ep.policy_version(episode),
+        prompt_token_ids=episode.prompt_token_ids, completion_token_ids=ids, logprobs=logprobs, loss_mask=mask,
+        temperature=episode.temperature, top_p=episode.top_p, passed=score.passed, tampered=score.tampered,
+        truncated=truncated, heldout=is_heldout(task), turns=len(episode.turns))
+    stored = episode_pb2.Episode()
+    stored.CopyFrom(episode)
+    stored.ClearField("task")  # the sample names it; the verdict need not carry it again
+    message = verdict_pb2.Verdict(
+        id=f"{episode.id}/verdict", sample=sample, task_kind=task.kind, components=components, reward=score.reward,
+        tampered=score.tampered, tamper_patterns=list(score.patterns), completion=ep.transcript(episode),
+        canary=task.metadata.get("canary") == "true", verifier_version=VERIFIER_VERSION, detail=score.detail,
+        generation_ms=episode.sample_ms, episode=stored)
+    message.created_at.FromDatetime(now or dt.datetime.now(dt.timezone.utc))
+    return message

@@ -48,10 +48,10 @@ class TorchBackend(PolicyBackend):
         return out
 
     def episode_prompt_ids(self, instructions: str, tools: list[dict], tools_text: str) -> list[int]:
-        return self.tokenizer.encode(instructions + "\n")  # the plain format: a tiny policy reads no tool list
+        return self.tokenizer.episode_prompt(instructions)  # the plain format: a tiny policy reads no tool list
 
     def observation_ids(self, observation: str, turn_ids: list[int]) -> list[int]:
-        return self.tokenizer.encode(f"\n= {observation}\n", bos=False)
+        return self.tokenizer.observation(observation)
 
     def load_weights(self, version: int, uri: str) -> None:
         model, _ = load_checkpoint(path_from_uri(uri))

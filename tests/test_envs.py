@@ -1,0 +1,226 @@
+"""Environments: each reference solution scores 1 and wrong ones less; bad calls, unknown tools, long
+output and escape attempts are observations that say what happened; tool calls in both formats."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import pytest_asyncio
+
+from crucible.ml import envs
+from crucible.ml.envs import calls
+from crucible.ml.envs import episode as ep
+from crucible.ml.tasks import task_problems
+from crucible.services.sandbox_executor.handler import job_for_request, result_message
+from crucible.services.sandbox_executor.pool import SandboxPool
+from crucible.shared.settings import Settings
+from crucible.v1 import episode_pb2, task_pb2
+
+BUILT_IN = ["events", "logs", "lookup", "python", "sql"]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def execute():
+    async with SandboxPool(Settings(sandbox_workers=2)) as pool:
+        async def run(request):
+            return result_message(await pool.execute(job_for_request(request)))
+
+        yield run
+
+
+def first_task(name: str, split: str = "train", seed: int = 5) -> task_pb2.Task:
+    return next(envs.get(name).generate(split, seed=seed))
+
+
+def test_the_built_in_environments_are_registered_beside_kinds_and_their_tasks_are_valid():
+    assert set(BUILT_IN) <= set(envs.known())
+    for name in BUILT_IN:
+        task = first_task(name)
+        assert task.kind == name and envs.is_environment(task)
+        assert task_problems(task) == []
+    with pytest.raises(ValueError, match="already taken"):
+        envs.register(envs.get("sql"))
+    from crucible.ml import kinds
+
+    with pytest.raises(ValueError, match="already taken"):
+        clash = type("Clash", (envs.get("lookup").__class__,), {"name": "exact"})()
+        envs.register(clash)
+    assert "exact" in kinds.known()
+
+
+def test_held_out_instances_never_appear_in_training():
+    for name in BUILT_IN:
+        env = envs.get(name)
+        train = {t.environment.instance_json for t, _ in zip(env.generate("train", seed=1), range(300))}
+        heldout = {t.environment.instance_json for t, _ in zip(env.generate("heldout", seed=2), range(60))}
+        assert heldout and not train & heldout, name
+
+
+def test_a_task_without_a_usable_instance_is_refused_with_the_reason():
+    task = first_task("sql")
+    task.environment.instance_json = json.dumps({"schema": [], "rows": {}, "reference": ""})
+    assert any("schema" in p for p in task_problems(task))
+    task.environment.instance_json = "[" * 100_000
+    assert any("not valid JSON" in p for p in task_problems(task))
+    task.ClearField("environment")
+    assert any("environment" in p for p in task_problems(task))
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("name", BUILT_IN)
+async def test_each_reference_solution_scores_1_and_a_wrong_answer_less(name, execute):
+    env = envs.get(name)
+    for seed in (1, 2, 3):
+        task = first_task(name, seed=seed)
+        right = await ep.play(env, task, env.reference(task), execute)
+        score = env.score(task, right)
+        assert score.reward == 1.0 and score.passed, (name, ep.transcript(right))
+        assert score.components["failed_calls"] == 0
+        wrong = await ep.play(env, task, [env.reference(task)[0], "I do not know"], execute)
+        assert env.score(task, wrong).reward < 1.0, ep.transcript(wrong)
+        guess = await ep.play(env, task, ["zzz"], execute)  # answering without looking
+        assert not env.score(task, guess).passed
+
+
+@pytest.mark.sandbox
+async def test_malformed_calls_and_unknown_tools_are_observations_and_cost_reward(execute):
+    env, task = envs.get("lookup"), first_task("lookup")
+    good = env.reference(task)
+    attempts = ["@", "@nosuch b", "@lookup {\"key\": ", "@lookup {\"key\": \"b\", \"extra\": 1}"]
+    for attempt in attempts:
+        episode = await ep.play(env, task, [attempt, *good], execute)
+        first = episode.turns[0]
+        assert first.call_failed and first.observation.startswith("error: "), (attempt, first.observation)
+        assert episode.end == episode_pb2.EPISODE_END_ANSWER  # the episode went on
+        score = env.score(task, episode)
+        assert score.components["answer_correct"] == 1.0 and score.components["failed_calls"] == 1.0
+        assert 0 < score.reward < 1.0
+    unknown = await ep.play(env, task, ["@nosuch b"], execute)
+    assert "unknown tool 'nosuch'" in unknown.turns[0].observation and "lookup" in unknown.turns[0].observation
+
+
+def test_hermes_tool_calls_parse_and_malformed_ones_say_what_is_wrong():
+    tools = envs.get("sql").tools
+    call = calls.parse('I will look.\n<tool_call>\n{"name": "sql", "arguments": {"query": "SELECT 1"}}\n</tool_call>',
+                       "hermes")
+    assert calls.resolve(call, tools) == envs.Call("sql", {"query": "SELECT 1"})
+    assert calls.parse("The answer is 4.", "hermes") is None
+    cases = {
+        '<tool_call>{"name": "sql", "arguments": {"query": "x"}}': "not closed",
+        "<tool_call>{name: sql}</tool_call>": "not valid JSON",
+        '<tool_call>["sql"]</tool_call>': "JSON object",
+        '<tool_call>{"arguments": {}}</tool_call>': "no \"name\"",
+        '<tool_call>{"name": "sql", "arguments": [1]}</tool_call>': "must be a JSON object",
+        "<tool_call>" + "[" * 50_000 + "</tool_call>": "characters long",
+    }
+    for text, why in cases.items():
+        parsed = calls.parse(text, "hermes")
+        assert parsed is not None and why in parsed.error, (text[:60], parsed)
+        assert isinstance(calls.resolve(parsed, tools), str)
+    wrong_args = calls.parse('<tool_call>{"name": "sql", "arguments": {"sql": "x"}}</tool_call>', "hermes")
+    assert "missing query" in calls.resolve(wrong_args, tools)
+    nested = calls.parse('<tool_call>{"name": "sql", "arguments": {"query": {"a": 1}}}</tool_call>', "hermes")
+    assert "must be strings" in calls.resolve(nested, tools)
+
+
+@pytest.mark.sandbox
+async def test_over_long_output_is_cut_and_says_so(execute):
+    env, task = envs.get("python"), first_task("python")
+    episode = await ep.play(env, task, ['@python print("x" * 100000)', "0"], execute)
+    observation = episode.turns[0].observation
+    assert len(observation) < 3000 and "more characters cut" in observation
+    logs, logs_task = envs.get("logs"), first_task("logs")
+    episode = await ep.play(logs, logs_task, ["@grep 2026", "x"], execute)
+    assert "more matching lines" in episode.turns[0].observation
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("attack, says", [
+    ("import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)", ""),
+    ("print(open('/etc/shadow').read())", ""),
+    ("import os\nwhile True: os.fork()", ""),
+    ("while True: pass", "limit"),
+    ("x = bytearray(10**10)", ""),
+    ("import ctypes; ctypes.string_at(0)", ""),
+    ("import os; os.kill(os.getppid(), 9); os.kill(1, 9); print('alive')", ""),
+])
+async def test_actions_that_try_to_escape_the_sandbox_get_a_clear_observation(attack, says, execute):
+    env, task = envs.get("python"), first_task("python")
+    episode = await ep.play(env, task, ["@python " + json.dumps({"code": attack}), "@python print(6 * 7)", "42"],
+                            execute)
+    blocked = episode.turns[0]
+    assert blocked.observation, blocked.observation
+    if "alive" not in attack:  # killing what it can see (its own pid namespace) is not escaping: it may just end
+        assert blocked.call_failed, blocked.observation
+        assert says in blocked.observation
+        assert any(w in blocked.observation.lower() for w in ("error", "stopped", "denied", "exit code", "signal"))
+    assert episode.turns[1].observation.strip() == "42"  # the sandbox served the next call
+    assert episode.end == episode_pb2.EPISODE_END_ANSWER
+
+
+@pytest.mark.sandbox
+async def test_sql_state_lasts_for_the_episode_and_writes_outside_it_are_impossible(execute):
+    env, task = envs.get("sql"), first_task("sql")
+    turns = ["@sql DELETE FROM employees", "@sql SELECT COUNT(*) FROM employees",
+             "@sql ATTACH DATABASE '/tmp/escape.db' AS x", "@sql SELECT * FROM nosuch", "0"]
+    episode = await ep.play(env, task, turns, execute)
+    assert "rows changed" in episode.turns[0].observation
+    assert episode.turns[1].observation.splitlines()[-1] == "0"  # the delete stayed for the episode
+    assert episode.turns[3].call_failed and "no such table" in episode.turns[3].observation
+    fresh = await ep.play(env, task, ["@sql SELECT COUNT(*) FROM employees", "0"], execute)
+    assert fresh.turns[0].observation.splitlines()[-1] != "0"  # a new episode has a new database
+    from pathlib import Path
+
+    assert not Path("/tmp/escape.db").exists()
+
+
+@pytest.mark.sandbox
+async def test_events_rejects_what_the_state_does_not_allow_and_scores_the_final_state(execute):
+    env = envs.get("events")
+    task = env.task("x", {"machine": "order", "start": "created", "target": "shipped"}, split="train", key="t",
+                    group_size=1)
+    episode = await ep.play(env, task, ["@publish ship", "@publish teleport", "@publish pay", "@publish pack",
+                                        "@publish ship", "done"], execute)
+    assert episode.turns[0].call_failed and "not allowed when the order is created" in episode.turns[0].observation
+    assert "unknown event" in episode.turns[1].observation
+    score = env.score(task, episode)
+    assert score.components["answer_correct"] == 1.0 and score.components["failed_calls"] == 2.0
+    short = await ep.play(env, task, ["@publish pay", "done"], execute)
+    assert env.score(task, short).components["answer_correct"] == 0.0
+
+
+def test_logs_answers_naming_everything_are_wrong():
+    env, task = envs.get("logs"), first_task("logs")
+    data = json.loads(task.environment.instance_json)
+    right = f"{data['component']}: {data['cause']}"
+    assert env.check_answer(task, right, [])["answer_correct"] == 1.0
+    shotgun = ", ".join(data["components"]) + ": disk full, out of memory, deadlock"
+    assert env.check_answer(task, shotgun, [])["answer_correct"] == 0.0
+
+
+async def test_an_episode_ends_at_the_turn_limit_and_at_the_token_limit():
+    env, task = envs.get("lookup"), first_task("lookup")
+
+    async def never(request):
+        raise AssertionError("lookup runs nothing in the sandbox")
+
+    calls_only = await ep.play(env, task, ["@lookup a"] * 10, never)
+    assert calls_only.end == episode_pb2.EPISODE_END_TURN_LIMIT and len(calls_only.turns) == env.max_turns
+    assert env.score(task, calls_only).reward == 0.0
+    episode = ep.start(task, "g", 0, list(range(10)), temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_turn(episode, "@lookup a", list(range(8)), [0.0] * 8, "stop", 0)
+    assert ep.route(env, episode, max_tokens=16) == "done" and episode.end == episode_pb2.EPISODE_END_TOKEN_LIMIT
+
+
+def test_an_episode_flattens_into_one_sample_with_only_the_models_tokens_under_the_loss():
+    task = first_task("lookup")
+    episode = ep.start(task, "g", 0, [1, 2], temperature=1.0, top_p=1.0, call_format="plain")
+    turn = ep.add_turn(episode, "@lookup a", [10, 11], [-0.5, -0.25], "stop", 3)
+    turn.observation, turn.observation_token_ids[:] = "red", [20, 21, 22]
+    ep.add_turn(episode, "red", [30], [-0.1], "stop", 4)
+    ids, logprobs, mask = ep.flatten(episode)
+    assert ids == [10, 11, 20, 21, 22, 30]
+    assert mask == [True, True, False, False, False, True]
+    assert logprobs == pytest.approx([-0.5, -0.25, 0, 0, 0, -0.1])
+    assert ep.context_ids(episode) == [1, 2, *ids]
+    assert ep.policy_version(episode) == 3
