@@ -181,6 +181,11 @@ def find_line(text: str, loc: list[str]) -> int | None:
     return table_line
 
 
+def shipped(name: str) -> Recipe:
+    """A recipe shipped with the package (recipes/<name>.toml), wherever Crucible is installed."""
+    return parse(resources.files("crucible.recipes").joinpath(f"{name}.toml").read_text(), Path(f"recipes/{name}.toml"))
+
+
 def builtin() -> Recipe:
     """The recipe `crucible train` runs when given none: recipes/digits.toml, shipped with the package."""
-    return parse(resources.files("crucible.recipes").joinpath("digits.toml").read_text(), Path("recipes/digits.toml"))
+    return shipped("digits")

@@ -86,7 +86,7 @@ class Run:
         self.verifier_address = ""
         self.sandbox_address = ""
 
-    def start_services(self, init_uri: str) -> None:
+    def start_services(self, init_uri: str, names: tuple[str, ...] = SERVICES) -> None:
         s = self.settings
         config = s.run_config().model_copy(update={
             "init_checkpoint": init_uri,
@@ -109,17 +109,21 @@ class Run:
         }
         self.verifier_address = f"127.0.0.1:{ports['verifier']}"
         self.sandbox_address = f"127.0.0.1:{ports['sandbox']}"
-        env = service_env(s, run_settings)
+        self.env = service_env(s, run_settings)
+        for name in names:
+            self.start_service(name)
+        self.echo(f"      services started: {', '.join(names)} (logs in {self.dir / 'logs'})")
+
+    def start_service(self, name: str) -> None:
+        """Starts (or starts again) one service of the run as a process, logging to logs/<name>.log."""
         logs = self.dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        for name in SERVICES:
-            args = [sys.executable, "-m", f"crucible.services.{name}"]
-            if name == "sandbox_executor" and os.geteuid() != 0:
-                args.append("--allow-weak-isolation")  # not root: results name what is missing
-            with open(logs / f"{name}.log", "ab") as log:
-                self.processes[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                        stdin=subprocess.DEVNULL)
-        self.echo(f"      services started: {', '.join(SERVICES)} (logs in {logs})")
+        args = [sys.executable, "-m", f"crucible.services.{name}"]
+        if name == "sandbox_executor" and os.geteuid() != 0:
+            args.append("--allow-weak-isolation")  # not root: results name what is missing
+        with open(logs / f"{name}.log", "ab") as log:
+            self.processes[name] = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.DEVNULL)
 
     def check_services(self) -> None:
         for name, proc in self.processes.items():

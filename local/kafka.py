@@ -192,7 +192,7 @@ class LocalKafka:
         if not (self.root / "data" / "meta.properties").exists():
             cluster_id = _kafka_uuid()
             fmt = subprocess.run(
-                self._java(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id,
+                self._java(libs, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",  # an id may start with "-"
                            "-c", str(self.config_file)),
                 capture_output=True, text=True, stdin=subprocess.DEVNULL,
             )

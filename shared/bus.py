@@ -371,7 +371,11 @@ class Reader:
         if not assignment:
             return False
         ends = await self._consumer.end_offsets(assignment)
-        return all(self.positions.get((tp.topic, tp.partition), 0) >= end for tp, end in ends.items())
+        # The consumer's own position: it moves past transaction markers, which are never records.
+        for tp, end in ends.items():
+            if await self._consumer.position(tp) < end:
+                return False
+        return True
 
     async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
         """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""

@@ -2,7 +2,7 @@
 
 "color of b?" -> the model calls `@lookup b` (plain) or `lookup(key="b")` (Hermes), reads `tan`, and
 answers `tan`. Each task has its own table, so no answer can be remembered: a guess is right one
-time in three, a call and a faithful copy every time. Small enough that the built-in 0.7M policy,
+time in five, a call and a faithful copy every time. Small enough that the built-in 0.7M policy,
 warm-started on the call format only (`format_examples`), learns from rewards on a CPU to call and
 to answer with what the tool said.
 """
@@ -15,7 +15,7 @@ from crucible.ml import envs
 from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool, split_of
 
 KEYS = "abcdefgh"
-VALUES = ("red", "tan", "jet")
+VALUES = ("red", "tan", "jet", "ash", "sky")
 
 
 class Lookup(Environment):

@@ -11,6 +11,7 @@ from crucible.v1 import execution_pb2_grpc
 from crucible.services.sandbox_executor.handler import (
     NothingToRun,
     execution_message,
+    job_for_request,
     job_for_rollout,
     needs_execution,
     not_run_result,
