@@ -4,7 +4,7 @@
     [[tasks.sources]]  family = "digits"|"arithmetic" | environment = "lookup"|"sql"|"python"|"logs"|"events"
                        | jsonl = "file.jsonl" | set = "humaneval"|"math" | reasoning_gym = "gcd"
     [heldout]    file = "..." or fraction = 0.2 (a stable hash split), size
-    [sampling]   group_size, max_tokens, temperature, top_p
+    [sampling]   group_size, max_tokens (per turn), max_episode_tokens, temperature, top_p
     [algorithm]  objective, estimator, lr, kl_coef, groups_per_step, max_policy_lag, ...
     [budget]     steps and/or minutes
     [eval]       eval_every
@@ -29,7 +29,7 @@ from crucible.shared.settings import RunConfig
 # Which section of a recipe holds each RunConfig field (run_id and init_checkpoint are set by the job).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("chat_template", "system_prompt"),
-    "sampling": ("temperature", "top_p", "max_tokens"),
+    "sampling": ("temperature", "top_p", "max_tokens", "max_episode_tokens"),
     "eval": ("eval_every",),
     "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "epochs", "clip_eps", "kl_coef",
                   "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",

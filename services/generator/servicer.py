@@ -9,6 +9,7 @@ from crucible.services.generator.handler import group_id_for, render_prompt, rol
 from crucible.shared import rpc
 from crucible.ml.policy.sampling import SamplingParams
 from crucible.shared.settings import Settings
+from crucible.ml import envs
 from crucible.ml.tasks import task_problems
 
 
@@ -44,6 +45,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         problems = task_problems(task, self.settings)
         if problems:
             await rpc.abort_invalid(context, f"task {task.id!r}: " + "; ".join(problems))
+        if envs.is_environment(task):
+            await rpc.abort_invalid(context, f"task {task.id!r}: kind {task.kind!r} is a multi-turn environment; its "
+                                    "episodes run over Kafka (publish it to crucible.tasks), Generate samples one turn")
         try:
             params = sampling_params(self.settings, request.sampling if request.HasField("sampling") else None)
         except ValueError as exc:
