@@ -224,3 +224,60 @@ def test_an_episode_flattens_into_one_sample_with_only_the_models_tokens_under_t
     assert logprobs == pytest.approx([-0.5, -0.25, 0, 0, 0, -0.1])
     assert ep.context_ids(episode) == [1, 2, *ids]
     assert ep.policy_version(episode) == 3
+
+
+@pytest.mark.sandbox
+async def test_a_call_the_episode_ended_before_changes_nothing(execute):
+    env = envs.get("events")
+    task = env.task("x", {"machine": "ticket", "start": "open", "target": "assigned"}, split="train", key="t",
+                    group_size=1)
+    task.environment.max_turns = 1
+    episode = await ep.play(env, task, ["@publish assign", "done"], execute)
+    assert episode.end == episode_pb2.EPISODE_END_TURN_LIMIT and not episode.turns[0].observation
+    score = env.score(task, episode)
+    assert score.components["answer_correct"] == 0.0 and score.components["tool_calls"] == 0.0
+
+
+async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
+    from crucible.services.generator.episodes import episode_problem
+    from crucible.services.sandbox_executor.__main__ import action_handler
+    from crucible.services.verifier.handler import Unverifiable, verify_episode
+    from crucible.shared import bus
+
+    task = first_task("lookup")
+    fresh = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
+    assert "no turns" in episode_problem(fresh)
+    answered = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_turn(answered, "red", [5], [-0.1], "stop", 0)
+    assert "made no call" in episode_problem(answered)
+    wrong_kind = episode_pb2.Episode()
+    wrong_kind.CopyFrom(answered)
+    wrong_kind.task.kind = "exact"
+    assert "not an environment" in episode_problem(wrong_kind)
+    odd_format = episode_pb2.Episode()
+    odd_format.CopyFrom(answered)
+    ep.add_turn(odd_format, "@lookup a", [6], [-0.1], "stop", 0)
+    odd_format.call_format = "xml"
+    assert "unknown call format" in episode_problem(odd_format)
+
+    handle = action_handler(pool=None, consumer_ref=[])
+    for bad, why in [(answered, "no call waiting"), (wrong_kind, "not an environment")]:
+        with pytest.raises(bus.Reject, match=why):
+            await handle(bus.Incoming("actions", 0, 0, None, bad))
+    done_already = episode_pb2.Episode()
+    done_already.CopyFrom(odd_format)
+    done_already.call_format = "plain"
+    done_already.turns[-1].observation = "red"
+    with pytest.raises(bus.Reject, match="carried out already"):
+        await handle(bus.Incoming("actions", 0, 0, None, done_already))
+
+    with pytest.raises(Unverifiable, match="has not ended"):
+        verify_episode(answered)
+    answered.end = episode_pb2.EPISODE_END_ANSWER
+    answered.group_size = 0
+    with pytest.raises(Unverifiable, match="within its group"):
+        verify_episode(answered)
+    answered.group_size = 2
+    del answered.turns[0].logprobs[:]
+    with pytest.raises(Unverifiable, match="log-probs"):
+        verify_episode(answered)

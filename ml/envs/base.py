@@ -130,12 +130,16 @@ class Environment(ABC):
     def score(self, task: task_pb2.Task, episode: episode_pb2.Episode) -> Score:
         """The episode's score: the answer's components and how the episode went; reward 1 for a
         right answer reached without a failed call, less for each failed call, 0 otherwise."""
+        from crucible.ml.envs.episode import carried_out
+
         calls, failed = [], 0
         for turn in episode.turns:
-            if turn.HasField("call") and not turn.call.error and not turn.call_failed:
-                calls.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
-            elif turn.HasField("call"):
+            if not carried_out(turn):
+                continue  # an answer, or a call the episode ended before (the turn limit): it changed nothing
+            if turn.call_failed or turn.call.error:
                 failed += 1
+            else:
+                calls.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
         answered = episode.end in (episode_pb2.EPISODE_END_ANSWER, episode_pb2.EPISODE_END_DONE)
         answer = episode.turns[-1].text if answered and episode.turns else ""
         components = {"answer_correct": 0.0}

@@ -91,11 +91,16 @@ def route(env: Environment, episode: episode_pb2.Episode, max_tokens: int) -> st
     return "done" if episode.end else "act"
 
 
+def carried_out(turn: episode_pb2.Turn) -> bool:
+    """Whether the turn's call reached the environment (it answered, or said why not)."""
+    return turn.HasField("call") and bool(turn.observation or turn.call_failed)
+
+
 def earlier_calls(episode: episode_pb2.Episode, before: int) -> list[Call]:
     """The calls of turns before `before` that the environment carried out (its state is built from them)."""
     out = []
     for turn in episode.turns[:before]:
-        if turn.HasField("call") and not turn.call.error and not turn.call_failed:
+        if carried_out(turn) and not turn.call.error and not turn.call_failed:
             out.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
     return out
 
