@@ -281,3 +281,17 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     del answered.turns[0].logprobs[:]
     with pytest.raises(Unverifiable, match="log-probs"):
         verify_episode(answered)
+
+
+def test_a_reference_query_that_never_ends_is_an_error_not_a_hang(monkeypatch):
+    from crucible.ml.envs import sql
+
+    monkeypatch.setattr(sql, "REFERENCE_SECONDS", 0.5)
+    env, task = envs.get("sql"), first_task("sql")
+    data = json.loads(task.environment.instance_json)
+    data["reference"] = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
+    task.environment.instance_json = json.dumps(data)
+    with pytest.raises(envs.InstanceError, match="reference query fails"):
+        env.check_answer(task, "1", [])
+    task.environment.instance_json = json.dumps({**data, "pad": "x" * 1_000_001})
+    assert any("travels with every turn" in p for p in task_problems(task))

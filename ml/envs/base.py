@@ -19,6 +19,7 @@ from crucible.v1 import episode_pb2, execution_pb2, task_pb2
 
 MAX_OBSERVATION_CHARS = 2000   # an observation longer than this is cut, and says so
 MAX_ARGUMENTS_CHARS = 8000     # a call's arguments, as JSON
+MAX_INSTANCE_CHARS = 1_000_000  # a task's instance: it travels with every turn of every episode
 
 
 class InstanceError(ValueError):
@@ -79,6 +80,9 @@ class Environment(ABC):
         if task.WhichOneof("payload") != "environment":
             raise InstanceError(f"environment {self.name!r} needs an 'environment' payload, "
                                 f"got {task.WhichOneof('payload') or 'none'}")
+        if len(task.environment.instance_json) > MAX_INSTANCE_CHARS:
+            raise InstanceError(f"environment.instance_json is {len(task.environment.instance_json)} characters "
+                                f"long: at most {MAX_INSTANCE_CHARS} (it travels with every turn)")
         try:
             data = json.loads(task.environment.instance_json or "{}", parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:

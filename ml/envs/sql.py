@@ -75,9 +75,17 @@ def answer_rows(answer: str) -> Counter:
     return Counter(rows)
 
 
+REFERENCE_SECONDS = 5.0  # a reference query (the task's own, trusted) that runs longer is an error, not a hang
+
+
 def reference_rows(data: dict) -> list[tuple]:
-    """The reference query's result, computed here on a fresh in-memory database that it may only read."""
+    """The reference query's result, computed here on a fresh in-memory database that it may only read,
+    within REFERENCE_SECONDS (sqlite3.OperationalError "interrupted" after that)."""
+    import time
+
     db = sqlite3.connect(":memory:")
+    deadline = time.monotonic() + REFERENCE_SECONDS
+    db.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
     builds = reads | {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_CREATE_INDEX,
                       sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_TRANSACTION}  # what creating the tables and filling them needs; never ATTACH
