@@ -171,6 +171,8 @@ class Settings(BaseSettings, RunConfig):
     # OpenTelemetry: OTLP export happens only when an endpoint is set.
     otel_endpoint: str | None = None
     otel_protocol: str = Field(default="grpc", pattern="^(grpc|http)$")
+    otel_store_spans: bool = Field(default=True, description="Write every span into the store's otel_traces "
+                                   "table (the embedded setup); turn off where a collector writes them.")
     otel_span_file: Path | None = Field(default=None, description="Also append every finished span to this "
                                         "file, one JSON object a line (for looking at a run without a collector).")
 

@@ -1,8 +1,9 @@
 """OpenTelemetry setup shared by every service, and W3C trace context for message headers.
 
 Traces always go to an in-process SDK provider (so spans exist and carry trace
-ids even on a laptop); they are exported over OTLP only when
-CRUCIBLE_OTEL_ENDPOINT (or the standard OTEL_EXPORTER_OTLP_ENDPOINT) is set.
+ids even on a laptop); they are written into the store's `otel_traces` table
+(shared/span_store.py, unless CRUCIBLE_OTEL_STORE_SPANS=false) and exported over
+OTLP when CRUCIBLE_OTEL_ENDPOINT (or the standard OTEL_EXPORTER_OTLP_ENDPOINT) is set.
 """
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def setup_telemetry(service_name: str, settings: Settings | None = None) -> None
     tracer_provider = TracerProvider(resource=resource)
     if endpoint:
         tracer_provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(endpoint, settings.otel_protocol)))
+    if settings.otel_store_spans:
+        from crucible.shared.span_store import StoreSpanExporter
+
+        # a short delay: a killed service loses at most a second of its spans
+        tracer_provider.add_span_processor(BatchSpanProcessor(StoreSpanExporter(settings), schedule_delay_millis=1000,
+                                                              max_queue_size=8192))
     if settings.otel_span_file:
         out = open(settings.otel_span_file, "a", buffering=1)  # line-buffered: a killed service loses no span
         tracer_provider.add_span_processor(SimpleSpanProcessor(

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from crucible.cli.recipe import Recipe
 from crucible.cli.train import Run
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
-from crucible.shared import bus, telemetry
+from crucible.shared import bus, store, telemetry
 from crucible.v1 import task_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
@@ -92,3 +92,30 @@ async def test_a_task_is_one_trace_through_all_five_services_and_the_learner_ste
         at = by_id.get(parent)
     assert path == HOPS, path
     assert trace.SpanKind.CONSUMER.name in {s["kind"].removeprefix("SpanKind.") for s in spans}
+
+    # The same trace is in the store's otel_traces (the services write their spans there), every span
+    # of it, with the same parents, in the collector exporter's column values.
+    rows = stored_spans(settings, trace_id.removeprefix("0x"), set(HOPS))
+    in_store = {r[0]: r for r in rows}
+    assert {i.removeprefix("0x") for i in by_id} <= set(in_store), "spans missing from otel_traces"
+    for span_id, span in by_id.items():
+        row = in_store[span_id.removeprefix("0x")]
+        assert row[1] == (span["parent_id"] or "").removeprefix("0x")
+        assert row[2] == service[span_id] and row[3] == span["name"]
+        assert row[4] == "SPAN_KIND_" + span["kind"].removeprefix("SpanKind.")
+    parents = {r[1] for r in rows if r[1]}
+    assert parents <= set(in_store) | {i.removeprefix("0x") for i in submitted}
+
+
+def stored_spans(settings, trace_id: str, services: set[str], timeout: float = 20.0) -> list[tuple]:
+    """(SpanId, ParentSpanId, ServiceName, SpanName, SpanKind) of the trace's spans in the store's otel_traces."""
+    import time
+
+    client = store.connect(settings)
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = client.query("SELECT SpanId, ParentSpanId, ServiceName, SpanName, SpanKind FROM otel_traces "
+                            "WHERE TraceId = {t:String}", parameters={"t": trace_id}).result_rows
+        if services <= {r[2] for r in rows} or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.5)
