@@ -255,6 +255,35 @@ def cmd_protos(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_query(args, settings: Settings) -> int:
+    from crucible.shared import store
+    from crucible.shared.store import queries
+
+    if args.name in (None, "list"):
+        for q in queries.QUERIES.values():
+            params = " ".join(f"--{p} VALUE" for p in q.parameters)
+            echo(f"{q.name:22s} {q.about}" + (f"  ({params})" if params else ""))
+        return 0
+    params = {k: v for k, v in (("task", args.task), ("trajectory", args.trajectory)) if v is not None}
+    try:
+        client = store.connect(settings, create_database=False)
+        columns, rows = queries.run(client, args.name, **params)
+    except queries.QueryError as exc:
+        echo(f"crucible query: {exc}")
+        return 2
+    except Exception as exc:
+        from clickhouse_connect.driver.exceptions import DatabaseError
+
+        if isinstance(exc, DatabaseError):  # it answered: no such table yet (nothing ran), or a query error
+            echo(f"crucible query {args.name}: the store answered: {str(exc)[:400]}")
+        else:
+            echo(f"crucible query: the store at {settings.clickhouse_url} did not answer ({type(exc).__name__}); "
+                 "is it running? `crucible up`")
+        return 1
+    echo(queries.table(columns, rows) if rows else "(no rows)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crucible", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("protos", help="regenerate the protobuf/gRPC code under protos/")
     p.add_argument("--check", action="store_true", help="only report stale generated files")
     p.set_defaults(func=cmd_protos)
+    p = sub.add_parser("query", help="run a saved query over the store and print a table (`crucible query list`)")
+    p.add_argument("name", nargs="?", help="a saved query's name; none or `list`: the saved queries")
+    p.add_argument("--task", help="the task id, for `task`")
+    p.add_argument("--trajectory", help="the trajectory (episode) id, for `episode` and `trace`")
+    p.set_defaults(func=cmd_query)
     models_cmd.add_parser(sub)
     return parser
 

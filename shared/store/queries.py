@@ -1,0 +1,85 @@
+"""Saved queries over a run's rows: what `crucible query NAME` prints (and what dashboards can reuse).
+
+Each query names the parameters it takes ({name:Type}, ClickHouse query parameters: values are
+never pasted into SQL). `run(client, name, **params)` returns (column names, rows).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Query:
+    name: str
+    about: str
+    sql: str
+
+    @property
+    def parameters(self) -> list[str]:
+        return sorted(set(re.findall(r"\{(\w+):\w+\}", self.sql)))
+
+
+QUERIES = {q.name: q for q in [
+    Query("reward-by-version", "samples, reward mean and spread, and solved share per policy version",
+          "SELECT policy_version AS version, count() AS samples, round(avg(reward), 4) AS reward_mean, "
+          "round(stddevPop(reward), 4) AS reward_std, round(avg(reward >= 1), 4) AS solved "
+          "FROM trajectories FINAL GROUP BY policy_version ORDER BY policy_version"),
+    Query("pass-rate-by-kind", "training samples and solved share per task kind (and environment)",
+          "SELECT task_kind, count() AS samples, round(avg(reward >= 1), 4) AS solved, "
+          "round(avg(reward), 4) AS reward_mean, round(avg(turns), 2) AS mean_turns FROM trajectories FINAL GROUP BY task_kind ORDER BY task_kind"),
+    Query("heldout", "the evaluator's held-out pass rate per policy version and task kind ('*': all)",
+          "SELECT run_id, policy_version AS version, task_kind, tasks, passed, round(pass_rate, 4) AS pass_rate "
+          "FROM evaluations FINAL ORDER BY run_id, policy_version, task_kind"),
+    Query("steps", "the learner's steps: reward, pass rate, KL, entropy, gradient norm, step time",
+          "SELECT run_id, step, round(reward_mean, 4) AS reward, round(pass_rate, 4) AS passed, round(kl, 5) AS kl_to_ref, "
+          "round(entropy, 4) AS entropy_mean, round(grad_norm, 4) AS grad_l2, round(step_time_ms) AS step_ms "
+          "FROM train_steps FINAL ORDER BY run_id, step"),
+    Query("slowest-sandbox-jobs", "the sandbox runs (and episodes' tool calls) that took longest, and how they ended",
+          "SELECT trajectory_id, task_kind, turn, ms, exit_code, violation FROM ("
+          "SELECT trajectory_id, task_kind, 0 AS turn, round(duration_ms, 1) AS ms, exit_code, violation "
+          "FROM trajectories FINAL WHERE duration_ms > 0 UNION ALL "
+          "SELECT trajectory_id, task_kind, turn, round(execution_ms, 1) AS ms, 0 AS exit_code, "
+          "if(call_failed, 'call_failed', '') AS violation FROM episode_turns FINAL WHERE execution_ms > 0"
+          ") ORDER BY ms DESC LIMIT 20"),
+    Query("task", "every sample of one task: groups, rewards, advantages",
+          "SELECT group_id, sample_index, policy_version AS version, round(reward, 4) AS reward, "
+          "round(advantage, 4) AS advantage, turns, substring(replaceAll(completion, '\\n', ' '), 1, 60) AS completion "
+          "FROM trajectories FINAL WHERE task_id = {task:String} ORDER BY group_id, sample_index"),
+    Query("episode", "one episode's transcript, turn by turn",
+          "SELECT turn, tool, call_failed AS failed, substring(replaceAll(action, '\\n', ' '), 1, 60) AS action, "
+          "substring(replaceAll(observation, '\\n', ' '), 1, 60) AS observation "
+          "FROM episode_turns FINAL WHERE trajectory_id = {trajectory:String} ORDER BY turn"),
+    Query("trace", "the trace of one trajectory: every span, in time order",
+          "SELECT ServiceName AS service, SpanName AS span, round(Duration / 1e6, 2) AS ms, SpanId AS span_id, "
+          "ParentSpanId AS parent FROM otel_traces WHERE TraceId = (SELECT any(trace_id) FROM trajectories FINAL "
+          "WHERE trajectory_id = {trajectory:String}) ORDER BY Timestamp"),
+    Query("alerts", "the newest alerts",
+          "SELECT ts, kind, severity, message FROM alerts FINAL ORDER BY ts DESC LIMIT 50"),
+]}
+
+
+class QueryError(ValueError):
+    """An unknown query or a missing parameter; the text says what is known or needed."""
+
+
+def run(client, name: str, **params: str) -> tuple[list[str], list[tuple]]:
+    query = QUERIES.get(name)
+    if query is None:
+        raise QueryError(f"no saved query {name!r}: the saved queries are {', '.join(QUERIES)}")
+    missing = [p for p in query.parameters if p not in params]
+    if missing:
+        raise QueryError(f"query {name!r} needs {', '.join('--' + p + ' VALUE' for p in missing)}")
+    result = client.query(query.sql, parameters={p: params[p] for p in query.parameters})
+    return list(result.column_names), list(result.result_rows)
+
+
+def table(columns: list[str], rows: list[tuple], limit: int = 200) -> str:
+    """Rows as an aligned text table."""
+    cells = [[str(c) for c in columns]] + [[str(v) for v in row] for row in rows[:limit]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more rows")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Saved queries (`crucible query NAME`) over rows written by the services' own row builders."""
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from crucible.cli.main import main as crucible_main
+from crucible.ml import envs
+from crucible.ml.envs import episode as ep
+from crucible.services.evaluator.__main__ import COLUMNS as EVAL_COLUMNS
+from crucible.services.evaluator.__main__ import rows as evaluation_rows
+from crucible.services.learner.rows import record_alert, record_step
+from crucible.services.reward_aggregator.handler import (
+    TRAJECTORY_COLUMNS,
+    TURN_COLUMNS,
+    RewardConfig,
+    group_trajectories,
+    trajectory_row,
+    turn_rows,
+)
+from crucible.services.verifier.handler import verify_episode
+from crucible.shared.span_store import COLUMNS as SPAN_COLUMNS
+from crucible.shared.span_store import span_row
+from crucible.shared.store import migrate, queries
+from crucible.v1 import alert_pb2, evaluation_pb2, policy_pb2
+
+pytestmark = pytest.mark.store
+
+
+def a_real_span():
+    """A span from the SDK, with a parent, an event and attributes, as a service would make it."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "verifier"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("crucible.test")
+    with tracer.start_as_current_span("parent"):
+        with tracer.start_as_current_span("score") as span:
+            span.set_attribute("task_id", "t-1")
+            span.add_event("scored", {"reward": 1.0})
+    return exporter.get_finished_spans()
+
+
+@pytest.fixture
+def filled(store_client):
+    """One episode group, its turns, the trace of its group, a step, an evaluation and an alert."""
+    migrate(store_client)
+    env = envs.get("lookup")
+    task = next(env.generate("train", seed=2, group_size=2))
+    verdicts = []
+    for index, text in enumerate(["@lookup " + env.reference(task)[0].split()[-1], "red"]):
+        episode = ep.start(task, "group-1", index, [1, 2], temperature=1.0, top_p=1.0, call_format="plain")
+        turn = ep.add_turn(episode, text, [3, 4], [-0.5, -0.5], "stop", 0)
+        if turn.HasField("call"):
+            turn.observation, turn.observation_token_ids[:] = env.reference(task)[1], [5]
+            turn.execution_ms = 3.5
+            ep.add_turn(episode, env.reference(task)[1], [6], [-0.1], "stop", 0)
+        episode.end = 1
+        verdicts.append(verify_episode(episode))
+    spans = a_real_span()
+    trace_id = span_row(spans[0])[1]
+    trajectories = group_trajectories(verdicts, RewardConfig("rloo", {}, 0.0, 0), complete=True)
+    store_client.insert("trajectories", [trajectory_row(v, t, trace_id) for v, t in zip(verdicts, trajectories)],
+                        column_names=TRAJECTORY_COLUMNS)
+    store_client.insert("episode_turns", [r for v, t in zip(verdicts, trajectories) for r in turn_rows(v, t)],
+                        column_names=TURN_COLUMNS)
+    store_client.insert("otel_traces", [span_row(s) for s in spans], column_names=SPAN_COLUMNS)
+    pv = policy_pb2.PolicyVersion(run_id="run-1", version=1, step=1, checkpoint_uri="file:///x",
+                                  metrics=policy_pb2.StepMetrics(reward_mean=0.5, kl=0.01, step_ms=12.0))
+    record_step(store_client, pv, {"loss": 0.1})
+    message = evaluation_pb2.Evaluation(run_id="run-1", policy_version=1, tasks=4, passed=3, pass_rate=0.75,
+                                        by_kind={"lookup": evaluation_pb2.KindResult(tasks=4, passed=3)})
+    message.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    store_client.insert("evaluations", evaluation_rows(message), column_names=EVAL_COLUMNS)
+    alert = alert_pb2.Alert(id="a-1", kind="kl_blowup", message="KL 2.0 at step 6")
+    alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    record_alert(store_client, alert)
+    return store_client, task, trajectories
+
+
+def test_every_saved_query_returns_the_rows_it_is_about(filled):
+    client, task, trajectories = filled
+    solved = next(t for t in trajectories if t.turns == 2)
+    params = {"task": task.id, "trajectory": solved.id}
+    for name in queries.QUERIES:
+        columns, rows = queries.run(client, name, **params)
+        assert rows and len(columns) == len(rows[0]), name
+    _, turns = queries.run(client, "episode", trajectory=solved.id)
+    assert [r[0] for r in turns] == [1, 2] and turns[0][1] == "lookup"
+    _, spans = queries.run(client, "trace", trajectory=solved.id)
+    assert {r[1] for r in spans} == {"parent", "score"}
+    score = next(r for r in spans if r[1] == "score")
+    assert score[4] == next(r for r in spans if r[1] == "parent")[3]  # its parent, by id
+    _, heldout = queries.run(client, "heldout")
+    assert ("run-1", 1, "lookup", 4, 3, 0.75) in heldout
+
+
+def test_a_query_without_its_parameter_or_unknown_says_so(filled):
+    client, _, _ = filled
+    with pytest.raises(queries.QueryError, match="--task VALUE"):
+        queries.run(client, "task")
+    with pytest.raises(queries.QueryError, match="saved queries are"):
+        queries.run(client, "nosuch")
+
+
+def test_crucible_query_prints_a_table(filled, store_url, store_database, monkeypatch, capsys):
+    _, task, _ = filled
+    monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_URL", store_url)
+    monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_DATABASE", store_database)
+    assert crucible_main(["query", "task", "--task", task.id]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["group_id", "sample_index", "version"] and set(out[1]) <= {"-", " "}
+    assert len(out) == 4  # header, rule, two samples
+    assert crucible_main(["query", "task"]) == 2
+    assert "--task VALUE" in capsys.readouterr().out
+    assert crucible_main(["query"]) == 0 and "reward-by-version" in capsys.readouterr().out
