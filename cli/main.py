@@ -229,8 +229,13 @@ def cmd_train(args, settings: Settings) -> int:
 def cmd_test(args, settings: Settings) -> int:
     """Runs the test suite; the session starts its own Kafka broker and store on free ports."""
     from crucible.local.kafka import ensure_jars
+    from crucible.local.prometheus import PrometheusError, ensure_installed
 
     ensure_jars(settings, echo=echo)
+    try:
+        ensure_installed(echo=echo)  # the metrics test scrapes a service with a real Prometheus
+    except PrometheusError as exc:
+        echo(f"      {exc}: the Prometheus scrape test will fail")
     pytest_args = list(args.pytest_args)
     if pytest_args[:1] == ["--"]:
         pytest_args = pytest_args[1:]

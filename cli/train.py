@@ -106,6 +106,7 @@ class Run:
             "CRUCIBLE_GENERATOR_GRPC_PORT": str(ports["generator"]),
             "CRUCIBLE_LEARNER_GRPC_PORT": str(ports["learner"]),
             "CRUCIBLE_SANDBOX_WORKERS": "1",
+            "CRUCIBLE_METRICS_PORT": "0",  # each service its own free port, written to metrics/<service>.port
         }
         self.verifier_address = f"127.0.0.1:{ports['verifier']}"
         self.sandbox_address = f"127.0.0.1:{ports['sandbox']}"
@@ -122,8 +123,13 @@ class Run:
         if name == "sandbox_executor" and os.geteuid() != 0:
             args.append("--allow-weak-isolation")  # not root: results name what is missing
         with open(logs / f"{name}.log", "ab") as log:
-            self.processes[name] = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            env = {**self.env, "CRUCIBLE_METRICS_PORT_FILE": str(self.metrics_port_file(name))}
+            self.processes[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                     stdin=subprocess.DEVNULL)
+
+    def metrics_port_file(self, name: str) -> Path:
+        """Where service `name` writes the port of its Prometheus /metrics endpoint."""
+        return self.dir / "metrics" / f"{name}.port"
 
     def check_services(self) -> None:
         for name, proc in self.processes.items():

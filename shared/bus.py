@@ -32,7 +32,12 @@ from google.protobuf.message import Message
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from crucible.shared import messages, telemetry
+import time
+import weakref
+
+from opentelemetry.metrics import Observation
+
+from crucible.shared import messages, metrics, telemetry
 from crucible.shared.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,29 @@ H_SCHEMA = "schema"
 H_CONTENT_TYPE = "content-type"
 H_DLQ_REASON = "dlq-reason"
 H_DLQ_SOURCE = "dlq-source"  # topic/partition@offset of the original record
+
+
+RECORDS = metrics.counter("crucible.bus.records", "records consumed, by topic and outcome (handled, dead_lettered)",
+                          "{record}")
+HANDLE_MS = metrics.histogram("crucible.bus.handle.duration", "time to handle one record, by topic", "ms")
+_readers: "weakref.WeakSet[Reader]" = weakref.WeakSet()
+
+
+def _lag(options):
+    """Consumer lag per topic and partition: the broker's high watermark minus the next offset to read."""
+    for reader in list(_readers):
+        for (topic, partition), position in list(reader.positions.items()):
+            try:
+                high = reader._consumer.highwater(TopicPartition(topic, partition))
+            except Exception:  # noqa: BLE001 -- not assigned any more
+                continue
+            if high is not None:
+                yield Observation(max(0, high - position), {"topic": topic, "partition": str(partition),
+                                                            "group": reader.group_id or ""})
+
+
+LAG = metrics.gauge("crucible.bus.consumer_lag", _lag, "records published and not yet read, per topic and partition",
+                    "{record}")
 
 
 class Reject(Exception):
@@ -272,6 +300,7 @@ class Reader:
         self.positions: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset to read
         self.dead_lettered = 0
         self.skipped = 0
+        _readers.add(self)
 
     async def start(self):
         if self._own_producer:
@@ -364,6 +393,7 @@ class Reader:
             await self.producer.dead_letter(record.topic, record.partition, record.offset, record.key,
                                             record.value, record.headers, reason)
         self.dead_lettered += 1
+        RECORDS.add(1, {"topic": record.topic, "outcome": "dead_lettered"})
 
     async def at_end(self) -> bool:
         """Whether everything published to this reader's partitions so far has been read."""
@@ -504,6 +534,7 @@ class Consumer(Reader):
             incoming = await self.decode(record)
             if incoming is None:
                 return []
+            started = time.perf_counter()
             for attempt in range(1, self.max_attempts + 1):
                 try:
                     outputs = list(await self.handler(incoming) or ())
@@ -526,6 +557,8 @@ class Consumer(Reader):
                     await asyncio.sleep(0.1 * 2**attempt)
                     continue
                 self.handled += 1
+                RECORDS.add(1, {"topic": record.topic, "outcome": "handled"})
+                HANDLE_MS.record((time.perf_counter() - started) * 1000, {"topic": record.topic})
                 outbox = _OUTBOX.get()
                 if outbox is not None:
                     outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)

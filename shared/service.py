@@ -1,4 +1,4 @@
-"""What every service's `__main__` does the same way: logging, telemetry, a stop on SIGTERM/SIGINT."""
+"""What every service's `__main__` does the same way: logging, traces, metrics, a stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,7 @@ import logging
 import signal
 from collections.abc import Awaitable
 
-from crucible.shared import telemetry
+from crucible.shared import metrics, telemetry
 from crucible.shared.settings import Settings, get_settings
 
 
@@ -15,6 +15,7 @@ def setup(name: str) -> Settings:
     settings = get_settings()
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     telemetry.setup_telemetry(name, settings)
+    metrics.setup_metrics(name, settings)
     return settings
 
 

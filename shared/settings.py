@@ -171,6 +171,11 @@ class Settings(BaseSettings, RunConfig):
     # OpenTelemetry: OTLP export happens only when an endpoint is set.
     otel_endpoint: str | None = None
     otel_protocol: str = Field(default="grpc", pattern="^(grpc|http)$")
+    metrics_host: str = Field(default="127.0.0.1", description="Where each service serves Prometheus /metrics "
+                              "(0.0.0.0 in a pod).")
+    metrics_port: int = Field(default=9464, ge=0, le=65535, description="Its port; 0: any free port (logged, and "
+                              "written to metrics_port_file).")
+    metrics_port_file: Path | None = Field(default=None, description="Where a service writes the metrics port it got.")
     otel_store_spans: bool = Field(default=True, description="Write every span into the store's otel_traces "
                                    "table (the embedded setup); turn off where a collector writes them.")
     otel_span_file: Path | None = Field(default=None, description="Also append every finished span to this "

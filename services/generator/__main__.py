@@ -14,7 +14,7 @@ from crucible.services.generator import episodes
 from crucible.services.generator.batcher import Batcher, LagBound
 from crucible.services.generator.handler import group_id_for, render_prompt, rollout_group
 from crucible.services.generator.servicer import GeneratorServicer, sampling_params
-from crucible.shared import bus, rpc, service
+from crucible.shared import bus, metrics, rpc, service
 from crucible.ml.policy import transfer
 from crucible.ml.policy.backends import backend_for
 from crucible.shared.settings import Settings
@@ -22,6 +22,7 @@ from crucible.ml import envs
 from crucible.ml.tasks import is_heldout, task_problems
 
 log = logging.getLogger("crucible.generator")
+TASKS = metrics.counter("crucible.generator.tasks", "tasks taken in, by kind and outcome", "{task}")
 
 
 def build_backend(settings: Settings):
@@ -34,6 +35,7 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
     async def handle(incoming: bus.Incoming):
         task = incoming.message
         problems = task_problems(task, settings)
+        TASKS.add(1, {"kind": task.kind if not problems else "", "outcome": "refused" if problems else "taken"})
         if problems:
             raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))
         if is_heldout(task):
@@ -146,6 +148,15 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     batcher = Batcher(backend, max_tasks=settings.generator_batch_tasks, wait_ms=settings.generator_batch_wait_ms,
                       lag=LagBound(settings.max_policy_lag, settings.groups_per_step))
     batcher.start()
+
+    def policy_gauges(options):  # the version sampled with, and how many groups wait for a newer one
+        from opentelemetry.metrics import Observation
+
+        yield Observation(batcher.backend.version, {"measure": "policy_version"})
+        yield Observation(batcher.lag.waiting, {"measure": "waiting_for_policy"})
+        yield Observation(batcher.lag.groups_at_version, {"measure": "groups_at_version"})
+
+    metrics.gauge("crucible.generator.policy", policy_gauges, "the policy version sampled with, and the lag bound")
     server = rpc.RpcServer([rpc.Service("crucible.v1.Generator", GeneratorServicer(settings, batcher, generator_id),
                                         generator_pb2_grpc.add_GeneratorServicer_to_server)],
                            host=settings.grpc_host, port=settings.generator_grpc_port)

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
 from crucible.ml.policy.sampling import SamplingParams
+from crucible.shared import metrics
+
+SAMPLES = metrics.counter("crucible.generator.samples", "completions (and episode turns) sampled", "{sample}")
+TOKENS = metrics.counter("crucible.generator.tokens", "tokens sampled", "{token}")
+BATCH_MS = metrics.histogram("crucible.generator.batch.duration", "time of one sampling batch", "ms")
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +218,10 @@ class Batcher:
                 continue
             ms = (time.perf_counter() - started) * 1000
             self.batches += 1
+            labels = {"backend": self.backend.name}
+            BATCH_MS.record(ms, labels)
+            SAMPLES.add(sum(len(g) for g in groups), labels)
+            TOKENS.add(sum(len(c.token_ids) for g in groups for c in g), labels)
             for r, completions in zip(same, groups):
                 self.tokens += sum(len(c.token_ids) for c in completions)
                 if not r.future.done():

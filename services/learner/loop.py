@@ -17,11 +17,34 @@ from crucible.services.learner.groups import Buffered, GroupBuffer
 from crucible.services.learner.monitors import HealthMonitor
 from crucible.services.learner.rows import record_alert, record_step
 from crucible.services.learner.trainer import StepResult, Trainer
-from crucible.shared import bus, telemetry
+from opentelemetry.metrics import Observation
+
+from crucible.shared import metrics, bus, telemetry
 from crucible.shared.settings import Settings
 from crucible.v1 import policy_pb2
 
 log = logging.getLogger("crucible.learner")
+
+# What the last step measured, read by the gauges when scraped; the step time as a histogram.
+_last_step: dict[str, float] = {}
+STEP_MS = metrics.histogram("crucible.learner.step.duration", "time of one policy step", "ms")
+GAUGED = ("kl", "entropy", "grad_norm", "loss", "reward_mean", "pass_rate", "mismatch_kl", "response_length",
+          "samples", "learning_rate")
+
+
+def _step_gauges(options):
+    for name in GAUGED:
+        if name in _last_step:
+            yield Observation(_last_step[name], {"measure": name})
+
+
+STEP_GAUGE = metrics.gauge("crucible.learner.step", _step_gauges, "the last policy step's measures (by `measure`)")
+
+
+def observe_step(values: dict) -> None:
+    _last_step.update({k: float(v) for k, v in values.items() if isinstance(v, (int, float))})
+    if "step_ms" in values:
+        STEP_MS.record(float(values["step_ms"]))
 
 TOPIC = "trajectories"
 
@@ -144,6 +167,7 @@ class Learner:
                                          sorted(self.trained_past), self.reference_uri)
         pv = await asyncio.to_thread(policy_message, self.settings, trainer, folder.as_uri(), result)
         await self._publish(pv)
+        observe_step(result.metrics)
         await asyncio.to_thread(record_step, self.store, pv, result.metrics)
         for alert in self.monitor.check(trainer.step_count, trainer.version, result.metrics):
             log.warning("alert %s: %s", alert.kind, alert.message)

@@ -132,6 +132,8 @@ class Trainer:
             "reward_mean": sum(s.reward for s in samples) / len(samples) if samples else 0.0,
             "pass_rate": sum(s.passed for s in samples) / len(samples) if samples else 0.0,
             "samples": len(samples),
+            # the model's own tokens per sample (an episode's observations are not its response)
+            "response_length": sum(model_tokens(s) for s in samples) / len(samples) if samples else 0.0,
         }
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:

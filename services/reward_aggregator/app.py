@@ -33,7 +33,7 @@ from crucible.services.reward_aggregator.handler import (
     turn_rows,
     TURN_COLUMNS,
 )
-from crucible.shared import bus, messages, telemetry
+from crucible.shared import bus, messages, metrics, telemetry
 from crucible.shared.settings import Settings
 from crucible.v1 import verdict_pb2
 
@@ -46,6 +46,9 @@ def _headers(event_headers) -> list[tuple[str, bytes]]:
     items = event_headers.items() if hasattr(event_headers, "items") else event_headers
     return [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in items]
 
+
+GROUPS = metrics.counter("crucible.aggregator.groups", "groups emitted, by kind and whether complete", "{group}")
+REWARD = metrics.histogram("crucible.aggregator.reward", "rewards after weighting, by kind (mean and spread)")
 
 class Aggregator:
     """Owns the faust app and what its agents need (settings, bus producer, store client, counters)."""
@@ -141,6 +144,10 @@ class Aggregator:
     async def _emit(self, group_id: str, entry: dict, *, complete: bool) -> None:
         verdicts = [verdict_pb2.Verdict.FromString(base64.b64decode(v)) for v in entry["verdicts"].values()]
         trajectories = group_trajectories(verdicts, self.config, complete=complete)
+        kind = verdicts[0].task_kind if verdicts else ""
+        GROUPS.add(1, {"kind": kind, "complete": str(complete).lower()})
+        for t in trajectories:
+            REWARD.record(t.reward, {"kind": kind})
         by_id = {v.sample.id: v for v in verdicts}
         if self.store is not None:
             trace_id = telemetry.current_trace_id()

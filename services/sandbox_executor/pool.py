@@ -22,6 +22,7 @@ from pathlib import Path
 from crucible.services.sandbox_executor import isolation
 from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS
 from crucible.services.sandbox_executor.runners import prepare
+from crucible.shared import metrics
 from crucible.shared.settings import Settings, get_settings
 from crucible.shared.workers import PoolFull, WorkerFailed, WorkerPool  # noqa: F401 (PoolFull is part of this API)
 
@@ -37,6 +38,10 @@ PRELOAD = ("typing", "math", "random", "copy", "string", "collections", "re", "h
            "traceback", "operator", "dataclasses")
 MAX_JOB_BYTES = 8 * 1024 * 1024
 
+
+JOB_MS = metrics.histogram("crucible.sandbox.job.duration", "wall time of one sandbox job, by outcome", "ms")
+JOB_CPU = metrics.histogram("crucible.sandbox.job.cpu_time", "CPU time (user + system) of one job", "s")
+JOB_RSS = metrics.histogram("crucible.sandbox.job.max_rss", "peak resident memory of one job", "By")
 
 class JobRejected(ValueError):
     """The job itself is unacceptable (unknown language, too large, bad limits); the text says why."""
@@ -205,7 +210,13 @@ class SandboxPool:
                 raise RuntimeError(f"sandbox failure: {exc}") from None
             if "error" in raw:  # raised inside the block: the worker is restarted
                 raise RuntimeError(f"sandbox failure: {raw['error']}")
-        return self._result(raw, tests is not None)
+        result = self._result(raw, tests is not None)
+        labels = {"outcome": result.violation or ("ok" if result.exit_code == 0 else "exit_nonzero"),
+                  "isolation": result.isolation}
+        JOB_MS.record(result.duration_ms, labels)
+        JOB_CPU.record(result.cpu_user_s + result.cpu_system_s, labels)
+        JOB_RSS.record(result.max_rss_bytes, labels)
+        return result
 
     def _result(self, raw: dict, has_tests: bool) -> Result:
         result = Result(

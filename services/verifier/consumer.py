@@ -6,11 +6,21 @@ import asyncio
 
 from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_pool import ScorerPool
-from crucible.shared import bus
+from crucible.shared import bus, metrics
 
 from crucible.v1 import episode_pb2
 
 TOPICS = ["executions", "rollouts", "episodes"]
+VERDICTS = metrics.counter("crucible.verifier.verdicts", "verdicts given, by task kind and whether solved", "{verdict}")
+COMPONENTS = metrics.histogram("crucible.verifier.reward_component", "each reward component's value, by kind")
+
+
+def observe(verdicts) -> None:
+    for v in verdicts:
+        VERDICTS.add(1, {"kind": v.task_kind, "passed": str(v.sample.passed).lower(),
+                         "tampered": str(v.tampered).lower()})
+        for name, value in v.components.items():
+            COMPONENTS.record(value, {"kind": v.task_kind, "component": name})
 
 
 def verdict_handler(scorer: ScorerPool):
@@ -23,6 +33,7 @@ def verdict_handler(scorer: ScorerPool):
                 verdict = await asyncio.to_thread(handler.verify_episode, episode)
             except handler.Unverifiable as exc:
                 raise bus.Reject(str(exc)) from exc
+            observe([verdict])
             return [bus.Outgoing("verdicts", verdict, key=episode.group_id)]
         try:
             requests = handler.requests_for(incoming.message)
@@ -30,6 +41,7 @@ def verdict_handler(scorer: ScorerPool):
         except handler.Unverifiable as exc:
             raise bus.Reject(str(exc)) from exc
         group = handler.group_of(incoming.message)
+        observe(verdicts)
         return [bus.Outgoing("verdicts", handler.in_group(v, group), key=group.group_id) for v in verdicts]
 
     return handle
