@@ -107,10 +107,14 @@ def test_a_query_without_its_parameter_or_unknown_says_so(filled):
         queries.run(client, "nosuch")
 
 
-def test_crucible_query_prints_a_table(filled, store_url, store_database, monkeypatch, capsys):
+def test_crucible_query_prints_a_table(filled, store_url, store_database, monkeypatch, capsys, request):
     _, task, _ = filled
+    from crucible.shared.settings import get_settings
+
     monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_URL", store_url)
     monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_DATABASE", store_database)
+    get_settings.cache_clear()  # the command reads the process's settings, cached once read
+    request.addfinalizer(get_settings.cache_clear)
     assert crucible_main(["query", "task", "--task", task.id]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["group_id", "sample_index", "version"] and set(out[1]) <= {"-", " "}
