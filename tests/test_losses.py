@@ -94,3 +94,17 @@ def test_health_monitor_raises_each_signal_once():
     diverging.record_heldout(6, 0.5)
     [alert] = diverging.check(7, 7, {**calm, "reward_mean": 0.7})
     assert alert.kind == "reward_without_heldout"
+
+
+def test_health_monitor_catches_responses_blowing_up_once():
+    from crucible.services.learner.monitors import HealthMonitor
+
+    monitor = HealthMonitor("run", min_steps=0, window=3, length_factor=3.0, length_floor=16)
+    calm = {"kl": 0.1, "entropy": 1.0, "reward_mean": 0.1}
+    fired = []
+    for step, length in enumerate([6, 7, 8, 9, 14, 30, 40, 42, 8, 35], start=1):
+        fired += [(step, a.kind) for a in monitor.check(step, step, {**calm, "response_length": length})]
+    # 21 tokens is 3x the first three steps' 7: it fires at 30, stays quiet while it lasts, again after recovery
+    assert fired == [(6, "length_blowup"), (10, "length_blowup")]
+    short = HealthMonitor("run", min_steps=0, window=3)
+    assert not any(short.check(s, s, {**calm, "response_length": n}) for s, n in enumerate([1, 1, 1, 5, 9], 1))

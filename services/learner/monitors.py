@@ -4,7 +4,10 @@
 - `entropy_collapse`: mean token entropy falls below `entropy_floor` (the policy stopped exploring,
   often the first sign of a reward being gamed by one fixed answer);
 - `reward_without_heldout`: the training reward keeps rising while the held-out pass rate reported
-  to the monitor does not (the policy fits the training distribution, or games its reward).
+  to the monitor does not (the policy fits the training distribution, or games its reward);
+- `length_blowup`: the mean response length (the model's own tokens) reaches `length_factor` times
+  its mean over the first `window` steps, and at least `length_floor` tokens (padding answers to
+  please a length-blind reward, or a policy that stopped ending its turns).
 Each kind fires once, then again only after the signal has recovered (no alert storms).
 """
 from __future__ import annotations
@@ -23,8 +26,11 @@ class HealthMonitor:
     min_steps: int = 5
     window: int = 20
     reward_gain: float = 0.2
+    length_factor: float = 3.0
+    length_floor: float = 16.0
     active: set[str] = field(default_factory=set)
     rewards: list[float] = field(default_factory=list)
+    lengths: list[float] = field(default_factory=list)
     heldout: list[tuple[int, float]] = field(default_factory=list)
 
     def record_heldout(self, step: int, pass_rate: float) -> None:
@@ -32,6 +38,8 @@ class HealthMonitor:
 
     def check(self, step: int, version: int, metrics: dict) -> list[alert_pb2.Alert]:
         self.rewards.append(metrics.get("reward_mean", 0.0))
+        if "response_length" in metrics:
+            self.lengths.append(metrics["response_length"])
         if step < self.min_steps:
             return []
         signals = {
@@ -42,6 +50,7 @@ class HealthMonitor:
                                  f"token entropy fell to {metrics.get('entropy', 0.0):.4f} at step {step} "
                                  f"(floor {self.entropy_floor})"),
             "reward_without_heldout": self._diverging(step),
+            "length_blowup": self._lengthening(step),
         }
         alerts = []
         for kind, (firing, message) in signals.items():
@@ -67,3 +76,12 @@ class HealthMonitor:
         firing = late - early >= self.reward_gain and last <= first
         return firing, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
                         f"{first:.3f} -> {last:.3f} by step {step}")
+
+    def _lengthening(self, step: int) -> tuple[bool, str]:
+        if len(self.lengths) <= self.window:
+            return False, ""
+        base = sum(self.lengths[: self.window]) / self.window
+        now = self.lengths[-1]
+        firing = now >= self.length_floor and now >= self.length_factor * max(base, 1e-9)
+        return firing, (f"responses grew to {now:.1f} tokens at step {step}, {now / max(base, 1e-9):.1f}x the "
+                        f"{base:.1f} of the first {self.window} steps")
