@@ -171,6 +171,13 @@ class Settings(BaseSettings, RunConfig):
     # OpenTelemetry: OTLP export happens only when an endpoint is set.
     otel_endpoint: str | None = None
     otel_protocol: str = Field(default="grpc", pattern="^(grpc|http)$")
+    detect_window: int = Field(default=256, ge=8, description="Verdicts per window of the aggregator's "
+                               "reward-hacking detectors (services/reward_aggregator/detectors.py).")
+    detect_tamper_rate: float = Field(default=0.05, gt=0, le=1, description="Share of forged passes in a window "
+                                      "that raises tamper_rate.")
+    detect_component_gain: float = Field(default=0.2, gt=0, description="Rise of a reward component's mean over "
+                                         "the first window, without the solved share, that raises "
+                                         "component_without_correctness.")
     metrics_host: str = Field(default="127.0.0.1", description="Where each service serves Prometheus /metrics "
                               "(0.0.0.0 in a pod).")
     metrics_port: int = Field(default=9464, ge=0, le=65535, description="Its port; 0: any free port (logged, and "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -46,11 +47,12 @@ def test_counters_histograms_and_gauges_render_as_prometheus_text():
 async def test_prometheus_scrapes_a_services_metrics(settings, tmp_path):
     assert binary(), "prometheus is not installed: `crucible test` installs Debian's package"
     port_file, grpc_port = tmp_path / "sandbox.port", free_port()
-    env = {"CRUCIBLE_HOME": str(tmp_path / "home"), "CRUCIBLE_METRICS_PORT": "0",
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CRUCIBLE_")},  # PYTHONPYCACHEPREFIX too
+           "CRUCIBLE_HOME": str(tmp_path / "home"), "CRUCIBLE_METRICS_PORT": "0",
            "CRUCIBLE_METRICS_PORT_FILE": str(port_file), "CRUCIBLE_SANDBOX_GRPC_PORT": str(grpc_port),
            "CRUCIBLE_SANDBOX_WORKERS": "1", "CRUCIBLE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
            "CRUCIBLE_TOPIC_PREFIX": settings.topic_prefix, "CRUCIBLE_CONSUMER_GROUP_PREFIX": settings.consumer_group_prefix,
-           "CRUCIBLE_OTEL_STORE_SPANS": "false", "PATH": "/usr/bin:/bin"}
+           "CRUCIBLE_OTEL_STORE_SPANS": "false"}
     service = subprocess.Popen([sys.executable, "-m", "crucible.services.sandbox_executor"],
                                env=env, stdout=open(tmp_path / "service.log", "wb"), stderr=subprocess.STDOUT)
     prometheus = None

@@ -20,6 +20,7 @@ import logging
 import time
 
 import faust
+from opentelemetry import trace
 
 from crucible.services.reward_aggregator.handler import (
     ALERT_COLUMNS,
@@ -33,6 +34,7 @@ from crucible.services.reward_aggregator.handler import (
     turn_rows,
     TURN_COLUMNS,
 )
+from crucible.services.reward_aggregator.detectors import WindowDetectors
 from crucible.shared import bus, messages, metrics, telemetry
 from crucible.shared.settings import Settings
 from crucible.v1 import verdict_pb2
@@ -59,6 +61,9 @@ class Aggregator:
         self.producer = producer
         self.store = store_client
         self.config = RewardConfig.of(settings.run_config())
+        self.detectors = WindowDetectors(settings.run_id, window=settings.detect_window,
+                                         tamper_rate=settings.detect_tamper_rate,
+                                         component_gain=settings.detect_component_gain)
         self.groups_emitted = 0
         self.incomplete_emitted = 0
         self.dead_lettered = 0
@@ -163,9 +168,14 @@ class Aggregator:
             log.info("group %s timed out with %d of %d verdicts", group_id, len(verdicts), entry["group_size"])
 
     async def _raise_alerts(self, verdict: verdict_pb2.Verdict) -> None:
-        alerts = alerts_for(verdict, self.settings.run_id)
+        """The verdict's own alerts (tamper, canary) and the window detectors' (detectors.py): each goes
+        to crucible.alerts, the alerts table and, with its evidence, the current span as an event."""
+        alerts = alerts_for(verdict, self.settings.run_id) + self.detectors.observe(verdict)
         if not alerts:
             return
+        span = trace.get_current_span()
+        for a in alerts:
+            span.add_event(f"alert {a.kind}", {"message": a.message, **dict(a.details)})
         if self.store is not None:
             await asyncio.to_thread(self.store.insert, "alerts", [alert_row(a) for a in alerts],
                                     column_names=ALERT_COLUMNS)

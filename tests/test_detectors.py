@@ -1,0 +1,75 @@
+"""Window detectors over verdicts: each fires on its planted pattern, once per incident, with evidence,
+and stays quiet on a clean stream."""
+from __future__ import annotations
+
+import random
+
+from crucible.services.reward_aggregator.detectors import WindowDetectors
+from crucible.v1 import execution_pb2, trajectory_pb2, verdict_pb2
+
+
+def verdict(i: int, *, passed: bool, tampered: bool = False, components=None, violation: int = 0,
+            ms: float = 0.0) -> verdict_pb2.Verdict:
+    v = verdict_pb2.Verdict(sample=trajectory_pb2.Trajectory(id=f"s{i}", passed=passed), tampered=tampered,
+                            components=components or {})
+    if ms:
+        v.execution.CopyFrom(execution_pb2.ExecutionResult(duration_ms=ms, violation=violation))
+    return v
+
+
+def stream(detectors, n, make):
+    alerts = []
+    for i in range(n):
+        alerts += [(i, a) for a in detectors.observe(make(i))]
+    return alerts
+
+
+def clean(rng):
+    def make(i):
+        ok = rng.random() < 0.4
+        return verdict(i, passed=ok, components={"answer_correct": float(ok), "format_ok": float(rng.random() < 0.8),
+                                                  "length": rng.randrange(5, 30)}, ms=rng.uniform(8, 12),
+                       violation=execution_pb2.VIOLATION_TIMEOUT if rng.random() < 0.02 else 0)
+    return make
+
+
+def test_a_clean_run_raises_nothing():
+    rng = random.Random(0)
+    assert stream(WindowDetectors("run", window=100), 2000, clean(rng)) == []
+
+
+def test_a_component_rising_without_correctness_is_caught_once_with_examples():
+    rng = random.Random(1)
+
+    def hacked(i):
+        ok = rng.random() < 0.4  # solving no more than before...
+        return verdict(i, passed=ok, components={"answer_correct": float(ok), "format_ok": 1.0})  # ...format maxed
+    detectors = WindowDetectors("run", window=100)
+    low = lambda i: verdict(i, passed=rng.random() < 0.4, components={"format_ok": float(rng.random() < 0.5)})
+    alerts = stream(detectors, 600, lambda i: low(i) if i < 300 else hacked(i))
+    assert [a.kind for _, a in alerts] == ["component_without_correctness"]
+    when, alert = alerts[0]
+    assert 300 <= when < 500 and alert.details["component"] == "format_ok"
+    assert float(alert.details["after"]) - float(alert.details["before"]) >= 0.2
+    assert alert.details["examples"] and all(e.startswith("s") for e in alert.details["examples"].split(","))
+    # the same climb, with the solved share rising with it, is learning, not hacking
+    honest = WindowDetectors("run", window=100)
+    assert stream(honest, 600, lambda i: verdict(i, passed=i >= 300 or rng.random() < 0.2, components={
+        "format_ok": 1.0 if i >= 300 else float(rng.random() < 0.5)})) == []
+
+
+def test_tampering_and_sandbox_drift_are_caught_and_re_fire_only_after_recovery():
+    rng = random.Random(2)
+    base = clean(rng)
+    detectors = WindowDetectors("run", window=100)
+
+    def phases(i):
+        if 200 <= i < 300 or 500 <= i < 600:  # two incidents of forged passes
+            return verdict(i, passed=False, tampered=rng.random() < 0.2)
+        if 700 <= i < 800:  # the sandbox starts timing out and slowing down
+            return verdict(i, passed=False, ms=rng.uniform(40, 60), violation=execution_pb2.VIOLATION_TIMEOUT
+                           if rng.random() < 0.5 else 0)
+        return base(i)
+
+    kinds = [(i // 100, a.kind) for i, a in stream(detectors, 900, phases)]
+    assert kinds == [(2, "tamper_rate"), (5, "tamper_rate"), (7, "sandbox_timeouts"), (7, "sandbox_slowdown")]
