@@ -106,6 +106,14 @@ async def test_a_task_is_one_trace_through_all_five_services_and_the_learner_ste
     parents = {r[1] for r in rows if r[1]}
     assert parents <= set(in_store) | {i.removeprefix("0x") for i in submitted}
 
+    # The task's samples are stored with what their sandbox runs used, and with this trace's id.
+    samples = store.connect(settings).query(
+        "SELECT cpu_s, max_rss_bytes, duration_ms, trace_id FROM trajectories FINAL WHERE task_id = 'traced'"
+    ).result_rows
+    assert len(samples) == 2
+    for cpu_s, rss, ms, sample_trace in samples:
+        assert cpu_s > 0 and rss > 1 << 20 and ms > 0 and sample_trace == trace_id.removeprefix("0x")
+
 
 def stored_spans(settings, trace_id: str, services: set[str], timeout: float = 20.0) -> list[tuple]:
     """(SpanId, ParentSpanId, ServiceName, SpanName, SpanKind) of the trace's spans in the store's otel_traces."""

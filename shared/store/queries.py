@@ -36,10 +36,11 @@ QUERIES = {q.name: q for q in [
           "round(entropy, 4) AS entropy_mean, round(grad_norm, 4) AS grad_l2, round(step_time_ms) AS step_ms "
           "FROM train_steps FINAL ORDER BY run_id, step"),
     Query("slowest-sandbox-jobs", "the sandbox runs (and episodes' tool calls) that took longest, and how they ended",
-          "SELECT trajectory_id, task_kind, turn, ms, exit_code, violation FROM ("
-          "SELECT trajectory_id, task_kind, 0 AS turn, round(duration_ms, 1) AS ms, exit_code, violation "
+          "SELECT trajectory_id, task_kind, turn, ms, cpu_s, rss_mb, exit_code, violation FROM ("
+          "SELECT trajectory_id, task_kind, 0 AS turn, round(duration_ms, 1) AS ms, round(cpu_s, 3) AS cpu_s, "
+          "round(max_rss_bytes / 1048576, 1) AS rss_mb, exit_code, violation "
           "FROM trajectories FINAL WHERE duration_ms > 0 UNION ALL "
-          "SELECT trajectory_id, task_kind, turn, round(execution_ms, 1) AS ms, 0 AS exit_code, "
+          "SELECT trajectory_id, task_kind, turn, round(execution_ms, 1) AS ms, 0 AS cpu_s, 0 AS rss_mb, 0 AS exit_code, "
           "if(call_failed, 'call_failed', '') AS violation FROM episode_turns FINAL WHERE execution_ms > 0"
           ") ORDER BY ms DESC LIMIT 20"),
     Query("task", "every sample of one task: groups, rewards, advantages",
