@@ -12,9 +12,9 @@ Each kind fires once, then again only after the signal has recovered (no alert s
 """
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass, field
 
+from crucible.shared import alerts
 from crucible.v1 import alert_pb2
 
 
@@ -28,7 +28,7 @@ class HealthMonitor:
     reward_gain: float = 0.2
     length_factor: float = 3.0
     length_floor: float = 16.0
-    active: set[str] = field(default_factory=set)
+    incidents: alerts.Incidents = field(default_factory=alerts.Incidents)
     rewards: list[float] = field(default_factory=list)
     lengths: list[float] = field(default_factory=list)
     heldout: list[tuple[int, float]] = field(default_factory=list)
@@ -52,20 +52,11 @@ class HealthMonitor:
             "reward_without_heldout": self._diverging(step),
             "length_blowup": self._lengthening(step),
         }
-        alerts = []
-        for kind, (firing, message) in signals.items():
-            if firing and kind not in self.active:
-                self.active.add(kind)
-                alert = alert_pb2.Alert(
-                    id=f"{self.run_id}/{kind}/{step}", kind=kind, severity=alert_pb2.SEVERITY_WARNING,
-                    message=message, run_id=self.run_id,
-                    details={"step": str(step), "policy_version": str(version),
-                             **{k: f"{v:.6g}" for k, v in metrics.items() if isinstance(v, (int, float))}})
-                alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
-                alerts.append(alert)
-            elif not firing:
-                self.active.discard(kind)
-        return alerts
+        firing = {kind: message for kind, (on, message) in signals.items() if on}
+        details = {"step": str(step), "policy_version": str(version),
+                   **{k: f"{v:.6g}" for k, v in metrics.items() if isinstance(v, (int, float))}}
+        return [alerts.new(f"{self.run_id}/{kind}/{step}", kind, message, self.run_id, details)
+                for kind, message in self.incidents.starting(firing)]
 
     def _diverging(self, step: int) -> tuple[bool, str]:
         if len(self.rewards) < 2 * self.window or len(self.heldout) < 2:

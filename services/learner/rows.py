@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from crucible.shared import alerts
 from crucible.v1 import alert_pb2, policy_pb2
 
 TRAIN_STEP_COLUMNS = ["run_id", "step", "policy_version", "loss", "kl", "entropy", "grad_norm", "reward_mean",
@@ -21,6 +22,4 @@ def record_step(client, pv: policy_pb2.PolicyVersion, metrics: dict) -> None:
 
 
 def record_alert(client, alert: alert_pb2.Alert) -> None:
-    client.insert("alerts", [[alert.id, alert.kind, "warning", alert.message, dict(alert.details),
-                              alert.created_at.ToDatetime(tzinfo=dt.timezone.utc)]],
-                  column_names=["alert_id", "kind", "severity", "message", "details", "ts"])
+    client.insert("alerts", [alerts.row(alert)], column_names=alerts.COLUMNS)

@@ -23,10 +23,8 @@ import faust
 from opentelemetry import trace
 
 from crucible.services.reward_aggregator.handler import (
-    ALERT_COLUMNS,
     TRAJECTORY_COLUMNS,
     RewardConfig,
-    alert_row,
     alerts_for,
     check_verdict,
     group_trajectories,
@@ -35,6 +33,7 @@ from crucible.services.reward_aggregator.handler import (
     TURN_COLUMNS,
 )
 from crucible.services.reward_aggregator.detectors import WindowDetectors
+from crucible.shared import alerts as alert_rows
 from crucible.shared import bus, messages, metrics, telemetry
 from crucible.shared.settings import Settings
 from crucible.v1 import verdict_pb2
@@ -170,19 +169,19 @@ class Aggregator:
     async def _raise_alerts(self, verdict: verdict_pb2.Verdict) -> None:
         """The verdict's own alerts (tamper, canary) and the window detectors' (detectors.py): each goes
         to crucible.alerts, the alerts table and, with its evidence, the current span as an event."""
-        alerts = alerts_for(verdict, self.settings.run_id) + self.detectors.observe(verdict)
-        if not alerts:
+        found = alerts_for(verdict, self.settings.run_id) + self.detectors.observe(verdict)
+        if not found:
             return
         span = trace.get_current_span()
-        for a in alerts:
+        for a in found:
             span.add_event(f"alert {a.kind}", {"message": a.message, **dict(a.details)})
         if self.store is not None:
-            await asyncio.to_thread(self.store.insert, "alerts", [alert_row(a) for a in alerts],
-                                    column_names=ALERT_COLUMNS)
-        for a in alerts:
+            await asyncio.to_thread(self.store.insert, "alerts", [alert_rows.row(a) for a in found],
+                                    column_names=alert_rows.COLUMNS)
+        for a in found:
             log.warning("alert %s: %s", a.kind, a.message)
             await self.producer.send_and_wait("alerts", a, key=a.kind)
-        self.alerts_raised += len(alerts)
+        self.alerts_raised += len(found)
 
     async def _dead_letter(self, event, headers, reason: str) -> None:
         m = event.message

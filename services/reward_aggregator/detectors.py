@@ -17,10 +17,10 @@ alert). Each alert names the window, the values compared and example trajectory 
 """
 from __future__ import annotations
 
-import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from crucible.shared import alerts
 from crucible.v1 import alert_pb2, verdict_pb2
 
 # Components that describe a sample rather than reward it: never suspects.
@@ -80,7 +80,7 @@ class WindowDetectors:
     slowdown_factor: float = 3.0
     baseline: Window | None = None
     current: Window = field(default_factory=Window)
-    active: set[str] = field(default_factory=set)
+    incidents: alerts.Incidents = field(default_factory=alerts.Incidents)
     windows: int = 0
 
     def observe(self, verdict: verdict_pb2.Verdict) -> list[alert_pb2.Alert]:
@@ -127,18 +127,7 @@ class WindowDetectors:
                     f"sandbox runs take {slow_after:.0f} ms on average, {slow_after / slow_before:.1f}x the "
                     f"{slow_before:.0f} ms of the first window", {"before_ms": f"{slow_before:.1f}",
                                                                   "after_ms": f"{slow_after:.1f}"}, [])
-        alerts = []
-        for key, (message, details, examples) in firing.items():
-            if key in self.active:
-                continue
-            self.active.add(key)
-            kind = key.split(":")[0]
-            alert = alert_pb2.Alert(
-                id=f"{self.run_id}/{key}/{self.windows}", kind=kind, severity=alert_pb2.SEVERITY_WARNING,
-                message=message, run_id=self.run_id,
-                details={**details, "window": str(self.windows), "window_verdicts": str(now.count),
-                         "examples": ",".join(examples)})
-            alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
-            alerts.append(alert)
-        self.active &= set(firing)  # recovered for a whole window: may fire again
-        return alerts
+        return [alerts.new(f"{self.run_id}/{key}/{self.windows}", key.split(":")[0], message, self.run_id,
+                           {**details, "window": str(self.windows), "window_verdicts": str(now.count),
+                            "examples": ",".join(examples)})
+                for key, (message, details, examples) in self.incidents.starting(firing)]

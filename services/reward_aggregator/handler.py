@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from crucible.ml.advantages import advantages, weighted_reward
+from crucible.shared import alerts
 from crucible.shared.settings import RunConfig
 from crucible.v1 import alert_pb2, execution_pb2, trajectory_pb2, verdict_pb2
 
@@ -95,7 +96,6 @@ def _violation_name(value: int) -> str:
     return execution_pb2.Violation.Name(value).removeprefix("VIOLATION_").lower() if value else ""
 
 
-ALERT_COLUMNS = ["alert_id", "kind", "severity", "message", "details", "ts"]
 
 
 def alerts_for(verdict: verdict_pb2.Verdict, run_id: str) -> list[alert_pb2.Alert]:
@@ -108,23 +108,15 @@ def alerts_for(verdict: verdict_pb2.Verdict, run_id: str) -> list[alert_pb2.Aler
     s = verdict.sample
     details = {"task_id": s.task_id, "group_id": s.group_id, "sample_index": str(s.sample_index),
                "policy_version": str(s.policy_version)}
-    alerts = []
+    out = []
     if verdict.tampered:
-        alerts.append(alert_pb2.Alert(
-            id=f"tamper/{s.id}", kind="tamper", severity=alert_pb2.SEVERITY_WARNING, run_id=run_id,
-            message=f"completion {s.id} tried to forge its reward: {', '.join(verdict.tamper_patterns) or 'unnamed'}",
-            details={**details, "patterns": ",".join(verdict.tamper_patterns)}))
+        out.append(alerts.new(
+            f"tamper/{s.id}", "tamper",
+            f"completion {s.id} tried to forge its reward: {', '.join(verdict.tamper_patterns) or 'unnamed'}",
+            run_id, {**details, "patterns": ",".join(verdict.tamper_patterns)}))
     if verdict.canary and verdict.reward > 0 and not verdict.tampered:
-        alerts.append(alert_pb2.Alert(
-            id=f"canary/{s.id}", kind="canary_passed", severity=alert_pb2.SEVERITY_CRITICAL, run_id=run_id,
-            message=f"canary task {s.task_id} earned reward {verdict.reward:.2f}: the reward can be gamed",
-            details={**details, "reward": f"{verdict.reward:.4f}"}))
-    now = dt.datetime.now(dt.timezone.utc)
-    for a in alerts:
-        a.created_at.FromDatetime(now)
-    return alerts
-
-
-def alert_row(a: alert_pb2.Alert) -> list:
-    return [a.id, a.kind, alert_pb2.Severity.Name(a.severity).removeprefix("SEVERITY_").lower(), a.message,
-            dict(a.details), a.created_at.ToDatetime(tzinfo=dt.timezone.utc)]
+        out.append(alerts.new(
+            f"canary/{s.id}", "canary_passed",
+            f"canary task {s.task_id} earned reward {verdict.reward:.2f}: the reward can be gamed",
+            run_id, {**details, "reward": f"{verdict.reward:.4f}"}, alert_pb2.SEVERITY_CRITICAL))
+    return out
