@@ -12,32 +12,15 @@ See base.py (what an environment is), calls.py (tool-call formats) and episode.p
 from __future__ import annotations
 
 from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool
-
-_ENVS: dict[str, Environment] = {}
+from crucible.ml.names import Registry
 
 
 class UnknownEnvironment(ValueError):
     """A name no environment is registered under; the text lists the known ones."""
 
 
-def register(env: Environment) -> Environment:
-    from crucible.ml import kinds
-
-    if not env.name or env.name in _ENVS or env.name in kinds.known():
-        raise ValueError(f"environment name {env.name!r} is empty or already taken (by an environment or a kind)")
-    _ENVS[env.name] = env
-    return env
-
-
-def known() -> list[str]:
-    return sorted(_ENVS)
-
-
-def get(name: str) -> Environment:
-    try:
-        return _ENVS[name]
-    except KeyError:
-        raise UnknownEnvironment(f"unknown environment {name!r}: known environments are {', '.join(known())}") from None
+_ENVS: Registry[Environment] = Registry("environment", "environments", UnknownEnvironment)
+register, known, get = _ENVS.register, _ENVS.known, _ENVS.get
 
 
 def is_environment(task_or_kind) -> bool:

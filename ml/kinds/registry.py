@@ -12,6 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from crucible.ml.names import Registry
 from crucible.v1 import execution_pb2, task_pb2
 
 
@@ -77,26 +78,8 @@ class Kind(ABC):
         return type(self).execution is not Kind.execution
 
 
-_KINDS: dict[str, Kind] = {}
-
-
-def register(kind: Kind) -> Kind:
-    if not kind.name or kind.name in _KINDS:
-        raise ValueError(f"kind name {kind.name!r} is empty or already registered")
-    _KINDS[kind.name] = kind
-    return kind
-
-
-def known() -> list[str]:
-    return sorted(_KINDS)
-
-
-def get(name: str) -> Kind:
-    """The kind called `name`; UnknownKind (a ValueError) naming the known kinds otherwise."""
-    try:
-        return _KINDS[name]
-    except KeyError:
-        raise UnknownKind(f"unknown kind {name!r}: known kinds are {', '.join(known())}") from None
+_KINDS: Registry[Kind] = Registry("kind", "kinds", UnknownKind)
+register, known, get = _KINDS.register, _KINDS.known, _KINDS.get
 
 
 def kind_of(task: task_pb2.Task) -> Kind:
