@@ -73,7 +73,7 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
     trains: list[Iterator[task_pb2.Task]] = []
     heldout: list[task_pb2.Task] = []
     for i, source in enumerate(sources):
-        if getattr(source, "environment", None) is not None:
+        if source.environment is not None:
             from crucible.ml import envs
 
             env = envs.get(source.environment)
