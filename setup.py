@@ -7,6 +7,7 @@
     crucible.local     local/               one-machine infrastructure: local Kafka, the chDB store server
     crucible.cli       cli/                 the `crucible` command and `crucible train`
     crucible.recipes   recipes/             the shipped recipes (TOML, package data)
+    crucible.dashboards dashboards/         the shipped dashboards (Grafana JSON, package data)
 """
 from setuptools import find_packages, setup
 
@@ -18,6 +19,7 @@ FOLDERS = {
     "crucible.local": "local",
     "crucible.cli": "cli",
     "crucible.recipes": "recipes",
+    "crucible.dashboards": "dashboards",
 }
 
 packages = []

@@ -221,6 +221,8 @@ def cmd_train(args, settings: Settings) -> int:
          f"at step {report.steps}")
     echo(f"held-out pass rate  : {report.heldout_before:.3f} before RL -> {report.heldout_after:.3f} after")
     echo(f"checkpoint          : {report.checkpoint}")
+    kinds = sorted({a["kind"] for a in report.alerts})
+    echo(f"alerts              : {len(report.alerts)}" + (f" ({', '.join(kinds)}; `crucible query alerts`)" if kinds else ""))
     return 0
 
 
@@ -228,14 +230,17 @@ def cmd_train(args, settings: Settings) -> int:
 
 def cmd_test(args, settings: Settings) -> int:
     """Runs the test suite; the session starts its own Kafka broker and store on free ports."""
+    from crucible.local import debian
     from crucible.local.kafka import ensure_jars
-    from crucible.local.prometheus import PrometheusError, ensure_installed
 
     ensure_jars(settings, echo=echo)
-    try:
-        ensure_installed(echo=echo)  # the metrics test scrapes a service with a real Prometheus
-    except PrometheusError as exc:
-        echo(f"      {exc}: the Prometheus scrape test will fail")
+    # the metrics test scrapes a service with a real Prometheus; the dashboard page test opens it in Chromium
+    for package, command, why in (("prometheus", "prometheus", "for the metrics scrape test"),
+                                  ("chromium", "chromium", "for the dashboard page test")):
+        try:
+            debian.ensure(package, command, why, echo=echo)
+        except debian.MissingTool as exc:
+            echo(f"      {exc}: the test that needs it will fail")
     pytest_args = list(args.pytest_args)
     if pytest_args[:1] == ["--"]:
         pytest_args = pytest_args[1:]
@@ -269,7 +274,7 @@ def cmd_query(args, settings: Settings) -> int:
             params = " ".join(f"--{p} VALUE" for p in q.parameters)
             echo(f"{q.name:22s} {q.about}" + (f"  ({params})" if params else ""))
         return 0
-    params = {k: v for k, v in (("task", args.task), ("trajectory", args.trajectory)) if v is not None}
+    params = {k: getattr(args, k) for k in queries.PARAMETERS if getattr(args, k, None) is not None}
     try:
         client = store.connect(settings, create_database=False)
         columns, rows = queries.run(client, args.name, **params)
@@ -286,6 +291,58 @@ def cmd_query(args, settings: Settings) -> int:
                  "is it running? `crucible up`")
         return 1
     echo(queries.table(columns, rows) if rows else "(no rows)")
+    return 0
+
+
+def cmd_dashboard(args, settings: Settings) -> int:
+    import time
+
+    from crucible.cli.dashboard import serve
+    from crucible.local.stack import store as local_store
+    from crucible.shared import store
+
+    started_here = []
+    if settings.clickhouse_url.startswith(("http://127.0.0.1", "http://localhost")) and local_store(settings).pid() is None:
+        took = local_store(settings).start(echo=lambda m: echo("      " + m))
+        started_here.append(local_store(settings))
+        echo(f"      store started in {took:.1f}s")
+    try:
+        client = store.connect(settings)
+        store.migrate(client)
+        server = serve(client, args.host, args.port, refresh_s=args.refresh)
+        host, port = server.server_address[:2]
+        echo(f"dashboard on http://{host}:{port}/ (store {settings.clickhouse_url}; refreshes every {args.refresh:g}s); "
+             "Ctrl-C stops it")
+        while True:
+            time.sleep(3600)
+    finally:
+        for service in started_here:
+            service.stop()
+
+
+def cmd_rescore(args, settings: Settings) -> int:
+    from crucible.cli import rescore
+    from crucible.ml import evaluation
+
+    async def go() -> rescore.RescoreReport:
+        grade_as = rescore.parse_grade_as(args.grade_as)
+        if args.verifier:
+            async with evaluation.verifier(args.verifier) as verify:
+                return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify, echo=echo)
+        async with rescore.local_verifier(settings, echo=echo) as verify:
+            return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify, echo=echo)
+
+    started_here = [] if args.verifier else ensure_stack(settings)
+    try:
+        report = asyncio.run(go())
+    except rescore.RescoreError as exc:
+        echo(f"crucible rescore: {exc}")
+        return 2
+    finally:
+        for service in reversed(started_here):
+            service.stop()
+    for line in rescore.summary(report):
+        echo(line)
     return 0
 
 
@@ -317,9 +374,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_protos)
     p = sub.add_parser("query", help="run a saved query over the store and print a table (`crucible query list`)")
     p.add_argument("name", nargs="?", help="a saved query's name; none or `list`: the saved queries")
-    p.add_argument("--task", help="the task id, for `task`")
-    p.add_argument("--trajectory", help="the trajectory (episode) id, for `episode` and `trace`")
+    from crucible.shared.store import queries
+
+    for param in queries.PARAMETERS:
+        users = [q.name for q in queries.QUERIES.values() if param in q.parameters]
+        p.add_argument(f"--{param}", help=f"the {param} id, for {', '.join(users)}")
     p.set_defaults(func=cmd_query)
+    p = sub.add_parser("dashboard", help="the run's panels, live from the store, in a browser (no Grafana needed)")
+    p.add_argument("--host", default="127.0.0.1", help="where to listen (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8050, help="the port (default 8050; 0: any free one)")
+    p.add_argument("--refresh", type=float, default=5.0, help="seconds between refreshes of the panels")
+    p.set_defaults(func=cmd_dashboard)
+    p = sub.add_parser("rescore", help="grade a run's stored samples again with the current verifier "
+                                       "(nothing is generated) and report the rewards that changed")
+    p.add_argument("--run", help="the run id (default: the newest run in the store)")
+    p.add_argument("--grade-as", action="append", default=[], metavar="OLD=NEW",
+                   help="grade tasks of kind OLD with kind NEW (repeatable), e.g. lenient_exact=exact")
+    p.add_argument("--verifier", help="a running Verifier at HOST:PORT (default: start one for this command)")
+    p.set_defaults(func=cmd_rescore)
     models_cmd.add_parser(sub)
     return parser
 

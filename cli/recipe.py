@@ -66,6 +66,11 @@ class TaskSource(BaseModel):
     reasoning_gym: str | None = Field(default=None, description="A reasoning-gym generator name.")
     config: dict[str, Any] = Field(default_factory=dict, description="The reasoning-gym generator's config.")
     count: int | None = Field(default=None, ge=1, description="How many tasks to take (sets and generators).")
+    grader: str | None = Field(default=None, description="Families only: the task kind that grades the training "
+                               "tasks instead of the family's own (held-out tasks keep the family's own); "
+                               "`lenient_exact` is the planted weak grader of recipes/planted-hack.toml.")
+    canaries: float = Field(default=0.0, ge=0.0, le=0.5, description="Families only: this share of the training "
+                            "tasks are canaries, which no honest answer passes (a paid canary raises an alert).")
 
     @model_validator(mode="after")
     def one_kind(self):
@@ -73,6 +78,13 @@ class TaskSource(BaseModel):
         if len(chosen) != 1:
             raise ValueError("give exactly one of family, environment, jsonl, set, reasoning_gym"
                              + (f" (got {', '.join(chosen)})" if chosen else ""))
+        if self.family is None and (self.grader is not None or self.canaries):
+            raise ValueError("grader and canaries apply to a family source only")
+        if self.grader is not None:
+            from crucible.ml import kinds
+
+            if self.grader not in kinds.known():
+                raise ValueError(f"unknown grader {self.grader!r}: task kinds are {sorted(kinds.known())}")
         return self
 
 

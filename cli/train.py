@@ -28,8 +28,9 @@ from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.shared import bus, rpc
 from crucible.shared.procs import free_port, stop_processes
 from crucible.shared.settings import Settings
+from crucible.v1 import alert_pb2
 
-SERVICES = ("sandbox_executor", "verifier", "reward_aggregator", "learner", "generator", "evaluator")
+SERVICES = ("control", "sandbox_executor", "verifier", "reward_aggregator", "learner", "generator", "evaluator")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TrainReport:
     checkpoint: str = ""
     curve: list[dict] = field(default_factory=list)  # {t, version, reward_mean, pass_rate, kl, step_ms}
     evaluations: list[dict] = field(default_factory=list)  # the evaluator's: {t, version, heldout, eval_ms}
+    alerts: list[dict] = field(default_factory=list)  # {t, version (the learner's then), kind, severity, message}
     trajectories_per_s: float = 0.0
     learner_step_ms: float = 0.0
 
@@ -72,9 +74,9 @@ def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, s
 
 
 class Run:
-    def __init__(self, settings: Settings, recipe: Recipe, echo=print):
+    def __init__(self, settings: Settings, recipe: Recipe, echo=print, name: str = "train"):
         self.recipe = recipe
-        self.run_id = f"train-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.settings = settings.model_copy(update={
             **recipe.run_config().model_dump(), "run_id": self.run_id, "topic_prefix": f"crucible.{self.run_id}.",
             "consumer_group_prefix": f"crucible-{self.run_id}-",
@@ -93,12 +95,13 @@ class Run:
             # the learning rate decays over the whole job, unless the recipe says otherwise
             "lr_decay_steps": s.lr_decay_steps or self.recipe.budget.steps,
         })
-        ports = {name: free_port() for name in ("sandbox", "verifier", "generator", "learner")}
+        ports = {name: free_port() for name in ("control", "sandbox", "verifier", "generator", "learner")}
         run_settings = {
             **config.environment(),
             "CRUCIBLE_TOPIC_PREFIX": s.topic_prefix,
             "CRUCIBLE_CONSUMER_GROUP_PREFIX": s.consumer_group_prefix,
             "CRUCIBLE_GENERATOR_BATCH_TASKS": str(config.groups_per_step),
+            "CRUCIBLE_CONTROL_GRPC_PORT": str(ports["control"]),
             "CRUCIBLE_SANDBOX_GRPC_PORT": str(ports["sandbox"]),
             "CRUCIBLE_VERIFIER_GRPC_PORT": str(ports["verifier"]),
             "CRUCIBLE_VERIFIER_SANDBOX_TARGET": f"127.0.0.1:{ports['sandbox']}",
@@ -186,7 +189,7 @@ def format_only_examples(recipe: Recipe, seed: int) -> list:
 
     examples: list = []
     for source in recipe.tasks.sources:
-        if source.family == "digits":
+        if source.family == "digits":  # whatever grades it
             examples += format_examples(2000, seed=seed, ops=tuple(source.ops or DEFAULT_OPS))
         elif source.environment and hasattr(envs.get(source.environment), "format_examples"):
             examples += envs.get(source.environment).format_examples(2000, seed=seed)
@@ -224,6 +227,8 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     await follower.start()
     evaluations = bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False)
     await evaluations.start()
+    alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False)
+    await alerts.start()
     started = time.monotonic()
     published = 0
     version = -1
@@ -264,9 +269,16 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                                                "heldout": ev.pass_rate, "eval_ms": ev.eval_ms})
                     echo(f"      held-out pass rate {ev.pass_rate:.3f} at version {ev.policy_version} "
                          f"(evaluator, {ev.passed}/{ev.tasks} in {ev.eval_ms / 1000:.1f}s)")
+                for incoming in await alerts.fetch(timeout_ms=0):
+                    a = incoming.message
+                    severity = alert_pb2.Severity.Name(a.severity).removeprefix("SEVERITY_").lower()
+                    report.alerts.append({"t": round(time.monotonic() - started, 1), "version": max(version, 0),
+                                          "kind": a.kind, "severity": severity, "message": a.message})
+                    echo(f"      ALERT {a.kind} ({severity}) at version {max(version, 0)}: {a.message}")
     finally:
         await follower.stop()
         await evaluations.stop()
+        await alerts.stop()
     report.steps = max(version, 0)
     report.seconds = time.monotonic() - started
     report.trajectories_per_s = (report.steps * s.groups_per_step * recipe.sampling.group_size

@@ -7,7 +7,6 @@ runs one server on 127.0.0.1 with a generated configuration and its data in a fo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -15,10 +14,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from crucible.local import debian
+
 PACKAGE = "prometheus"
 
 
-class PrometheusError(RuntimeError):
+class PrometheusError(debian.MissingTool):
     """Prometheus cannot be installed or started here; the text says why and what to do."""
 
 
@@ -28,23 +29,7 @@ def binary() -> str | None:
 
 def ensure_installed(echo=print) -> str:
     """The prometheus binary, installing Debian's package first when it is missing (as root)."""
-    found = binary()
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise PrometheusError("prometheus is not installed: `apt-get install prometheus` (Debian) or put a "
-                              "Prometheus 2.x binary on PATH")
-    echo("      installing Debian's prometheus package (for the metrics scrape test) ...")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", PACKAGE], env=env,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, stdin=subprocess.DEVNULL)
-        done = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", PACKAGE], env=env,
-                              capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if done.returncode != 0 or not binary():
-        raise PrometheusError(f"apt-get install prometheus failed: {done.stderr[-500:]}")
-    return binary()
+    return debian.ensure(PACKAGE, "prometheus", "for the metrics scrape test", echo)
 
 
 class LocalPrometheus:

@@ -53,7 +53,8 @@ def digits_tasks(split: str, *, seed: int, ops: tuple[str, ...] = DEFAULT_OPS, n
         task_id = f"digits-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}-{rng.randrange(1 << 30):x}"
         yield task_pb2.Task(id=task_id, kind="exact", prompt=prompt, group_size=group_size, split=split,
                             answer=task_pb2.ExpectedAnswer(answer=answer),
-                            metadata={"family": "digits", "op": op, "prompt_format": "raw"})
+                            metadata={"family": "digits", "op": op, "prompt_format": "raw",
+                                      "choices": ",".join(ANSWERS.get(op, tuple("0123456789")))})
 
 
 def format_examples(count: int, *, seed: int, ops: tuple[str, ...] = DEFAULT_OPS, n_digits: int = 4
@@ -91,6 +92,31 @@ def arithmetic_tasks(split: str, *, seed: int, ops: tuple[str, ...] = ARITHMETIC
         yield task_pb2.Task(id=task_id, kind="math_answer", prompt=prompt, group_size=group_size, split=split,
                             answer=task_pb2.ExpectedAnswer(answer=answer),
                             metadata={"family": "arithmetic", "op": op, "prompt_format": "raw"})
+
+
+CANARY_ANSWER = "no-honest-answer"
+
+
+def graded_by(tasks: Iterator[task_pb2.Task], kind: str) -> Iterator[task_pb2.Task]:
+    """The same tasks graded by another kind (a recipe's `grader`): how the planted weak grader
+    `lenient_exact` is put on the digits family to prove the detectors."""
+    for task in tasks:
+        task.kind = kind
+        yield task
+
+
+def with_canaries(tasks: Iterator[task_pb2.Task], rate: float, *, seed: int) -> Iterator[task_pb2.Task]:
+    """The stream with about `rate` of its tasks turned into canaries: the same prompt, an expected
+    answer no honest completion gives (`CANARY_ANSWER`), metadata canary=true. The policy cannot tell
+    a canary from its neighbours; a grader that pays one is paying for something other than the
+    answer, and the aggregator raises `canary_passed`."""
+    rng = random.Random(seed)
+    for task in tasks:
+        if rng.random() < rate:
+            task.id = f"canary-{task.id}"
+            task.answer.answer = CANARY_ANSWER
+            task.metadata["canary"] = "true"
+        yield task
 
 
 # The procedural families a recipe can name (`[[tasks.sources]] family = ...`), with their default ops.

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from crucible.ml.kinds import builtin_sets
-from crucible.ml.task_families import FAMILIES
+from crucible.ml.task_families import FAMILIES, graded_by, with_canaries
 from crucible.ml.tasks import HELDOUT_SPLIT, task_problems
 from crucible.shared import messages
 from crucible.v1 import task_pb2
@@ -87,7 +87,12 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
                 raise ValueError(f"unknown task family {source.family!r}: built-in families are {sorted(FAMILIES)}")
             family, default_ops = FAMILIES[source.family]
             ops = tuple(source.ops or default_ops)
-            trains.append(family("train", seed=seed + i, ops=ops, group_size=group_size))
+            train = family("train", seed=seed + i, ops=ops, group_size=group_size)
+            if source.grader is not None:  # the held-out tasks keep the family's own grader
+                train = graded_by(train, source.grader)
+            if source.canaries:
+                train = with_canaries(train, source.canaries, seed=seed + 500 + i)
+            trains.append(train)
             if heldout_file is None:
                 stream = family(HELDOUT_SPLIT, seed=seed + 1000 + i, ops=ops, group_size=1)
                 heldout += list(itertools.islice(stream, heldout_size))

@@ -178,6 +178,16 @@ class Settings(BaseSettings, RunConfig):
     detect_component_gain: float = Field(default=0.2, gt=0, description="Rise of a reward component's mean over "
                                          "the first window, without the solved share, that raises "
                                          "component_without_correctness.")
+    detect_kl_limit: float = Field(default=3.0, gt=0, description="KL to the reference above which the learner "
+                                   "raises kl_blowup (services/learner/monitors.py).")
+    detect_entropy_floor: float = Field(default=0.01, ge=0, description="Mean token entropy below which the "
+                                        "learner raises entropy_collapse.")
+    detect_reward_gain: float = Field(default=0.2, gt=0, description="Rise of the training reward, with a flat "
+                                      "held-out pass rate, that raises reward_without_heldout.")
+    detect_length_factor: float = Field(default=3.0, gt=1, description="Growth of the mean response length over "
+                                        "the run's first steps that raises length_blowup.")
+    detect_cooldown_s: float = Field(default=300.0, ge=0, description="Per-sample alerts (tamper, canary_passed): "
+                                     "events of a kind less than this apart are one incident, one alert.")
     metrics_host: str = Field(default="127.0.0.1", description="Where each service serves Prometheus /metrics "
                               "(0.0.0.0 in a pod).")
     metrics_port: int = Field(default=9464, ge=0, le=65535, description="Its port; 0: any free port (logged, and "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from crucible.services.reward_aggregator.detectors import WindowDetectors
+from crucible.shared import alerts
 from crucible.v1 import execution_pb2, trajectory_pb2, verdict_pb2
 
 
@@ -73,3 +74,17 @@ def test_tampering_and_sandbox_drift_are_caught_and_re_fire_only_after_recovery(
 
     kinds = [(i // 100, a.kind) for i, a in stream(detectors, 900, phases)]
     assert kinds == [(2, "tamper_rate"), (5, "tamper_rate"), (7, "sandbox_timeouts"), (7, "sandbox_slowdown")]
+
+
+def test_per_sample_alerts_are_one_per_incident_with_a_cool_down():
+    now = [0.0]
+    cooldown = alerts.Cooldown(60, clock=lambda: now[0])
+    admitted = []
+    # a paid canary every 10 s for 5 minutes, a quiet 2 minutes, then another burst
+    for t in list(range(0, 300, 10)) + list(range(420, 450, 10)):
+        now[0] = float(t)
+        admitted.append((t, *cooldown.admit("canary_passed")))
+    assert [(t, held) for t, new, held in admitted if new] == [(0, 0), (420, 29)]
+    # keys are separate incidents
+    now[0] = 425.0
+    assert cooldown.admit("tamper") == (True, 0)

@@ -85,7 +85,7 @@ def test_health_monitor_raises_each_signal_once():
     assert [a.kind for a in monitor.check(6, 6, {**calm, "kl": 5.0, "entropy": 0.01})] == ["kl_blowup",
                                                                                            "entropy_collapse"]
     # Reward up by 0.6 while the held-out pass rate stays put.
-    diverging = HealthMonitor("run", min_steps=0, window=3, reward_gain=0.2)
+    diverging = HealthMonitor("run", min_steps=0, reward_window=3, reward_gain=0.2)
     diverging.record_heldout(0, 0.5)
     alerts = []
     for step, reward in enumerate([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], start=1):

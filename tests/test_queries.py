@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from crucible.cli import rescore
 from crucible.cli.main import main as crucible_main
 from crucible.ml import envs
 from crucible.ml.envs import episode as ep
@@ -27,7 +28,7 @@ from crucible.services.verifier.handler import verify_episode
 from crucible.shared.span_store import COLUMNS as SPAN_COLUMNS
 from crucible.shared.span_store import span_row
 from crucible.shared.store import migrate, queries
-from crucible.v1 import alert_pb2, evaluation_pb2, policy_pb2
+from crucible.v1 import alert_pb2, evaluation_pb2, execution_pb2, policy_pb2, trajectory_pb2, verdict_pb2
 
 pytestmark = pytest.mark.store
 
@@ -68,6 +69,15 @@ def filled(store_client):
                         column_names=TRAJECTORY_COLUMNS)
     store_client.insert("episode_turns", [r for v, t in zip(verdicts, trajectories) for r in turn_rows(v, t)],
                         column_names=TURN_COLUMNS)
+    # and one single-turn sample whose code ran in the sandbox
+    ran = verdict_pb2.Verdict(
+        sample=trajectory_pb2.Trajectory(id="code-1/0", task_id="code-1", group_id="code-1/g", group_size=1,
+                                         policy_version=1, passed=True),
+        task_kind="python_tests", components={"tests_passed": 1.0}, reward=1.0, completion="def f(): return 1",
+        execution=execution_pb2.ExecutionResult(exit_code=0, duration_ms=41.5, usage=execution_pb2.ResourceUsage(
+            cpu_user_s=0.03, cpu_system_s=0.01, max_rss_bytes=25_000_000)))
+    [code] = group_trajectories([ran], RewardConfig("rloo", {}, 0.0, 0), complete=True)
+    store_client.insert("trajectories", [trajectory_row(ran, code, trace_id, "run-1")], column_names=TRAJECTORY_COLUMNS)
     store_client.insert("otel_traces", [span_row(s) for s in spans], column_names=SPAN_COLUMNS)
     pv = policy_pb2.PolicyVersion(run_id="run-1", version=1, step=1, checkpoint_uri="file:///x",
                                   metrics=policy_pb2.StepMetrics(reward_mean=0.5, kl=0.01, step_ms=12.0))
@@ -79,13 +89,18 @@ def filled(store_client):
     alert = alert_pb2.Alert(id="a-1", kind="kl_blowup", message="KL 2.0 at step 6")
     alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
     record_alert(store_client, alert)
+    # the first sample graded again, its reward taken back
+    sample = (trajectories[0].id, task.id, task.kind, 1, "red", 1.0, {"answer_correct": 1.0}, 0)
+    regraded = verdict_pb2.Verdict(reward=0.0, verifier_version="crucible-verifier/test")
+    store_client.insert("rescores", [rescore.row("rescore-1", "run-1", sample, "lookup", regraded)],
+                        column_names=rescore.COLUMNS)
     return store_client, task, trajectories
 
 
 def test_every_saved_query_returns_the_rows_it_is_about(filled):
     client, task, trajectories = filled
     solved = next(t for t in trajectories if t.turns == 2)
-    params = {"task": task.id, "trajectory": solved.id}
+    params = {"task": task.id, "trajectory": solved.id, "rescore": "rescore-1"}
     for name in queries.QUERIES:
         columns, rows = queries.run(client, name, **params)
         assert rows and len(columns) == len(rows[0]), name
@@ -117,7 +132,7 @@ def test_crucible_query_prints_a_table(filled, store_url, store_database, monkey
     request.addfinalizer(get_settings.cache_clear)
     assert crucible_main(["query", "task", "--task", task.id]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["group_id", "sample_index", "version"] and set(out[1]) <= {"-", " "}
+    assert out[0].split()[:3] == ["group_id", "sample_index", "trajectory_id"] and set(out[1]) <= {"-", " "}
     assert len(out) == 4  # header, rule, two samples
     assert crucible_main(["query", "task"]) == 2
     assert "--task VALUE" in capsys.readouterr().out

@@ -75,7 +75,7 @@ def test_the_schema_takes_crucibles_rows_and_a_replay_duplicates_nothing(store_c
         "reward_components": {"tests": 1.0, "format": 0.5}, "reward": 1.5, "advantage": 0.25,
         "tamper_flags": ["reads_tests"], "exit_code": 0, "duration_ms": 12.5, "violation": "",
         "generation_ms": 80.0, "execution_ms": 12.5, "trace_id": "ab" * 16, "created_at": now, "turns": 3,
-        "cpu_s": 0.25, "max_rss_bytes": 12_345_678,
+        "cpu_s": 0.25, "max_rss_bytes": 12_345_678, "run_id": "train-1",
     }
     for _ in range(2):  # the second insert is a Kafka replay of the first
         store_client.insert("trajectories", [list(trajectory.values())], column_names=list(trajectory))

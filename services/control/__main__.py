@@ -25,7 +25,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         # The log records what was published; whether a task is acceptable is decided once, by the
         # generator, which dead-letters the bad ones. A replayed record rewrites the same row
         # (`tasks` is a ReplacingMergeTree on task_id).
-        row = task_row(task, telemetry.current_trace_id())
+        row = task_row(task, telemetry.current_trace_id(), settings.run_id)
         await asyncio.to_thread(client.insert, "tasks", [row], column_names=TASK_COLUMNS)
         log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)
 

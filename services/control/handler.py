@@ -10,7 +10,7 @@ from crucible.shared.settings import Settings
 from crucible.ml.tasks import task_problems
 
 TASK_COLUMNS = ["task_id", "kind", "split", "prompt", "group_size", "payload_json", "metadata",
-                "trace_id", "submitted_at"]
+                "trace_id", "submitted_at", "run_id", "task_json"]
 
 
 def prepare_submission(task: task_pb2.Task, settings: Settings, now: dt.datetime | None = None) -> task_pb2.Task:
@@ -26,11 +26,11 @@ def prepare_submission(task: task_pb2.Task, settings: Settings, now: dt.datetime
     return task
 
 
-def task_row(task: task_pb2.Task, trace_id: str) -> list:
-    """One row of the `tasks` table for a consumed task."""
+def task_row(task: task_pb2.Task, trace_id: str, run_id: str = "") -> list:
+    """One row of the `tasks` table for a consumed task (of run `run_id`)."""
     payload = task.WhichOneof("payload")
     payload_json = messages.to_json(getattr(task, payload)) if payload else ""
     submitted = task.created_at.ToDatetime(tzinfo=dt.timezone.utc) if task.HasField("created_at") else \
         dt.datetime.now(dt.timezone.utc)
     return [task.id, task.kind, task.split or "train", task.prompt, task.group_size, payload_json,
-            dict(task.metadata), trace_id, submitted]
+            dict(task.metadata), trace_id, submitted, run_id, messages.to_json(task)]

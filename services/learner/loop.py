@@ -29,7 +29,7 @@ log = logging.getLogger("crucible.learner")
 _last_step: dict[str, float] = {}
 STEP_MS = metrics.histogram("crucible.learner.step.duration", "time of one policy step", "ms")
 GAUGED = ("kl", "entropy", "grad_norm", "loss", "reward_mean", "pass_rate", "mismatch_kl", "response_length",
-          "samples", "learning_rate")
+          "samples", "learning_rate", "policy_lag", "policy_lag_max")
 
 
 def _step_gauges(options):
@@ -112,7 +112,10 @@ class Learner:
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
                                       offsets={"evaluations": {}}, dead_letters=False)
         self.buffer = GroupBuffer()
-        self.monitor = HealthMonitor(settings.run_id)
+        self.monitor = HealthMonitor(settings.run_id, kl_limit=settings.detect_kl_limit,
+                                     entropy_floor=settings.detect_entropy_floor,
+                                     reward_gain=settings.detect_reward_gain,
+                                     length_factor=settings.detect_length_factor)
         self.on_publish = on_publish or (lambda pv: None)
         self.tracer = telemetry.tracer("crucible.learner")
 

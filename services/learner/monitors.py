@@ -3,8 +3,10 @@
 - `kl_blowup`: KL to the reference jumps above `kl_limit` (the policy left its anchor in one step);
 - `entropy_collapse`: mean token entropy falls below `entropy_floor` (the policy stopped exploring,
   often the first sign of a reward being gamed by one fixed answer);
-- `reward_without_heldout`: the training reward keeps rising while the held-out pass rate reported
-  to the monitor does not (the policy fits the training distribution, or games its reward);
+- `reward_without_heldout`: the mean training reward over the last `reward_window` steps is
+  `reward_gain` above its mean over the first ones, while the held-out pass rate reported to the
+  monitor rose by less than `heldout_flat` since its first report (the policy fits the training
+  distribution, or games its reward);
 - `length_blowup`: the mean response length (the model's own tokens) reaches `length_factor` times
   its mean over the first `window` steps, and at least `length_floor` tokens (padding answers to
   please a length-blind reward, or a policy that stopped ending its turns).
@@ -21,11 +23,13 @@ from crucible.v1 import alert_pb2
 @dataclass
 class HealthMonitor:
     run_id: str
-    kl_limit: float = 1.0
+    kl_limit: float = 3.0
     entropy_floor: float = 0.01
     min_steps: int = 5
     window: int = 20
+    reward_window: int = 5
     reward_gain: float = 0.2
+    heldout_flat: float = 0.05
     length_factor: float = 3.0
     length_floor: float = 16.0
     incidents: alerts.Incidents = field(default_factory=alerts.Incidents)
@@ -59,12 +63,13 @@ class HealthMonitor:
                 for kind, message in self.incidents.starting(firing)]
 
     def _diverging(self, step: int) -> tuple[bool, str]:
-        if len(self.rewards) < 2 * self.window or len(self.heldout) < 2:
+        n = self.reward_window
+        if len(self.rewards) < 2 * n or len(self.heldout) < 2:
             return False, ""
-        early = sum(self.rewards[: self.window]) / self.window
-        late = sum(self.rewards[-self.window:]) / self.window
+        early = sum(self.rewards[:n]) / n
+        late = sum(self.rewards[-n:]) / n
         (_, first), (_, last) = self.heldout[0], self.heldout[-1]
-        firing = late - early >= self.reward_gain and last <= first
+        firing = late - early >= self.reward_gain and last - first < self.heldout_flat
         return firing, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
                         f"{first:.3f} -> {last:.3f} by step {step}")
 

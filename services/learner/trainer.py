@@ -134,6 +134,9 @@ class Trainer:
             "samples": len(samples),
             # the model's own tokens per sample (an episode's observations are not its response)
             "response_length": sum(model_tokens(s) for s in samples) / len(samples) if samples else 0.0,
+            # versions between the policy that sampled and the one trained now (0: on-policy)
+            "policy_lag": sum(self.version - s.policy_version for s in samples) / len(samples) if samples else 0.0,
+            "policy_lag_max": float(max((self.version - s.policy_version for s in samples), default=0)),
         }
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:

@@ -36,7 +36,7 @@ from crucible.services.reward_aggregator.detectors import WindowDetectors
 from crucible.shared import alerts as alert_rows
 from crucible.shared import bus, messages, metrics, telemetry
 from crucible.shared.settings import Settings
-from crucible.v1 import verdict_pb2
+from crucible.v1 import alert_pb2, verdict_pb2
 
 log = logging.getLogger("crucible.aggregator")
 
@@ -63,6 +63,7 @@ class Aggregator:
         self.detectors = WindowDetectors(settings.run_id, window=settings.detect_window,
                                          tamper_rate=settings.detect_tamper_rate,
                                          component_gain=settings.detect_component_gain)
+        self.cooldown = alert_rows.Cooldown(settings.detect_cooldown_s)
         self.groups_emitted = 0
         self.incomplete_emitted = 0
         self.dead_lettered = 0
@@ -155,7 +156,7 @@ class Aggregator:
         by_id = {v.sample.id: v for v in verdicts}
         if self.store is not None:
             trace_id = telemetry.current_trace_id()
-            rows = [trajectory_row(by_id[t.id], t, trace_id) for t in trajectories]
+            rows = [trajectory_row(by_id[t.id], t, trace_id, self.settings.run_id) for t in trajectories]
             await asyncio.to_thread(self.store.insert, "trajectories", rows, column_names=TRAJECTORY_COLUMNS)
             turns = [row for t in trajectories for row in turn_rows(by_id[t.id], t)]
             if turns:
@@ -169,7 +170,8 @@ class Aggregator:
     async def _raise_alerts(self, verdict: verdict_pb2.Verdict) -> None:
         """The verdict's own alerts (tamper, canary) and the window detectors' (detectors.py): each goes
         to crucible.alerts, the alerts table and, with its evidence, the current span as an event."""
-        found = alerts_for(verdict, self.settings.run_id) + self.detectors.observe(verdict)
+        found = [a for a in alerts_for(verdict, self.settings.run_id) if self._admit(a)]
+        found += self.detectors.observe(verdict)
         if not found:
             return
         span = trace.get_current_span()
@@ -182,6 +184,13 @@ class Aggregator:
             log.warning("alert %s: %s", a.kind, a.message)
             await self.producer.send_and_wait("alerts", a, key=a.kind)
         self.alerts_raised += len(found)
+
+    def _admit(self, alert: alert_pb2.Alert) -> bool:
+        """A per-sample alert starts an incident, or is counted in the one under way (Cooldown)."""
+        new, held = self.cooldown.admit(alert.kind)
+        if new and held:
+            alert.details["previous_incident_more_events"] = str(held)
+        return new
 
     async def _dead_letter(self, event, headers, reason: str) -> None:
         m = event.message

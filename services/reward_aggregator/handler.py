@@ -13,7 +13,7 @@ from crucible.v1 import alert_pb2, execution_pb2, trajectory_pb2, verdict_pb2
 TRAJECTORY_COLUMNS = [
     "trajectory_id", "task_id", "group_id", "sample_index", "task_kind", "policy_version",
     "completion", "reward_components", "reward", "advantage", "tamper_flags", "exit_code", "duration_ms",
-    "violation", "generation_ms", "execution_ms", "trace_id", "created_at", "turns", "cpu_s", "max_rss_bytes",
+    "violation", "generation_ms", "execution_ms", "trace_id", "created_at", "turns", "cpu_s", "max_rss_bytes", "run_id",
 ]
 TURN_COLUMNS = ["trajectory_id", "task_id", "group_id", "turn", "task_kind", "policy_version", "action", "tool",
                 "arguments", "call_error", "call_failed", "observation", "tokens", "observation_tokens",
@@ -72,14 +72,14 @@ def group_trajectories(verdicts: Sequence[verdict_pb2.Verdict], config: RewardCo
     return out
 
 
-def trajectory_row(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory, trace_id: str = "") -> list:
+def trajectory_row(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory, trace_id: str = "", run_id: str = "") -> list:
     ex = v.execution
     return [
         t.id, t.task_id, t.group_id, t.sample_index, v.task_kind, t.policy_version,
         v.completion, dict(v.components), t.reward, t.advantage, list(v.tamper_patterns), ex.exit_code,
         ex.duration_ms, _violation_name(ex.violation), v.generation_ms, ex.duration_ms, trace_id,
         t.created_at.ToDatetime(tzinfo=dt.timezone.utc), t.turns, ex.usage.cpu_user_s + ex.usage.cpu_system_s,
-        ex.usage.max_rss_bytes,
+        ex.usage.max_rss_bytes, run_id,
     ]
 
 

@@ -44,7 +44,7 @@ QUERIES = {q.name: q for q in [
           "if(call_failed, 'call_failed', '') AS violation FROM episode_turns FINAL WHERE execution_ms > 0"
           ") ORDER BY ms DESC LIMIT 20"),
     Query("task", "every sample of one task: groups, rewards, advantages",
-          "SELECT group_id, sample_index, policy_version AS version, round(reward, 4) AS reward, "
+          "SELECT group_id, sample_index, trajectory_id, policy_version AS version, round(reward, 4) AS reward, "
           "round(advantage, 4) AS advantage, turns, substring(replaceAll(completion, '\\n', ' '), 1, 60) AS completion "
           "FROM trajectories FINAL WHERE task_id = {task:String} ORDER BY group_id, sample_index"),
     Query("episode", "one episode's transcript, turn by turn",
@@ -55,9 +55,28 @@ QUERIES = {q.name: q for q in [
           "SELECT ServiceName AS service, SpanName AS span, round(Duration / 1e6, 2) AS ms, SpanId AS span_id, "
           "ParentSpanId AS parent FROM otel_traces WHERE TraceId = (SELECT any(trace_id) FROM trajectories FINAL "
           "WHERE trajectory_id = {trajectory:String}) ORDER BY Timestamp"),
+    Query("rescores", "every `crucible rescore`: its run, verifier version, and how many rewards changed",
+          "SELECT rescore_id, run_id, any(verifier_version) AS verifier, count() AS samples, "
+          "countIf(abs(new_reward - old_reward) > 1e-9) AS changed, round(avg(old_reward), 4) AS reward_trained, "
+          "round(avg(new_reward), 4) AS reward_now, min(ts) AS at FROM rescores FINAL "
+          "GROUP BY rescore_id, run_id ORDER BY at DESC"),
+    Query("rescore", "one rescore, per task: the rewards trained on against the rewards now",
+          "SELECT task_id, any(task_kind) AS kind, any(graded_as) AS graded_as, count() AS samples, "
+          "countIf(abs(new_reward - old_reward) > 1e-9) AS changed, round(avg(old_reward), 4) AS reward_trained, "
+          "round(avg(new_reward), 4) AS reward_now FROM rescores FINAL WHERE rescore_id = {rescore:String} "
+          "GROUP BY task_id ORDER BY changed DESC, task_id LIMIT 100"),
+    Query("rescore-by-version", "one rescore, per policy version: reward trained on, reward now, and the share "
+          "of the trained reward the current verifier takes back",
+          "SELECT policy_version AS version, count() AS samples, round(avg(old_reward), 4) AS reward_trained, "
+          "round(avg(new_reward), 4) AS reward_now, round(if(sum(old_reward) > 0, "
+          "greatest(sum(old_reward) - sum(new_reward), 0) / sum(old_reward), 0), 4) AS unearned_share "
+          "FROM rescores FINAL WHERE rescore_id = {rescore:String} GROUP BY policy_version ORDER BY policy_version"),
     Query("alerts", "the newest alerts",
           "SELECT ts, kind, severity, message FROM alerts FINAL ORDER BY ts DESC LIMIT 50"),
 ]}
+
+
+PARAMETERS = sorted({p for q in QUERIES.values() for p in q.parameters})  # every --NAME `crucible query` takes
 
 
 class QueryError(ValueError):
