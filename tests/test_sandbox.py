@@ -295,3 +295,47 @@ async def test_a_thread_bomb_is_a_process_limit_violation(pool):
     r = await run(pool, "import threading, time\nwhile True:\n"
                         "    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()")
     assert r.violation == "processes", (r.violation, r.stderr[-300:])
+
+
+async def test_usage_is_counted_by_the_jobs_cgroup_forked_children_included(pool):
+    # The program forks a child that burns CPU and holds 160 MB, and never waits for it: the
+    # parent's own rusage sees none of it; the job's cgroup slot sees all of it.
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    block = bytearray(160 << 20)\n"
+        "    for i in range(0, len(block), 4096): block[i] = 1\n"
+        "    end = time.process_time() + 0.6\n"
+        "    while time.process_time() < end: pass\n"
+        "    os._exit(0)\n"
+        "time.sleep(1.5)\n"
+        "print('parent done')\n"
+    )
+    result = await run(pool, code)
+    assert result.exit_code == 0 and result.stdout == b"parent done\n", result.stderr
+    if isolation.cgroup_controllers()[0] != 1:
+        pytest.skip("cgroup v1 cpuacct accounting is what this host lacks; rusage is reported instead")
+    assert result.usage_source == "cgroup"
+    assert result.cpu_user_s + result.cpu_system_s >= 0.5, (result.cpu_user_s, result.cpu_system_s)
+    assert result.max_rss_bytes >= 160 << 20, result.max_rss_bytes
+    # and a job that does little is measured as little: the counters are per job, not per slot
+    small = await pool.execute(Job(code="print(1)"))
+    assert small.usage_source == "cgroup" and small.cpu_user_s + small.cpu_system_s < 0.5
+    assert small.max_rss_bytes < 100 << 20
+
+
+def test_folders_left_by_a_pool_that_died_are_swept_and_live_ones_kept(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _, controllers = isolation.cgroup_controllers()
+    left = [tmp_path / f"{pool_module.RUNTIME_PREFIX}{dead.pid}-abc"]
+    left += [base / f"{pool_module.RUNTIME_PREFIX}{dead.pid}-abc" / "w0a" for base in set(controllers.values())]
+    alive = tmp_path / f"{pool_module.RUNTIME_PREFIX}{os.getpid()}-def"
+    for folder in left + [alive]:
+        folder.mkdir(parents=True)
+    (left[0] / "job.py").write_text("x")
+    assert pool_module.sweep_abandoned(tmp_path) == len(left)
+    assert not any(f.exists() for f in left) and alive.exists()
+    assert not any(f.parent.exists() for f in left[1:])

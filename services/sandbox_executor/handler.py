@@ -63,7 +63,7 @@ def result_message(result: Result) -> execution_pb2.ExecutionResult:
         stdout_truncated=result.stdout_truncated,
         stderr_truncated=result.stderr_truncated,
         usage=execution_pb2.ResourceUsage(cpu_user_s=result.cpu_user_s, cpu_system_s=result.cpu_system_s,
-                                          max_rss_bytes=result.max_rss_bytes),
+                                          max_rss_bytes=result.max_rss_bytes, source=result.usage_source),
         duration_ms=result.duration_ms,
         isolation=ISOLATION[result.isolation],
         missing_guarantees=result.missing_guarantees,

@@ -129,7 +129,7 @@ def cgroup_controllers(root: Path = Path("/sys/fs/cgroup")) -> tuple[int | None,
         available = (own / "cgroup.controllers").read_text().split() if (own / "cgroup.controllers").exists() else []
         return 2, {c: own for c in ("memory", "pids", "cpu") if c in available}
     found = {}
-    for ctrl in ("memory", "pids", "cpu"):
+    for ctrl in ("memory", "pids", "cpu", "cpuacct"):  # cpuacct: accounting only (a job's CPU time)
         path = root / ctrl
         if (path / "cgroup.procs").exists() and os.access(path, os.W_OK):
             found[ctrl] = path

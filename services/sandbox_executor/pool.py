@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from crucible.services.sandbox_executor import isolation
-from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS
+from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS, Cgroups
 from crucible.services.sandbox_executor.runners import prepare
 from crucible.shared import metrics
 from crucible.shared.settings import Settings, get_settings
@@ -28,6 +28,7 @@ from crucible.shared.workers import PoolFull, WorkerFailed, WorkerPool  # noqa: 
 
 log = logging.getLogger(__name__)
 
+RUNTIME_PREFIX = "crucible-sandbox-"  # a pool's runtime folder and cgroup slots: <prefix><pid>-<id>
 JAIL_MAIN = Path(__file__).with_name("jail") / "__main__.py"
 # The packages the jail worker runs from (it cannot import the installed package: see jail/__main__.py).
 JAIL_PACKAGES = ("crucible.shared", "crucible.services.sandbox_executor")
@@ -103,6 +104,7 @@ class Result:
     cpu_user_s: float = 0.0
     cpu_system_s: float = 0.0
     max_rss_bytes: int = 0
+    usage_source: str = "rusage"  # "cgroup": counted by the job's cgroup, every process it started
     duration_ms: float = 0.0
     isolation: str = "full"
     missing_guarantees: list[str] = field(default_factory=list)
@@ -118,7 +120,7 @@ class SandboxPool:
         self.size = workers or self.settings.sandbox_workers or os.cpu_count() or 1
         self.allow_weak = self.settings.sandbox_allow_weak_isolation if allow_weak is None else allow_weak
         self.limits = Limits.from_settings(self.settings)
-        self.runtime_dir = Path(f"/tmp/crucible-sandbox-{os.getpid()}-{id(self):x}")
+        self.runtime_dir = Path(f"/tmp/{RUNTIME_PREFIX}{os.getpid()}-{id(self):x}")
         self.report = isolation.IsolationReport()
         # A worker being replaced leaves when its stdin closes, once the jobs it still runs are
         # over and reaped; the grace covers that, a kill follows it.
@@ -139,6 +141,9 @@ class SandboxPool:
                 + ". Start with CRUCIBLE_SANDBOX_ALLOW_WEAK_ISOLATION=1 (or --allow-weak-isolation) to accept this.")
         log.warning("sandbox: %s", self.report.describe()) if self.report.missing else \
             log.info("sandbox: %s", self.report.describe())
+        swept = sweep_abandoned()
+        if swept:
+            log.info("sandbox: removed %d cgroup and runtime folders left by pools that died", swept)
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             await self._workers.start()
@@ -224,7 +229,8 @@ class SandboxPool:
             stdout=base64.b64decode(raw["stdout_b64"]), stderr=base64.b64decode(raw["stderr_b64"]),
             stdout_truncated=raw["stdout_truncated"], stderr_truncated=raw["stderr_truncated"],
             tests=raw.get("tests", []), cpu_user_s=raw["cpu_user_s"], cpu_system_s=raw["cpu_system_s"],
-            max_rss_bytes=raw["max_rss_bytes"], duration_ms=raw["duration_ms"],
+            max_rss_bytes=raw["max_rss_bytes"], usage_source=raw.get("usage_source", "rusage"),
+            duration_ms=raw["duration_ms"],
             isolation=self.report.level, missing_guarantees=self.report.missing_guarantees,
             violation=raw["violation"], violation_detail=raw["violation_detail"],
             tamper=raw.get("tamper", []),
@@ -281,6 +287,39 @@ class SandboxPool:
             _write(path / "cpu.max", "100000 100000")
             made["unified"] = str(path)
         return made
+
+
+def sweep_abandoned(tmp: Path = Path("/tmp")) -> int:
+    """Removes the cgroup slots and runtime folders of sandbox pools whose process is gone (killed
+    before `close`): whatever still runs in such a slot is killed first. How many folders went."""
+    _, controllers = isolation.cgroup_controllers()
+    bases = set(controllers.values()) | {tmp}
+    removed = 0
+    for base in bases:
+        for folder in base.glob(f"{RUNTIME_PREFIX}*"):
+            try:
+                owner = int(folder.name[len(RUNTIME_PREFIX):].split("-")[0])
+            except ValueError:
+                continue
+            if owner == os.getpid() or Path(f"/proc/{owner}").exists():
+                continue
+            if base == tmp:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+                continue
+            leaves = [p for p in folder.rglob("*") if p.is_dir()]
+            for leaf in sorted(leaves, key=lambda p: len(p.parts), reverse=True):
+                Cgroups({"pids": str(leaf)}).reap()  # any controller's folder lists its processes
+                try:
+                    leaf.rmdir()
+                except OSError:
+                    pass
+            try:
+                folder.rmdir()
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def _ready(hello: bytes) -> bool:

@@ -108,14 +108,16 @@ class TestOutcome(_message.Message):
     def __init__(self, name: _Optional[str] = ..., passed: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
-    __slots__ = ("cpu_user_s", "cpu_system_s", "max_rss_bytes")
+    __slots__ = ("cpu_user_s", "cpu_system_s", "max_rss_bytes", "source")
     CPU_USER_S_FIELD_NUMBER: _ClassVar[int]
     CPU_SYSTEM_S_FIELD_NUMBER: _ClassVar[int]
     MAX_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     cpu_user_s: float
     cpu_system_s: float
     max_rss_bytes: int
-    def __init__(self, cpu_user_s: _Optional[float] = ..., cpu_system_s: _Optional[float] = ..., max_rss_bytes: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, cpu_user_s: _Optional[float] = ..., cpu_system_s: _Optional[float] = ..., max_rss_bytes: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("request_id", "language", "code", "test_code", "entry_point", "stdin", "timeout_s", "memory_bytes", "test_prelude")

@@ -59,6 +59,49 @@ class Cgroups:
         except (OSError, ValueError):
             return 0
 
+    def begin_usage(self) -> dict | None:
+        """At a job's start: the slot's CPU counters, with its peak-memory mark reset; None where the
+        slot cannot account for the job (no cgroups, or a v2 host: its memory.peak cannot be reset
+        for a reused slot; rusage is reported there instead)."""
+        cpu = self._cpu_ns()
+        memory = self.paths.get("memory")
+        if cpu is None or memory is None:
+            return None
+        try:
+            with open(os.path.join(memory, "memory.max_usage_in_bytes"), "w") as f:
+                f.write("0")
+        except OSError:
+            return None
+        return {"user_ns": cpu[0], "system_ns": cpu[1]}
+
+    def usage_since(self, begun: dict | None) -> tuple[float, float, int] | None:
+        """(user CPU s, system CPU s, peak memory bytes) of everything the slot ran since `begun`:
+        every process and thread of the job, the ones it forked and never waited for included."""
+        if begun is None:
+            return None
+        cpu = self._cpu_ns()
+        try:
+            with open(os.path.join(self.paths["memory"], "memory.max_usage_in_bytes")) as f:
+                peak = int(f.read())
+        except (OSError, ValueError):
+            return None
+        if cpu is None:
+            return None
+        return (cpu[0] - begun["user_ns"]) / 1e9, (cpu[1] - begun["system_ns"]) / 1e9, peak
+
+    def _cpu_ns(self) -> tuple[int, int] | None:
+        """(user, system) CPU nanoseconds the slot has used (cgroup v1 cpuacct)."""
+        path = self.paths.get("cpuacct")
+        if not path:
+            return None
+        try:
+            with open(os.path.join(path, "cpuacct.usage_user")) as f:
+                user = int(f.read())
+            with open(os.path.join(path, "cpuacct.usage_sys")) as f:
+                return user, int(f.read())
+        except (OSError, ValueError):
+            return None
+
     def reset_memory_events(self) -> int:
         """Zeroes the v1 counter; returns the count now (cgroup v2 counters only grow: compare to it)."""
         if "memory" in self.paths:

@@ -114,6 +114,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     out_r, err_r, report_r, in_w = prepared["out_r"], prepared["err_r"], prepared["report_r"], prepared["in_w"]
     memory_events = cgroups.reset_memory_events()
     pids_events = cgroups.pids_events()
+    accounting = cgroups.begin_usage()
     started = time.monotonic()
     tested = "tests" in job
     program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
@@ -203,11 +204,17 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
 
     report = outcome.parse_report(bytes(out[report_r])) if tested else {"tests": [], "tamper": [], "candidate": {}}
     if not violation:
-        cpu_s = user_s + system_s
+        cpu_s = user_s + system_s  # the program's own (rusage): what its CPU rlimit counts
         # In a tested job the harness outlives a candidate killed by a limit: classify by the candidate's end.
         limit_sig = sig or report["candidate"].get("signal", 0)
         violation, detail = outcome.classify(limit_sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s,
                                              memory_events, pids_events)
+    # What the job used, as its cgroup slot counted it (every process it started), where the host can.
+    measured = cgroups.usage_since(accounting)
+    usage_source = "rusage"
+    if measured is not None:
+        user_s, system_s, max_rss = measured
+        usage_source = "cgroup"
     return {
         "exit_code": exit_code if exit_code >= 0 else 128 + sig,
         "signal": sig,
@@ -218,6 +225,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         "cpu_user_s": user_s,
         "cpu_system_s": system_s,
         "max_rss_bytes": max_rss,
+        "usage_source": usage_source,
         "duration_ms": duration_ms,
         "violation": violation,
         "violation_detail": detail,
