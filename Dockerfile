@@ -28,6 +28,7 @@ COPY services/ services/
 COPY local/ local/
 COPY cli/ cli/
 COPY recipes/ recipes/
+COPY dashboards/ dashboards/
 # A regular (not editable) install: the services run from site-packages, and the source copy is
 # removed so that no top-level `shared`/`services` folder can shadow the installed package.
 RUN pip install --no-cache-dir --no-deps . \

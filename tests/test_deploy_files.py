@@ -163,11 +163,14 @@ def k8s_config_maps() -> dict[str, dict]:
     return {doc["metadata"]["name"]: doc.get("data") or {} for _, doc in k8s_docs() if doc["kind"] == "ConfigMap"}
 
 
+PART_OF = "app.kubernetes.io/part-of"
+
+
 def k8s_containers() -> list[tuple[str, dict, dict]]:
     """(module, container, pod spec) for every container of every Deployment running a Crucible service."""
     out = []
     for _, doc in k8s_docs():
-        if doc["kind"] != "Deployment":
+        if doc["kind"] != "Deployment" or doc["metadata"]["labels"].get(PART_OF) == "crucible-observability":
             continue
         pod = doc["spec"]["template"]["spec"]
         for container in pod["containers"]:
@@ -448,3 +451,36 @@ def test_k8s_pods_run_as_the_image_user():
         run_as = (container.get("securityContext") or {}).get("runAsUser",
                                                                (pod.get("securityContext") or {}).get("runAsUser"))
         assert str(run_as) == user, f"k8s container {container['name']} runs as {run_as}, the image's user is {user}"
+
+
+def test_k8s_grafana_and_prometheus_mount_what_dashboards_generates_and_scrape_every_service():
+    generated = yaml.safe_load((ROOT / "dashboards" / "kustomization.yaml").read_text())
+    assert "../dashboards" in yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    maps = {}
+    for m in generated["configMapGenerator"]:
+        keys = []
+        for f in m["files"]:
+            key, _, source = f.rpartition("=") if "=" in f else (Path(f).name, "", f)
+            assert (ROOT / "dashboards" / source).is_file(), f"{m['name']}: {source} does not exist"
+            keys.append(key)
+        maps[m["name"]] = keys
+    mounted = {}
+    for _, doc in k8s_docs():
+        if doc["kind"] == "Deployment" and doc["metadata"]["labels"].get(PART_OF) == "crucible-observability":
+            pod = doc["spec"]["template"]["spec"]
+            volumes = {v["name"]: v.get("configMap", {}).get("name") for v in pod["volumes"]}
+            for c in pod["containers"]:
+                mounted.update({m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"] if volumes[m["name"]]})
+    assert set(mounted.values()) == set(maps), (mounted, maps)
+    # Grafana's provider reads the folder the dashboards are mounted at
+    provider = yaml.safe_load((ROOT / "dashboards/provisioning/dashboards/crucible.yaml").read_text())
+    assert mounted[provider["providers"][0]["options"]["path"]] == "grafana-dashboards"
+    assert "prometheus.yml" in maps[mounted["/etc/prometheus"]]
+    # Prometheus keeps the pods labelled part-of=crucible: every Crucible pod must carry the label
+    scrape = yaml.safe_load((ROOT / "dashboards/prometheus-k8s.yml").read_text())["scrape_configs"][0]
+    keep = next(r for r in scrape["relabel_configs"] if r.get("action") == "keep")
+    assert keep["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_part_of"]
+    for _, doc in k8s_docs():
+        if doc["kind"] == "Deployment" and doc["metadata"]["labels"].get(PART_OF) != "crucible-observability":
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert labels.get(PART_OF) == keep["regex"], f"{doc['metadata']['name']}: pods not scraped"
