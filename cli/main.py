@@ -302,12 +302,16 @@ def cmd_dashboard(args, settings: Settings) -> int:
     from crucible.shared import store
 
     started_here = []
-    if settings.clickhouse_url.startswith(("http://127.0.0.1", "http://localhost")) and local_store(settings).pid() is None:
+    try:
+        client = store.connect(settings)
+    except Exception:  # not answering: start the local store when that is the one configured
+        if not settings.clickhouse_url.startswith(("http://127.0.0.1", "http://localhost")):
+            raise
         took = local_store(settings).start(echo=lambda m: echo("      " + m))
         started_here.append(local_store(settings))
         echo(f"      store started in {took:.1f}s")
-    try:
         client = store.connect(settings)
+    try:
         store.migrate(client)
         server = serve(client, args.host, args.port, refresh_s=args.refresh)
         host, port = server.server_address[:2]

@@ -110,3 +110,30 @@ async def test_the_page_draws_every_panel_live_and_browses_a_trajectory_in_chrom
     # the charts' lines are there in pixels, not only in the DOM
     blue = sum(n for n, rgb in colours if all(abs(a - b) <= 24 for a, b in zip(rgb, SERIES_BLUE)))
     assert blue > 200, blue
+
+
+@pytest.mark.timeout(120)
+def test_crucible_dashboard_serves_the_page_from_the_configured_store(stack_settings, filled, tmp_path):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "CRUCIBLE_HOME": str(tmp_path), "CRUCIBLE_CLICKHOUSE_URL": stack_settings.clickhouse_url,
+           "CRUCIBLE_CLICKHOUSE_DATABASE": stack_settings.clickhouse_database}
+    proc = subprocess.Popen([sys.executable, "-m", "crucible.cli.main", "dashboard", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 60
+        while "dashboard on http://" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "crucible dashboard exited"
+        url = line.split("dashboard on ")[1].split()[0]
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert b"Trajectory browser" in r.read()
+        status, body = fetch(url + "api/panels/0")
+        assert status == 200 and body["rows"], body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

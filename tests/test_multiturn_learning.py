@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from crucible.cli import recipe as recipes
+from crucible.cli.dashboard import store_panels
 from crucible.cli.train import train
 from crucible.shared import store
 
@@ -39,3 +40,7 @@ async def test_the_builtin_policy_learns_to_call_the_lookup_tool(stack_settings,
     assert [t[0] for t in turns] == [1, 2]
     assert turns[0][2] == "lookup" and turns[0][1].startswith("@lookup")
     assert turns[1][1].strip() == turns[0][3].strip()  # it answered with what the tool said
+    # the dashboards' episode and sandbox latency panels over this real run (tool calls ran in the sandbox)
+    for prefix in ("Episodes", "Sandbox latency"):
+        panel = next(p for p in store_panels() if p.title.startswith(prefix))
+        assert client.query(panel.sql).result_rows, panel.title

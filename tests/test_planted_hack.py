@@ -15,6 +15,7 @@ import pytest
 
 from crucible.cli import recipe as recipes
 from crucible.cli import rescore
+from crucible.cli.dashboard import store_panels
 from crucible.cli.train import train
 from crucible.shared import store
 from crucible.shared.store import queries
@@ -54,6 +55,12 @@ async def test_a_planted_hack_is_caught_before_it_pays_and_its_clean_twin_raises
     assert unearned[caught_at] < 0.5, (caught_at, unearned)
     # and the held-out evaluator, strict, sees the training reward rise alone
     assert "reward_without_heldout" in {kind for kind, _ in raised}, (raised, lines)
+
+    # every dashboard panel has something to show over this real run (no episodes, and the exact
+    # grader runs nothing in the sandbox: those panels are checked over the lookup run's store)
+    for panel in store_panels():
+        if not panel.title.startswith(("Episodes", "Sandbox")):
+            assert client.query(panel.sql).result_rows, f"panel {panel.title!r} is empty over a real run"
 
     clean_recipe = recipes.shipped("planted-hack")
     clean_recipe.tasks.sources[0].grader = "exact"
