@@ -110,6 +110,10 @@ class LocalKafka:
     controller_port: int = 9093
     heap: str = "1g"
     settings: Settings | None = None
+    # A second listener that takes SASL/PLAIN logins from these users ({name: password}), where
+    # clients prove the bus's SASL settings (tests); none by default.
+    sasl_port: int | None = None
+    sasl_users: dict | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "LocalKafka":
@@ -139,15 +143,20 @@ class LocalKafka:
     def _write_config(self) -> None:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
+        sasl = f",SASL_PLAINTEXT://127.0.0.1:{self.sasl_port}" if self.sasl_port else ""
+        users = " ".join(f'user_{name}="{password}"' for name, password in (self.sasl_users or {}).items())
         self.config_file.write_text("\n".join([
             "process.roles=broker,controller",
             "node.id=1",
             f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-            f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+            f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}{sasl}",
+            f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}{sasl}",
             "controller.listener.names=CONTROLLER",
             "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            *(["sasl.enabled.mechanisms=PLAIN",
+               "listener.name.sasl_plaintext.plain.sasl.jaas.config="
+               f"org.apache.kafka.common.security.plain.PlainLoginModule required {users};"] if sasl else []),
             f"log.dirs={data}",
             "num.partitions=1",
             "auto.create.topics.enable=true",

@@ -38,8 +38,9 @@ from collections import Counter
 
 from opentelemetry.metrics import Observation
 
-from crucible.shared import messages, metrics, telemetry
+from crucible.shared import integrity, messages, metrics, telemetry
 from crucible.shared.settings import Settings, get_settings
+from crucible.v1 import task_pb2
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,45 @@ def dead_letter_headers(topic: str, partition: int, offset: int, headers: Sequen
     ]
 
 
+def connection(settings: Settings) -> dict:
+    """How every Kafka client of Crucible reaches the brokers: bootstrap servers and, where the
+    deployment sets them, TLS and SASL (CRUCIBLE_KAFKA_SECURITY_PROTOCOL, _SASL_*, _SSL_CAFILE)."""
+    options: dict = {"bootstrap_servers": settings.kafka_bootstrap,
+                     "security_protocol": settings.kafka_security_protocol}
+    if settings.kafka_security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        options["ssl_context"] = create_ssl_context(cafile=str(settings.kafka_ssl_cafile)
+                                                    if settings.kafka_ssl_cafile else None)
+    if settings.kafka_security_protocol.startswith("SASL"):
+        options.update(sasl_mechanism=settings.kafka_sasl_mechanism,
+                       sasl_plain_username=settings.kafka_sasl_username or "",
+                       sasl_plain_password=settings.kafka_sasl_password.get_secret_value()
+                       if settings.kafka_sasl_password else "")
+    return options
+
+
+def faust_credentials(settings: Settings):
+    """The same, as faust wants it (None: plaintext)."""
+    import faust
+
+    protocol = settings.kafka_security_protocol
+    ssl_context = connection(settings).get("ssl_context")
+    if protocol.startswith("SASL"):
+        return faust.SASLCredentials(
+            username=settings.kafka_sasl_username or "",
+            password=settings.kafka_sasl_password.get_secret_value() if settings.kafka_sasl_password else "",
+            mechanism=settings.kafka_sasl_mechanism, ssl_context=ssl_context)
+    return faust.SSLCredentials(ssl_context) if protocol == "SSL" else None
+
+
 class Producer:
     """An idempotent aiokafka producer that sends protobuf messages with schema and trace headers."""
 
     def __init__(self, settings: Settings | None = None, **producer_options):
         self.settings = settings or get_settings()
         options = dict(
-            bootstrap_servers=self.settings.kafka_bootstrap,
+            **connection(self.settings),
             enable_idempotence=True,  # retries never duplicate a record
             acks="all",
             linger_ms=5,
@@ -172,11 +205,19 @@ class Producer:
     ) -> asyncio.Future:
         """Queues one record; await the returned future for the broker's acknowledgement."""
         topic = self.settings.topic(topic)
+        self._vouch(message)
         with self._tracer.start_as_current_span(f"{topic} publish", kind=trace.SpanKind.PRODUCER) as span:
             span.set_attribute("messaging.system", "kafka")
             span.set_attribute("messaging.destination.name", topic)
             headers = [*publish_headers(message), *extra_headers]
             return await self._producer.send(topic, messages.encode(message), key=_key_bytes(key), headers=headers)
+
+    def _vouch(self, message: Message) -> None:
+        """A task a Crucible producer publishes is signed with the deployment's key, in place: this
+        process holds the key, so it is a trusted submitter (shared/integrity.py). The generator and
+        the verifier refuse tasks nobody holding the key published."""
+        if isinstance(message, task_pb2.Task):
+            integrity.sign_task(message, integrity.key(self.settings))
 
     async def send_and_wait(self, topic: str, message: Message, key: str | bytes | None = None):
         return await (await self.send(topic, message, key))
@@ -184,6 +225,7 @@ class Producer:
     def prepare(self, topic: str, message: Message, key: str | bytes | None = None) -> "Prepared":
         """A record ready to send later (in a transaction), its publish span and trace context taken now."""
         topic = self.settings.topic(topic)
+        self._vouch(message)
         with self._tracer.start_as_current_span(f"{topic} publish", kind=trace.SpanKind.PRODUCER) as span:
             span.set_attribute("messaging.system", "kafka")
             span.set_attribute("messaging.destination.name", topic)
@@ -285,7 +327,7 @@ class Reader:
         self._start_offsets = None if offsets is None else {
             self.settings.topic(t): {int(p): int(o) for p, o in parts.items()} for t, parts in offsets.items()}
         options = dict(
-            bootstrap_servers=self.settings.kafka_bootstrap,
+            **connection(self.settings),
             group_id=group_id,
             enable_auto_commit=False,  # commit after handling, never before
             auto_offset_reset="earliest",
@@ -587,7 +629,7 @@ async def ensure_topics(
         wanted.append(full)
         if with_dlq and not full.endswith(DLQ_SUFFIX):
             wanted.append(full + DLQ_SUFFIX)
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**connection(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -2,11 +2,19 @@
 
 Trace context rides in gRPC metadata (`traceparent`), so a span started by a
 client continues in the server that answers it.
+
+Security (`Security`, from settings): with `CRUCIBLE_RPC_TOKEN` set, every server refuses a call
+without `authorization: Bearer <token>` (UNAUTHENTICATED), health checks aside (probes carry no
+token), and every client sends it; with `CRUCIBLE_RPC_TLS_CERT`/`_KEY` the servers speak TLS, and
+clients trust `CRUCIBLE_RPC_TLS_CA`. Off by default on 127.0.0.1; a server asked to listen beyond
+loopback without a token refuses to start (unless `CRUCIBLE_RPC_ALLOW_INSECURE`).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
+import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +31,64 @@ from crucible.shared import telemetry
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+UNGUARDED = ("/grpc.health.v1.Health/",)  # probes carry no token
+
+
+@dataclass(frozen=True)
+class Security:
+    token: str = ""
+    tls_cert: bytes = b""
+    tls_key: bytes = b""
+    tls_ca: bytes = b""
+    allow_insecure: bool = False
+
+    @classmethod
+    def of(cls, settings=None) -> "Security":
+        if settings is None:
+            from crucible.shared.settings import get_settings
+
+            settings = get_settings()
+
+        def read(path) -> bytes:
+            return path.read_bytes() if path else b""
+
+        return cls(token=settings.rpc_token.get_secret_value() if settings.rpc_token else "",
+                   tls_cert=read(settings.rpc_tls_cert), tls_key=read(settings.rpc_tls_key),
+                   tls_ca=read(settings.rpc_tls_ca), allow_insecure=settings.rpc_allow_insecure)
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) a call whose metadata lacks the bearer token; health checks pass."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNGUARDED):
+            return handler
+        given = next((m.value for m in (handler_call_details.invocation_metadata or ()) if m.key == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self.expected):
+            return handler
+        kind = next(k for k in _TracingInterceptor._KINDS if getattr(handler, k) is not None)
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong bearer token (set CRUCIBLE_RPC_TOKEN to the deployment's)")
+
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            refuse, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
 
 @dataclass(frozen=True)
@@ -94,10 +160,15 @@ def _traced(inner, method: str, parent):
 class RpcServer:
     """A grpc.aio server exposing `services` plus grpc.health.v1 and reflection."""
 
-    def __init__(self, services: Sequence[Service], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, services: Sequence[Service], host: str = "127.0.0.1", port: int = 0,
+                 security: Security | None = None):
+        security = security or Security.of()
+        if not security.token and not _loopback(host) and not security.allow_insecure:
+            raise PermissionError(f"refusing to serve gRPC on {host} without a token: set CRUCIBLE_RPC_TOKEN (and "
+                                  "CRUCIBLE_RPC_TLS_CERT/KEY), or CRUCIBLE_RPC_ALLOW_INSECURE=1 on a trusted network")
         self.services = list(services)
         self.server = grpc.aio.server(
-            interceptors=[_TracingInterceptor()],
+            interceptors=[*([_AuthInterceptor(security.token)] if security.token else []), _TracingInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -110,7 +181,11 @@ class RpcServer:
         names = [s.name for s in self.services] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                                     reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if security.tls_cert:
+            credentials = grpc.ssl_server_credentials([(security.tls_key, security.tls_cert)])
+            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"could not bind gRPC on {host}:{port}: is the port taken?")
         self.address = f"{host}:{self.port}"
@@ -136,48 +211,61 @@ class RpcServer:
         await self.stop()
 
 
-def _with_trace_context(client_call_details):
+def _with_trace_context(client_call_details, token: str = ""):
     metadata = list(client_call_details.metadata or []) + telemetry.inject_metadata()
+    if token:
+        metadata.append(("authorization", f"Bearer {token}"))
     return grpc.aio.ClientCallDetails(client_call_details.method, client_call_details.timeout, metadata,
                                       client_call_details.credentials, client_call_details.wait_for_ready)
 
 
 # One class per call kind: grpc.aio files each interceptor under the first kind it implements.
-class _UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
+class _Metadata:
+    def __init__(self, token: str = ""):
+        self.token = token
+
+    def details(self, client_call_details):
+        return _with_trace_context(client_call_details, self.token)
+
+
+class _UnaryUnaryTracing(_Metadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_trace_context(client_call_details), request)
+        return await continuation(self.details(client_call_details), request)
 
 
-class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStreamTracing(_Metadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_trace_context(client_call_details), request)
+        return await continuation(self.details(client_call_details), request)
 
 
-class _StreamUnaryTracing(grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnaryTracing(_Metadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_trace_context(client_call_details), request_iterator)
+        return await continuation(self.details(client_call_details), request_iterator)
 
 
-class _StreamStreamTracing(grpc.aio.StreamStreamClientInterceptor):
+class _StreamStreamTracing(_Metadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_trace_context(client_call_details), request_iterator)
+        return await continuation(self.details(client_call_details), request_iterator)
 
 
-def channel(target: str) -> grpc.aio.Channel:
-    """An insecure asyncio channel that propagates the current trace context."""
-    return grpc.aio.insecure_channel(
-        target,
-        interceptors=[_UnaryUnaryTracing(), _UnaryStreamTracing(), _StreamUnaryTracing(), _StreamStreamTracing()],
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
+def channel(target: str, security: Security | None = None) -> grpc.aio.Channel:
+    """An asyncio channel that propagates the current trace context and, where the deployment has
+    them (Security.of(settings)), sends its token and speaks TLS."""
+    security = security or Security.of()
+    interceptors = [cls(security.token) for cls in (_UnaryUnaryTracing, _UnaryStreamTracing, _StreamUnaryTracing,
+                                                    _StreamStreamTracing)]
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    if security.tls_ca:
+        credentials = grpc.ssl_channel_credentials(root_certificates=security.tls_ca)
+        return grpc.aio.secure_channel(target, credentials, interceptors=interceptors, options=options)
+    return grpc.aio.insecure_channel(target, interceptors=interceptors, options=options)
 
 
-async def health_status(target: str, service: str = "", timeout: float = 5.0) -> str:
+async def health_status(target: str, service: str = "", timeout: float = 5.0,
+                        security: Security | None = None) -> str:
     """The grpc.health.v1 status name ('SERVING', 'NOT_SERVING', ...) of `service` at `target`."""
-    async with channel(target) as ch:
+    async with channel(target, security) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

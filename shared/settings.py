@@ -5,7 +5,7 @@ import functools
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -97,6 +97,12 @@ class Settings(BaseSettings, RunConfig):
     kafka_bootstrap: str = "127.0.0.1:9092"
     kafka_version: str = "4.4.0"
     kafka_controller_port: int = 9093
+    # Passed to every Kafka client (shared/bus.py, connection options; the aggregator's faust app too).
+    kafka_security_protocol: str = Field(default="PLAINTEXT", pattern="^(PLAINTEXT|SSL|SASL_PLAINTEXT|SASL_SSL)$")
+    kafka_sasl_mechanism: str = Field(default="PLAIN", pattern="^(PLAIN|SCRAM-SHA-256|SCRAM-SHA-512)$")
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Path | None = Field(default=None, description="PEM CA the brokers' certificates chain to.")
     topic_prefix: str = "crucible."
     consumer_group_prefix: str = "crucible-"
 
@@ -106,8 +112,19 @@ class Settings(BaseSettings, RunConfig):
     clickhouse_user: str = "default"
     clickhouse_password: str = ""
 
-    # gRPC: one port per service on one machine
+    # Trust: the key that signs tasks and seals sandbox results (shared/integrity.py); none: a key file
+    # under CRUCIBLE_HOME that the first process creates.
+    integrity_key: SecretStr | None = Field(default=None, description="Hex, at least 32 bytes; every service "
+                                            "of a deployment must hold the same.")
+
+    # gRPC: one port per service on one machine; a token and TLS where it listens beyond loopback (shared/rpc.py)
     grpc_host: str = "127.0.0.1"
+    rpc_token: SecretStr | None = Field(default=None, description="Bearer token every gRPC server requires and "
+                                        "every client sends; none: no check (loopback only).")
+    rpc_tls_cert: Path | None = Field(default=None, description="PEM certificate the gRPC servers present.")
+    rpc_tls_key: Path | None = Field(default=None, description="Its private key (PEM).")
+    rpc_tls_ca: Path | None = Field(default=None, description="PEM CA (or certificate) clients trust: TLS on.")
+    rpc_allow_insecure: bool = Field(default=False, description="Serve beyond loopback without a token.")
     control_grpc_port: int = 50051
 
     # sandbox-executor
@@ -124,7 +141,8 @@ class Settings(BaseSettings, RunConfig):
     sandbox_output_bytes: int = Field(default=64 * 1024, ge=1024)
     sandbox_processes: int = Field(default=32, ge=1)
     sandbox_open_files: int = Field(default=64, ge=8)
-    sandbox_uid_base: int = Field(default=200_000, ge=1000, description="Worker i runs jobs as uid base+i.")
+    sandbox_uid_base: int = Field(default=200_000, ge=1000, description="Workers run jobs as uids from this one "
+                                  "up, each leased to one sandbox pool on the host (pool.UidLeases).")
 
     # generator
     generator_grpc_port: int = 50052

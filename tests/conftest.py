@@ -17,19 +17,28 @@ from crucible.shared.settings import Settings
 pytest_plugins = ["tests.fixtures_store", "tests.checkout_guard"]
 
 
+SASL_USER, SASL_PASSWORD = "crucible-test", "sasl-pw-8c1e"  # the session broker's SASL/PLAIN login
+
+
 @pytest.fixture(scope="session")
-def kafka_bootstrap(tmp_path_factory) -> str:
-    external = os.environ.get("CRUCIBLE_TEST_KAFKA_BOOTSTRAP")
-    if external:
-        yield external
+def kafka_broker(tmp_path_factory) -> LocalKafka | None:
+    """The session's broker (with a SASL_PLAINTEXT listener beside its plain one); None when external."""
+    if os.environ.get("CRUCIBLE_TEST_KAFKA_BOOTSTRAP"):
+        yield None
         return
     broker = LocalKafka(tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(),
-                        heap="512m", settings=Settings())
+                        heap="512m", settings=Settings(), sasl_port=free_port(),
+                        sasl_users={SASL_USER: SASL_PASSWORD})
     broker.start(echo=lambda *_: None)
     try:
-        yield broker.bootstrap
+        yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(kafka_broker) -> str:
+    return os.environ.get("CRUCIBLE_TEST_KAFKA_BOOTSTRAP") or kafka_broker.bootstrap
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from google.protobuf import timestamp_pb2
+from pydantic import SecretStr
 from opentelemetry import trace
 
 from crucible.v1 import (
@@ -234,3 +235,31 @@ async def test_a_reader_given_offsets_starts_exactly_there_and_keeps_trace_conte
         await reader.commit({(settings.topic("tasks"), 0): 5})
     async with bus.Consumer(["tasks"], "seek", lambda incoming: asyncio.sleep(0), settings=settings) as again:
         assert await again.run(max_records=5, idle_timeout_s=5) == 5  # resumes at the committed 5
+
+
+@pytest.mark.kafka
+async def test_sasl_settings_reach_every_client(kafka_broker, settings):
+    from tests.conftest import SASL_PASSWORD, SASL_USER
+
+    if kafka_broker is None:
+        pytest.skip("an external broker: its SASL listener is not ours to configure")
+    sasl = settings.model_copy(update={
+        "kafka_bootstrap": f"127.0.0.1:{kafka_broker.sasl_port}", "kafka_security_protocol": "SASL_PLAINTEXT",
+        "kafka_sasl_username": SASL_USER, "kafka_sasl_password": SecretStr(SASL_PASSWORD)})
+    await bus.ensure_topics(["tasks"], settings=sasl)  # the admin client
+    async with bus.Producer(sasl) as producer:
+        await producer.send_and_wait("tasks", task_pb2.Task(id="over-sasl", kind="exact", prompt="p", group_size=1))
+    seen = []
+
+    async def handle(incoming):
+        seen.append(incoming.message.id)
+        return []
+
+    async with bus.Consumer(["tasks"], "sasl-reader", handle, settings=sasl, dead_letters=False) as consumer:
+        await asyncio.wait_for(consumer.run(max_records=1), 60)
+    assert seen == ["over-sasl"]
+    wrong = sasl.model_copy(update={"kafka_sasl_password": SecretStr("not-the-password")})
+    with pytest.raises(Exception):
+        async with bus.Producer(wrong) as producer:
+            await asyncio.wait_for(producer.send_and_wait("tasks", task_pb2.Task(id="x", kind="exact", prompt="p")), 20)
+    assert SASL_PASSWORD not in repr(sasl) and SASL_PASSWORD not in str(sasl.model_dump())

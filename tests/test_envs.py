@@ -260,7 +260,7 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     odd_format.call_format = "xml"
     assert "unknown call format" in episode_problem(odd_format)
 
-    handle = action_handler(pool=None, consumer_ref=[])
+    handle = action_handler(pool=None, consumer_ref=[], secret=bytes(32))
     for bad, why in [(answered, "no call waiting"), (wrong_kind, "not an environment")]:
         with pytest.raises(bus.Reject, match=why):
             await handle(bus.Incoming("actions", 0, 0, None, bad))

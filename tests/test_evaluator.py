@@ -24,7 +24,8 @@ def version(settings, number: int, folder) -> policy_pb2.PolicyVersion:
 
 
 async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack_settings, tmp_path):
-    async with ScorerPool(stack_settings.model_copy(update={"verifier_workers": 1})) as scorer:
+    # one deployment: the scorer and the publisher share CRUCIBLE_HOME, so the integrity key
+    async with ScorerPool(stack_settings.model_copy(update={"verifier_workers": 1, "home": tmp_path})) as scorer:
         server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", VerifierServicer(scorer, "127.0.0.1:1"),
                                             verdict_pb2_grpc.add_VerifierServicer_to_server)])
         async with server:

@@ -83,3 +83,46 @@ async def test_submit_tasks_validates_and_publishes(settings):
     async with bus.Consumer(["tasks"], "submit", handler, settings=settings) as consumer:
         await consumer.run(max_records=1)
     assert got[0].id == reply.task_ids[0] and got[0].prompt == "2+2?" and got[0].HasField("created_at")
+
+
+def _learner_server(host: str = "127.0.0.1", security: rpc.Security | None = None) -> rpc.RpcServer:
+    return rpc.RpcServer([rpc.Service("crucible.v1.Learner", _TraceEchoLearner(),
+                                      policy_pb2_grpc.add_LearnerServicer_to_server)], host=host, security=security)
+
+
+async def test_a_token_guards_every_call_but_health_checks():
+    server = _learner_server(security=rpc.Security(token="s3cret-token"))
+    async with server:
+        assert await rpc.health_status(server.address, security=rpc.Security()) == "SERVING"  # probes: no token
+        for sent in (rpc.Security(), rpc.Security(token="wrong")):
+            async with rpc.channel(server.address, sent) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "s3cret" not in err.value.details()
+        async with rpc.channel(server.address, rpc.Security(token="s3cret-token")) as ch:
+            await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+
+
+def test_a_server_beyond_loopback_needs_a_token():
+    with pytest.raises(PermissionError, match="CRUCIBLE_RPC_TOKEN"):
+        _learner_server(host="0.0.0.0", security=rpc.Security())
+    _learner_server(host="0.0.0.0", security=rpc.Security(token="t"))  # binds (never started)
+
+
+async def test_tls_with_a_token(tmp_path):
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    tls = rpc.Security(token="t0k", tls_cert=cert.read_bytes(), tls_key=key.read_bytes(), tls_ca=cert.read_bytes())
+    server = _learner_server(security=tls)
+    async with server:
+        async with rpc.channel(server.address, tls) as ch:
+            await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+        async with rpc.channel(server.address, rpc.Security(token="t0k")) as plain:  # no TLS: no connection
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await policy_pb2_grpc.LearnerStub(plain).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE

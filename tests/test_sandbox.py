@@ -22,7 +22,7 @@ SECRET = "s3cr3t-value-that-must-not-leak"
 
 
 def sandbox_uids(pool: SandboxPool) -> set[int]:
-    return {pool.settings.sandbox_uid_base + i for i in range(pool.size)}
+    return set(pool.uids)
 
 
 def processes_of(uids: set[int]) -> list[int]:
@@ -154,7 +154,8 @@ async def test_server_secrets_are_invisible(pool):
                         "for p in ('/proc/self/environ', '/proc/1/environ'):\n"
                         "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(e)\n")
     assert SECRET.encode() not in r.stdout + r.stderr
-    assert r.stdout.startswith(b"{}\n")
+    # only what the jail sets for every job, nothing of the service's environment
+    assert r.stdout.startswith(b"{'HOME': '/tmp', 'USER': 'sandbox', 'LOGNAME': 'sandbox', 'LANG': 'C.UTF-8'}\n")
 
 
 @pytest.mark.parametrize("call", ["libc.unshare(0x10000000)", "libc.ptrace(16, 1, 0, 0)",
@@ -339,3 +340,13 @@ def test_folders_left_by_a_pool_that_died_are_swept_and_live_ones_kept(tmp_path)
     assert pool_module.sweep_abandoned(tmp_path) == len(left)
     assert not any(f.exists() for f in left) and alive.exists()
     assert not any(f.parent.exists() for f in left[1:])
+
+
+async def test_unix_sockets_work_and_network_sockets_kill(pool):
+    # honest code: multiprocessing's duplex pipes are AF_UNIX socket pairs
+    r = await run(pool, "import socket\na, b = socket.socketpair()\na.sendall(b'hi')\nprint(b.recv(2))\n"
+                        "s = socket.socket(socket.AF_UNIX)\ns.bind('\\0crucible-test')\ns.listen()\nprint('listening')")
+    assert r.violation == "" and r.stdout == b"b'hi'\nlistening\n", (r.violation, r.stderr[-300:])
+    for family in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
+        r = await run(pool, f"import socket\nsocket.socket(socket.{family})\nprint('made')")
+        assert r.violation == "forbidden_syscall" and b"made" not in r.stdout, (family, r.violation)

@@ -10,13 +10,14 @@ import pytest_asyncio
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2
 from crucible.services.sandbox_executor.__main__ import group_handler
-from crucible.services.sandbox_executor.pool import SandboxPool
+from crucible.services.sandbox_executor.pool import Job, SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.shared import bus, rpc
 from crucible.shared.settings import Settings
 from tests.test_bus import read_raw
 
 pytestmark = pytest.mark.sandbox
+KEY = bytes(range(32))  # the integrity key results are sealed with here
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -27,7 +28,7 @@ async def pool():
 
 @pytest_asyncio.fixture
 async def sandbox(pool):
-    server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool),
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool, KEY),
                                         execution_pb2_grpc.add_SandboxServicer_to_server)])
     async with server, rpc.channel(server.address) as channel:
         yield server, execution_pb2_grpc.SandboxStub(channel)
@@ -88,6 +89,46 @@ async def test_execute_batch_streams_every_result(sandbox):
     assert by_id["bad"].error.startswith("INVALID_ARGUMENT")
 
 
+async def test_execute_batch_stays_bounded_for_a_client_that_never_reads(pool):
+    counted = SandboxServicer(pool, KEY)
+    ran = 0
+    real_execute = pool.execute
+
+    async def counting(job):
+        nonlocal ran
+        ran += 1
+        return await real_execute(job)
+
+    counted.pool = type("Counted", (), {"execute": staticmethod(counting), "size": pool.size})()
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", counted, execution_pb2_grpc.add_SandboxServicer_to_server)])
+    big = "import sys\nsys.stdout.write('x' * (1 << 20))"  # a reply of the output cap (64 KiB) each
+
+    async def requests():
+        for i in range(200):
+            yield execution_pb2.ExecuteRequest(request_id=f"big{i}", code=big)
+
+    async with server, rpc.channel(server.address) as channel:
+        call = execution_pb2_grpc.SandboxStub(channel).ExecuteBatch(requests(), timeout=60)
+        first = await call.read()  # then read nothing for a while
+        assert len(first.result.stdout) == pool.limits.output_bytes
+        await asyncio.sleep(4)
+        held = ran
+        await asyncio.sleep(2)
+        # jobs stop being taken once replies pile up unread (gRPC's flow-control window, then the
+        # servicer's own bound): far fewer than the 200 asked for, which 2 workers finish in 4 s
+        assert held < 100 and ran == held, (held, ran)
+        call.cancel()
+    assert (await pool.execute(Job(code="print(1)"))).stdout == b"1\n"
+
+
+async def test_two_pools_on_one_host_never_share_a_job_uid(pool):
+    async with SandboxPool(Settings(sandbox_workers=2)) as other:
+        assert len(set(pool.uids)) == pool.size and len(set(other.uids)) == other.size
+        assert not set(pool.uids) & set(other.uids)
+        r = await other.execute(Job(code="import os\nprint(os.getuid())"))
+        assert int(r.stdout) in other.uids
+
+
 @pytest.mark.kafka
 async def test_rollouts_become_executions_over_kafka(settings, pool):
     await bus.ensure_topics(["rollouts", "executions"], settings=settings)
@@ -115,7 +156,7 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
         for g in groups:
             await producer.send_and_wait("rollouts", g, key=g.group_id)
     consumer_ref = []
-    handler = group_handler(pool, consumer_ref, "test")
+    handler = group_handler(pool, consumer_ref, "test", KEY)
     async with bus.Consumer(["rollouts"], "sandbox", handler, settings=settings, concurrency=4) as consumer:
         consumer_ref.append(consumer)
         await asyncio.wait_for(consumer.run(max_records=4), 60)

@@ -8,13 +8,14 @@ import pytest
 import pytest_asyncio
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2, verdict_pb2, verdict_pb2_grpc
+from crucible.services.sandbox_executor.handler import request_for_rollout
 from crucible.services.sandbox_executor.pool import SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.services.verifier import handler
 from crucible.services.verifier.consumer import TOPICS, verdict_handler
 from crucible.services.verifier.scorer_pool import ScorerPool
 from crucible.services.verifier.servicer import VerifierServicer
-from crucible.shared import bus, rpc
+from crucible.shared import bus, integrity, rpc
 from crucible.ml.kinds import builtin_sets
 from crucible.shared.settings import Settings
 from tests.conftest import free_port
@@ -29,17 +30,32 @@ HALF = task_pb2.Task(id="half", kind="math_answer", prompt="1 divided by 2?", gr
                      answer=task_pb2.ExpectedAnswer(answer="\\frac{1}{2}"))
 
 
+# The deployment's integrity key in these tests: tasks are signed with it, results sealed.
+KEY = bytes(range(32))
+
+
+def signed(task: task_pb2.Task) -> task_pb2.Task:
+    copy = task_pb2.Task()
+    copy.CopyFrom(task)
+    return integrity.sign_task(copy, KEY)
+
+
+def sealed(result: execution_pb2.ExecutionResult, task: task_pb2.Task, completion: str) -> execution_pb2.ExecutionResult:
+    """The result as a sandbox holding KEY would have sealed it for this completion of this task."""
+    return integrity.seal(result, request_for_rollout(task, rollout("any", completion)), KEY)
+
+
 def rollout(rid: str, completion: str, index: int = 0) -> rollout_pb2.Rollout:
     return rollout_pb2.Rollout(id=rid, sample_index=index, completion=completion, token_ids=[1, 2, 3])
 
 
 def request(rid: str, task: task_pb2.Task, completion: str, **fields) -> verdict_pb2.VerifyRequest:
-    return verdict_pb2.VerifyRequest(task=task, rollout=rollout(rid, completion), **fields)
+    return verdict_pb2.VerifyRequest(task=signed(task), rollout=rollout(rid, completion), **fields)
 
 
 def group(group_id: str, task: task_pb2.Task, *completions: str) -> rollout_pb2.RolloutGroup:
     return rollout_pb2.RolloutGroup(
-        group_id=group_id, task=task, policy_version=3, temperature=0.7, top_p=0.9, prompt_token_ids=[9, 9],
+        group_id=group_id, task=signed(task), policy_version=3, temperature=0.7, top_p=0.9, prompt_token_ids=[9, 9],
         rollouts=[rollout(f"{group_id}/{i}", c, i) for i, c in enumerate(completions)])
 
 
@@ -51,7 +67,7 @@ def outcome(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
 
 @pytest_asyncio.fixture(scope="module")
 async def scorer():
-    async with ScorerPool(Settings(verifier_workers=2)) as pool:
+    async with ScorerPool(Settings(verifier_workers=2, integrity_key=KEY.hex())) as pool:
         yield pool
 
 
@@ -98,8 +114,10 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
         execution_pb2.Execution(
             id="e", group=group("x", ADD, "    return a + b\n", "    return a - b\n",
                                 "    print('All tests passed')\n    return a + b\n", ""),
-            results=[outcome(True), outcome(False), outcome(True, stdout=b"All tests passed\n"),
-                     execution_pb2.ExecutionResult(not_run="code is empty")]),
+            results=[sealed(outcome(True), ADD, "    return a + b\n"), sealed(outcome(False), ADD, "    return a - b\n"),
+                     sealed(outcome(True, stdout=b"All tests passed\n"), ADD,
+                            "    print('All tests passed')\n    return a + b\n"),
+                     sealed(execution_pb2.ExecutionResult(not_run="code is empty"), ADD, "")]),
     ]
     groups = [
         group("h", CAPITAL, "Answer: Paris"),
@@ -140,7 +158,7 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
 @pytest_asyncio.fixture(scope="module")
 async def sandbox_address():
     async with SandboxPool(Settings(sandbox_workers=2, sandbox_wall_s=5.0)) as pool:
-        server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool),
+        server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool, KEY),
                                             execution_pb2_grpc.add_SandboxServicer_to_server)])
         async with server:
             yield server.address
@@ -164,8 +182,9 @@ async def test_verify_runs_python_tests_in_the_sandbox(verifier):
     forged = await verifier.Verify(request(
         "v1", ADD, "    class A:\n        __eq__ = lambda s, o: True\n    return A()\n"), timeout=30)
     assert forged.reward == 0.0 and forged.tampered and "non_plain_return" in forged.tamper_patterns
-    given = await verifier.Verify(request("v2", ADD, "    return a + b\n", execution=outcome(False)), timeout=30)
-    assert given.reward == 0.0  # an execution that comes along is scored as it is
+    given = await verifier.Verify(request("v2", ADD, "    return a + b\n",
+                                          execution=sealed(outcome(False), ADD, "    return a + b\n")), timeout=30)
+    assert given.reward == 0.0  # a sealed execution that comes along is scored as it is
 
 
 @pytest.mark.sandbox
@@ -203,8 +222,56 @@ async def test_verify_says_when_the_sandbox_is_unreachable(scorer):
 
 async def test_a_completion_that_hangs_its_scorer_gets_a_failed_verdict():
     evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
-    async with ScorerPool(Settings(verifier_workers=1), timeout_s=1.0) as pool:
+    async with ScorerPool(Settings(verifier_workers=1, integrity_key=KEY.hex()), timeout_s=1.0) as pool:
         slow = await pool.verify(request("s", evil, "Answer: " + "a" * 40 + "!"))
         assert slow.reward == 0.0 and slow.components["scoring_failed"] == 1.0 and "longer than 1s" in slow.detail
         after = await pool.verify(request("t", evil, "Answer: aaa"))
         assert after.reward == 1.0 and pool.failures == 1
+
+
+# --- trust ------------------------------------------------------------------------------------------
+
+@pytest.mark.sandbox
+async def test_what_a_reward_is_computed_from_must_be_trusted(verifier):
+    honest = "    return a + b\n"
+    forged_results = {
+        "unsealed": outcome(True),
+        "sealed with another key": integrity.seal(outcome(True), request_for_rollout(ADD, rollout("x", honest)),
+                                                  bytes(32)),
+        "changed after sealing": sealed(outcome(False), ADD, honest),
+        "for other code": sealed(outcome(True), ADD, "    return 5\n"),
+    }
+    forged_results["changed after sealing"].tests[0].passed = True
+    for name, result in forged_results.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await verifier.Verify(request("f", ADD, honest, execution=result), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "execution result" in err.value.details(), (name, err.value.details())
+    # a task nobody signed, or one whose tests were changed after signing
+    unsigned = verdict_pb2.VerifyRequest(task=ADD, rollout=rollout("u", honest))
+    lenient = signed(ADD)
+    lenient.python_tests.test_code = "def check(f):\n    pass\n"
+    for bad, why in [(unsigned, "not signed"), (verdict_pb2.VerifyRequest(task=lenient, rollout=rollout("l", "    return 0\n")),
+                                                "signature does not match")]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await verifier.Verify(bad, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+    # the honest way still works: the verifier runs the sandbox, whose result is sealed
+    assert (await verifier.Verify(request("ok", ADD, honest), timeout=30)).reward == 1.0
+
+
+@pytest.mark.kafka
+async def test_forged_groups_on_the_topics_are_dead_lettered_not_paid(settings, scorer):
+    await bus.ensure_topics([*TOPICS, "verdicts"], settings=settings)
+    honest = "    return a + b\n"
+    forged = execution_pb2.Execution(id="f", group=group("fx", ADD, honest), results=[outcome(True)])
+    unsigned = rollout_pb2.RolloutGroup(group_id="fu", task=CAPITAL, rollouts=[rollout("fu/0", "Answer: Paris")])
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("executions", forged, key="fx")
+        await producer.send_and_wait("rollouts", unsigned, key="fu")
+    async with bus.Consumer(TOPICS, "verifier", verdict_handler(scorer), settings=settings) as consumer:
+        await asyncio.wait_for(consumer.run(max_records=2), 60)
+    reasons = {dict(r.headers)["dlq-reason"].decode() for topic in ("executions.dlq", "rollouts.dlq")
+               for r in await read_raw(settings, topic, 1)}
+    assert any("not sealed by a sandbox" in r for r in reasons), reasons
+    assert any("not signed by a trusted submitter" in r for r in reasons), reasons

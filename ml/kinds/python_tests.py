@@ -17,6 +17,7 @@ import re
 from crucible.v1 import execution_pb2, task_pb2
 from crucible.ml.kinds import tamper_scan
 from crucible.ml.kinds.registry import Kind, Score, register
+from crucible.shared import tamper_patterns
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 TIMED_OUT = {execution_pb2.VIOLATION_TIMEOUT, execution_pb2.VIOLATION_CPU}
@@ -89,6 +90,24 @@ def _tests_use_prompt(prompt: str, tests: str, entry_point: str) -> bool:
     return bool((defined - {entry_point}) & used)
 
 
+def declared_tests(task: task_pb2.Task) -> list[str]:
+    """The tests the task's test code declares, read here (outside the sandbox, before anything runs):
+    check(candidate) when there is an entry point, then every top-level test_* function, in order.
+    The reward is counted against these, never against what a run happened to report."""
+    return list(_declared(task.python_tests.test_code, bool(task.python_tests.entry_point)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _declared(test_code: str, has_entry: bool) -> tuple[str, ...]:
+    try:
+        tree = ast.parse(test_code)
+    except (SyntaxError, ValueError):
+        return ()
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    names = ["check"] if has_entry and "check" in defined else []
+    return tuple(dict.fromkeys(names + [n for n in defined if n.startswith("test_")]))
+
+
 class PythonTestsKind(Kind):
     name = "python_tests"
     payload = "python_tests"
@@ -136,14 +155,25 @@ class PythonTestsKind(Kind):
             compiled = 1.0
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             compiled = 0.0
-        signals = [(t.pattern, t.detail) for t in execution.tamper]
+        signals = [tamper_patterns.known(t.pattern, t.detail) for t in execution.tamper]
         if execution.violation == execution_pb2.VIOLATION_FORBIDDEN_SYSCALL:
             # Sockets, ptrace, namespaces, stealing descriptors: nothing a solution needs, all an escape wants.
             signals.append(("forbidden_syscall", execution.violation_detail or "a forbidden system call"))
         signals += tamper_scan.scan_source(code, first_line)
         signals += tamper_scan.scan_output(execution.stdout, execution.stderr)
-        passed = sum(t.passed for t in execution.tests)
-        total = len(execution.tests)
+        # Counted against the declared tests: the task's own (read here), and any more the harness
+        # collected before the candidate ran (tests made at run time). A test with no outcome did not
+        # run to completion (a hang, a flood, a kill, an exit): it failed. An outcome for anything
+        # else is not a test of this task and pays nothing; a test reported twice counts once, first.
+        expected = list(dict.fromkeys(declared_tests(task) + list(execution.tests_declared)))
+        outcomes: dict[str, bool] = {}
+        for t in execution.tests:
+            outcomes.setdefault(t.name, t.passed)
+        if not expected:  # nothing declared anywhere (not a tested run): what was reported, which fails
+            expected = list(outcomes) or ["tests"]
+        passed = sum(outcomes.get(name) is True for name in expected)
+        total = len(expected)
+        unfinished = [name for name in expected if name not in outcomes]
         timed_out = float(execution.violation in TIMED_OUT)
         components = {"tests_passed": float(passed), "tests_total": float(total), "compiled": compiled,
                       "format_ok": compiled, "timed_out": timed_out, "tampered": float(bool(signals))}
@@ -151,6 +181,8 @@ class PythonTestsKind(Kind):
         detail = f"{passed}/{total} tests passed"
         if failed:
             detail += f"; {failed[0].name}: {failed[0].message[:200]}"
+        if unfinished:
+            detail += f"; did not finish: {', '.join(unfinished[:5])}"
         if execution.not_run:
             detail += f"; not run: {execution.not_run}"
         if execution.violation:

@@ -18,7 +18,7 @@ from crucible.ml import evaluation
 from crucible.ml.policy import transfer
 from crucible.ml.policy.backends import backend_for
 from crucible.ml.tasks import is_heldout, task_problems
-from crucible.shared import bus, service, store, telemetry
+from crucible.shared import bus, integrity, service, store, telemetry
 from crucible.shared.settings import Settings
 from crucible.v1 import evaluation_pb2, policy_pb2, task_pb2
 
@@ -56,6 +56,7 @@ class Evaluator:
         self.pending: dict[int, tuple[policy_pb2.PolicyVersion, object]] = {}
         self.done: set[int] = set()
         self.tracer = telemetry.tracer("crucible.evaluator")
+        self.secret = integrity.key(settings)
 
     def wants(self, pv: policy_pb2.PolicyVersion) -> bool:
         return (pv.run_id == self.settings.run_id and pv.version % self.settings.eval_every == 0
@@ -63,6 +64,10 @@ class Evaluator:
 
     def take_task(self, task: task_pb2.Task) -> None:
         problems = task_problems(task, self.settings)
+        try:
+            integrity.check_task(task, self.secret)
+        except integrity.IntegrityError as exc:
+            problems.append(str(exc))
         if problems or not is_heldout(task):
             log.warning("ignoring task %r on the held-out topic: %s", task.id,
                         "; ".join(problems) or f"its split is {task.split!r}, not heldout")

@@ -14,7 +14,7 @@ from crucible.services.generator import episodes
 from crucible.services.generator.batcher import Batcher, LagBound
 from crucible.services.generator.handler import group_id_for, render_prompt, rollout_group
 from crucible.services.generator.servicer import GeneratorServicer, sampling_params
-from crucible.shared import bus, metrics, rpc, service
+from crucible.shared import bus, integrity, metrics, rpc, service
 from crucible.ml.policy import transfer
 from crucible.ml.policy.backends import backend_for
 from crucible.shared.settings import Settings
@@ -31,10 +31,15 @@ def build_backend(settings: Settings):
 
 def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
     params = sampling_params(settings)
+    secret = integrity.key(settings)
 
     async def handle(incoming: bus.Incoming):
         task = incoming.message
         problems = task_problems(task, settings)
+        try:
+            integrity.check_task(task, secret)
+        except integrity.IntegrityError as exc:
+            problems.append(str(exc))
         TASKS.add(1, {"kind": task.kind if not problems else "", "outcome": "refused" if problems else "taken"})
         if problems:
             raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))

@@ -78,6 +78,7 @@ class Aggregator:
             store="memory://", web_enabled=False, topic_partitions=1,
             value_serializer="raw", key_serializer="raw", producer_acks=-1,
             consumer_auto_offset_reset="earliest",
+            broker_credentials=bus.faust_credentials(settings),
             datadir=str(datadir),  # faust creates it at start: never in the working directory
         )
         self.verdicts = self.app.topic(settings.topic("verdicts"), value_serializer="raw", key_serializer="raw")

@@ -12,16 +12,16 @@ from crucible.services.sandbox_executor.handler import (
     NothingToRun,
     execution_message,
     job_for_request,
-    job_for_rollout,
     needs_execution,
     not_run_result,
+    request_for_rollout,
     result_message,
 )
 from crucible.services.sandbox_executor.pool import JobRejected, PoolFull, SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.ml import envs
 from crucible.ml.envs import episode as ep
-from crucible.shared import bus, rpc, service
+from crucible.shared import bus, integrity, rpc, service
 
 log = logging.getLogger("crucible.sandbox")
 
@@ -47,16 +47,18 @@ def backpressured(pool: SandboxPool, consumer_ref: list):
     return execute
 
 
-def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
-    """Runs every rollout of a group that needs running, all at once through the pool."""
+def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secret: bytes):
+    """Runs every rollout of a group that needs running, all at once through the pool; each result
+    sealed for the job it ran (shared/integrity.py)."""
     execute = backpressured(pool, consumer_ref)
 
     async def run_one(task, rollout):
+        request = request_for_rollout(task, rollout)
         try:
-            job = job_for_rollout(task, rollout)
+            job = job_for_request(request)
         except NothingToRun as exc:
-            return not_run_result(str(exc))
-        return result_message(await execute(job))
+            return integrity.seal(not_run_result(str(exc)), request, secret)
+        return integrity.seal(result_message(await execute(job)), request, secret)
 
     async def handle(incoming: bus.Incoming):
         group = incoming.message
@@ -71,7 +73,7 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str):
     return handle
 
 
-def action_handler(pool: SandboxPool, consumer_ref: list):
+def action_handler(pool: SandboxPool, consumer_ref: list, secret: bytes):
     """Carries out the last turn's tool call of an episode: through the jail for sandboxed tools
     (code, SQL), in the environment's own code otherwise. A call that is malformed, names no tool,
     or fails is an observation that says so; the episode goes back to the generator (or on to the
@@ -80,9 +82,9 @@ def action_handler(pool: SandboxPool, consumer_ref: list):
 
     async def execute(request):
         try:
-            return result_message(await run_job(job_for_request(request)))
+            return integrity.seal(result_message(await run_job(job_for_request(request))), request, secret)
         except (NothingToRun, JobRejected) as exc:
-            return not_run_result(str(exc))
+            return integrity.seal(not_run_result(str(exc)), request, secret)
 
     async def handle(incoming: bus.Incoming):
         episode = incoming.message
@@ -108,11 +110,12 @@ async def main(allow_weak: bool) -> None:
     await bus.ensure_topics(["rollouts", "executions", "actions", "observations", "episodes"], settings=settings)
     async with SandboxPool(settings, allow_weak=allow_weak or None) as pool:
         log.info("isolation: %s", pool.report.describe())
-        server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool),
+        secret = integrity.key(settings)
+        server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool, secret),
                                             execution_pb2_grpc.add_SandboxServicer_to_server)],
                                host=settings.grpc_host, port=settings.sandbox_grpc_port)
         consumer_ref: list = []
-        handler = group_handler(pool, consumer_ref, f"{socket.gethostname()}/sandbox")
+        handler = group_handler(pool, consumer_ref, f"{socket.gethostname()}/sandbox", secret)
         consumer = bus.Consumer(["rollouts"], settings.consumer_group_prefix + "sandbox-executor", handler,
                                 settings=settings, concurrency=2)
         consumer_ref.append(consumer)
@@ -120,7 +123,7 @@ async def main(allow_weak: bool) -> None:
         # with the consumed record (code the model wrote may not be repeatable).
         actions_ref: list = []
         actions = bus.Consumer(["actions"], settings.consumer_group_prefix + "sandbox-executor-actions",
-                               action_handler(pool, actions_ref), settings=settings, concurrency=8,
+                               action_handler(pool, actions_ref, secret), settings=settings, concurrency=8,
                                transactional=True)
         actions_ref.append(actions)
         async with server, consumer, actions:

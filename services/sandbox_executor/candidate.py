@@ -20,6 +20,7 @@ Stdlib only: loaded into the sandbox worker, which has no site-packages.
 """
 from __future__ import annotations
 
+import _thread
 import builtins
 import os
 import resource
@@ -102,6 +103,16 @@ class Watch:
         filename = frame.f_code.co_filename
         return filename == self.program_file or (filename.startswith("<") and not filename.startswith("<frozen"))
 
+    def _import_search(self) -> bool:
+        """Whether the event is the import system listing a sys.path folder to find a module (the work
+        folder is on sys.path): the interpreter acting for an `import`, not the program looking around.
+        Only that one step is excused; a program driving importlib to open files is still seen."""
+        frame = self._getframe(1)
+        while frame is not None and frame.f_code.co_filename == self._this_file:
+            frame = frame.f_back
+        return (frame is not None and frame.f_code.co_name == "_fill_cache"
+                and frame.f_code.co_filename.startswith("<frozen importlib"))
+
     def _hook(self, event: str, args: tuple) -> None:
         if event not in _WATCHED or self._busy:
             return
@@ -120,7 +131,7 @@ class Watch:
             path = args[0] if args else None
             path = "." if path is None else os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
             resolved = os.path.normpath(os.path.join(self.work_dir, path))
-            if resolved in (self.work_dir, "/", "/tmp", "/work"):
+            if resolved in (self.work_dir, "/", "/tmp", "/work") and not self._import_search():
                 self.flag("reads_test_file", f"lists {resolved} looking for test files")
         elif event in _GC_EVENTS:
             self.flag("introspection", f"{event}() walks the interpreter's objects")
@@ -160,7 +171,8 @@ class Watch:
 
     def _patched(self, obj, name) -> None:
         if name == "__code__":
-            self.flag("code_patching", f"replaces the code of {getattr(obj, '__qualname__', '?')}")
+            if self._from_program():  # the standard library does it too (types.coroutine, for asyncio)
+                self.flag("code_patching", f"replaces the code of {getattr(obj, '__qualname__', '?')}")
             return
         if not isinstance(obj, type) or not self._from_program():
             return
@@ -235,6 +247,32 @@ def prepare() -> None:
             except TypeError:
                 pass
     BUILTINS_SNAPSHOT = dict(builtins.__dict__)
+    global HOST_MODULES
+    HOST_MODULES = tuple(name for name in sys.modules if name == "crucible" or name.startswith("crucible."))
+
+
+HOST_MODULES: tuple[str, ...] = ()  # the worker's own modules, named once (prepare) so a job can drop them fast
+
+
+THREAD_STACK_BYTES = 512 << 10
+
+
+def enter_job() -> None:
+    """Before a job's program runs, in its process.
+
+    What it could read of the host without doing anything forbidden goes: the interpreter's command
+    line becomes a bare `python3` (the real one held no configuration, but names the interpreter),
+    and the worker's own modules leave sys.modules (the code already loaded keeps running; their
+    files carry neutral names anyway).
+
+    New threads get small stacks: with the default 8 MiB each, a thread bomb exhausts the address
+    space limit after a dozen threads, a failure the kernel counts nowhere; with these it reaches
+    the slot's pids.max, which the kernel counts, so the job is named a `processes` violation even
+    when it swallows the error."""
+    sys.orig_argv = ["python3"]
+    for name in HOST_MODULES:
+        sys.modules.pop(name, None)
+    _thread.stack_size(THREAD_STACK_BYTES)
 
 
 # --- the call channel ---------------------------------------------------------------------------
@@ -263,6 +301,7 @@ def serve(job: dict, call_r: int, reply_w: int) -> None:
     program_file = "/work/" + job["main"]
     sys.argv = [program_file]
     sys.path[:0] = ["/work"]
+    enter_job()
     # The worker loaded ctypes for itself; forgetting it here makes the program's own import visible.
     # (Named, not searched for: walking sys.modules would copy-on-write-fault a page per module.)
     for name in _LOADED_NATIVE:

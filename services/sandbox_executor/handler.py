@@ -32,12 +32,10 @@ def needs_execution(group: rollout_pb2.RolloutGroup) -> bool:
         return False
 
 
-def job_for_rollout(task: task_pb2.Task, rollout: rollout_pb2.Rollout) -> Job:
-    """The job the task's kind asks for; NothingToRun when the completion holds no program."""
-    request = kinds.get(task.kind).execution(task, rollout.completion)
-    if request is None:
-        raise NothingToRun(f"kind {task.kind!r} runs nothing in the sandbox")
-    return job_for_request(request)
+def request_for_rollout(task: task_pb2.Task, rollout: rollout_pb2.Rollout) -> execution_pb2.ExecuteRequest:
+    """What the task's kind asks the sandbox to run for this completion (empty when it runs nothing):
+    the very request the verifier rebuilds to check a result's seal."""
+    return kinds.get(task.kind).execution(task, rollout.completion) or execution_pb2.ExecuteRequest()
 
 
 class NothingToRun(ValueError):
@@ -58,6 +56,7 @@ def result_message(result: Result) -> execution_pb2.ExecutionResult:
         signal=result.signal,
         tests=[execution_pb2.TestOutcome(name=t["name"], passed=t["passed"], message=t.get("message", ""))
                for t in result.tests],
+        tests_declared=result.tests_declared,
         stdout=result.stdout,
         stderr=result.stderr,
         stdout_truncated=result.stdout_truncated,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import importlib
 import itertools
 import json
@@ -38,6 +39,26 @@ PRELOAD = ("typing", "math", "random", "copy", "string", "collections", "re", "h
            "functools", "heapq", "bisect", "json", "fractions", "decimal", "statistics", "datetime",
            "traceback", "operator", "dataclasses")
 MAX_JOB_BYTES = 8 * 1024 * 1024
+# The worker's command line (`python -I -S -B -c BOOT`): reads the length-prefixed configuration from
+# stdin and runs jail/__main__.py with it; nothing of the host is on the command line.
+BOOT = """import json, os
+def read(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            raise SystemExit("the sandbox worker's configuration was cut short")
+        data += chunk
+    return data
+header = b""
+while not header.endswith(b"\\n"):
+    header += read(1)
+cfg = json.loads(read(int(header)))
+with open(cfg["main"], "rb") as f:
+    code = compile(f.read(), "/crucible/services/sandbox_executor/jail/__main__.py", "exec", dont_inherit=True)
+del header, read, f
+exec(code, {"__name__": "__main__", "CONFIG": cfg})
+"""
 
 
 JOB_MS = metrics.histogram("crucible.sandbox.job.duration", "wall time of one sandbox job, by outcome", "ms")
@@ -101,6 +122,7 @@ class Result:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     tests: list[dict] = field(default_factory=list)
+    tests_declared: list[str] = field(default_factory=list)  # what the harness collected before running any
     cpu_user_s: float = 0.0
     cpu_system_s: float = 0.0
     max_rss_bytes: int = 0
@@ -129,6 +151,7 @@ class SandboxPool:
                                    stop_grace_s=5.0)
         self._ids = itertools.count()
         self._cgroup_dirs: list[Path] = []
+        self._leases: UidLeases | None = None
 
     # --- lifecycle ---
 
@@ -146,14 +169,23 @@ class SandboxPool:
             log.info("sandbox: removed %d cgroup and runtime folders left by pools that died", swept)
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
+            self._leases = UidLeases(self.settings.sandbox_uid_base, self.size)
             await self._workers.start()
         except BaseException:
             await self.close()  # no caller will: `async with` does not exit what did not enter
             raise
         return self
 
+    @property
+    def uids(self) -> list[int]:
+        """The uid each worker runs its jobs as (held for this pool while it runs)."""
+        return self._leases.uids if self._leases else []
+
     async def close(self) -> None:
         await self._workers.close()
+        if self._leases:
+            self._leases.release()
+            self._leases = None
         for d in sorted(set(self._cgroup_dirs), key=lambda p: len(p.parts), reverse=True):
             try:
                 d.rmdir()
@@ -178,18 +210,23 @@ class SandboxPool:
             "ro_binds": binds,
             "hidden": hidden,
             "symlinks": symlinks,
-            "uid": self.settings.sandbox_uid_base + index,
+            "uid": self.uids[index],
             "isolate": "namespaces" not in self.report.missing,
             "seccomp": "seccomp" not in self.report.missing,
             "cgroups": self.make_cgroups(index),
             "preload": PRELOAD,
             "work_bytes": self.limits.work_bytes,
         }
-        return await asyncio.create_subprocess_exec(
-            isolation.base_python(), "-I", "-S", "-B", str(JAIL_MAIN), json.dumps(config),
+        proc = await asyncio.create_subprocess_exec(
+            isolation.base_python(), "-I", "-S", "-B", "-c", BOOT,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
             env={},  # the service's secrets never reach a worker
         )
+        # The configuration goes over stdin: a job can read the command line, and must see nothing of the host.
+        data = json.dumps({**config, "main": str(JAIL_MAIN)}).encode()
+        proc.stdin.write(b"%d\n" % len(data) + data)
+        await proc.stdin.drain()
+        return proc
 
     # --- jobs ---
 
@@ -228,7 +265,7 @@ class SandboxPool:
             exit_code=raw["exit_code"], signal=raw["signal"],
             stdout=base64.b64decode(raw["stdout_b64"]), stderr=base64.b64decode(raw["stderr_b64"]),
             stdout_truncated=raw["stdout_truncated"], stderr_truncated=raw["stderr_truncated"],
-            tests=raw.get("tests", []), cpu_user_s=raw["cpu_user_s"], cpu_system_s=raw["cpu_system_s"],
+            tests=raw.get("tests", []), tests_declared=raw.get("tests_declared", []), cpu_user_s=raw["cpu_user_s"], cpu_system_s=raw["cpu_system_s"],
             max_rss_bytes=raw["max_rss_bytes"], usage_source=raw.get("usage_source", "rusage"),
             duration_ms=raw["duration_ms"],
             isolation=self.report.level, missing_guarantees=self.report.missing_guarantees,
@@ -287,6 +324,40 @@ class SandboxPool:
             _write(path / "cpu.max", "100000 100000")
             made["unified"] = str(path)
         return made
+
+
+class UidLeases:
+    """The uids this pool's workers run jobs as, held by no other sandbox pool on the host: one lock
+    file per uid (under /tmp), locked for the pool's life and freed by the kernel if it dies. Two
+    sandbox services on one host never share a job uid (a uid names the job in the kernel's log, and
+    bounds its processes)."""
+
+    FOLDER = Path("/tmp/crucible-uid-leases")
+    SPAN = 65_536  # how far above the base to look
+
+    def __init__(self, base: int, count: int):
+        self.FOLDER.mkdir(mode=0o700, exist_ok=True)
+        self.uids: list[int] = []
+        self._fds: list[int] = []
+        uid = base
+        while len(self.uids) < count and uid < base + self.SPAN:
+            fd = os.open(self.FOLDER / str(uid), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+            else:
+                self.uids.append(uid)
+                self._fds.append(fd)
+            uid += 1
+        if len(self.uids) < count:
+            self.release()
+            raise RuntimeError(f"no {count} free sandbox uids from {base} (other pools hold them)")
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self.uids = [], []
 
 
 def sweep_abandoned(tmp: Path = Path("/tmp")) -> int:

@@ -6,7 +6,7 @@ import asyncio
 
 from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_pool import ScorerPool
-from crucible.shared import bus, metrics
+from crucible.shared import bus, integrity, metrics
 
 from crucible.v1 import episode_pb2
 
@@ -29,6 +29,10 @@ def verdict_handler(scorer: ScorerPool):
     async def handle(incoming: bus.Incoming):
         if isinstance(incoming.message, episode_pb2.Episode):
             episode = incoming.message
+            try:
+                integrity.check_task(episode.task, scorer.secret)
+            except integrity.IntegrityError as exc:
+                raise bus.Reject(f"episode {episode.id!r}: {exc}") from exc
             try:
                 verdict = await asyncio.to_thread(handler.verify_episode, episode)
             except handler.Unverifiable as exc:

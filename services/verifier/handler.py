@@ -6,6 +6,7 @@ import datetime as dt
 from crucible.ml import envs, kinds
 from crucible.ml.envs import episode as ep
 from crucible.ml.tasks import is_heldout
+from crucible.shared import integrity
 from crucible.v1 import episode_pb2, execution_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
 
 VERIFIER_VERSION = "crucible-verifier/2"
@@ -49,6 +50,21 @@ def requests_for(message: rollout_pb2.RolloutGroup | execution_pb2.Execution) ->
     if kind_for(group.task, f"rollout group {group.group_id!r}").needs_execution:
         return []
     return [verdict_pb2.VerifyRequest(task=group.task, rollout=r) for r in group.rollouts]
+
+
+def check_trust(request: verdict_pb2.VerifyRequest, secret: bytes) -> None:
+    """Unverifiable unless what the reward will be computed from is trusted (shared/integrity.py): the
+    task as a trusted submitter signed it, and an execution result sealed by a sandbox for exactly the
+    job the task's kind makes of this completion (so no other code's or other tests' result)."""
+    what = f"rollout {request.rollout.id!r}"
+    try:
+        integrity.check_task(request.task, secret)
+        kind = kind_for(request.task, what)
+        if kind.needs_execution and request.HasField("execution"):
+            job = kind.execution(request.task, request.rollout.completion)
+            integrity.check_execution(request.execution, job, secret)
+    except integrity.IntegrityError as exc:
+        raise Unverifiable(f"{what}: {exc}") from None
 
 
 def group_of(message: rollout_pb2.RolloutGroup | execution_pb2.Execution) -> rollout_pb2.RolloutGroup:

@@ -17,6 +17,7 @@ import sys
 from crucible.v1 import verdict_pb2
 from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_worker import OK, UNVERIFIABLE, decode_reply, encode_reply
+from crucible.shared import integrity
 from crucible.shared.settings import Settings, get_settings
 from crucible.shared.workers import WorkerFailed, WorkerPool, WorkerTimeout
 
@@ -47,6 +48,7 @@ class ScorerPool:
         self._workers = WorkerPool("scoring process", self.size, _spawn, ready=lambda hello: hello == READY,
                                    stop_grace_s=0)
         self.failures = 0
+        self.secret = integrity.key(self.settings)  # what tasks are signed and results sealed with
 
     async def start(self) -> "ScorerPool":
         await self._workers.start()
@@ -62,7 +64,9 @@ class ScorerPool:
         await self.close()
 
     async def verify(self, request: verdict_pb2.VerifyRequest) -> verdict_pb2.Verdict:
-        """The verdict; Unverifiable for a request that cannot be scored, ScoringError for a scorer bug."""
+        """The verdict; Unverifiable for a request that cannot be scored or trusted, ScoringError for a
+        scorer bug."""
+        handler.check_trust(request, self.secret)
         try:
             reply = await self._workers.ask(request.SerializeToString(), timeout=self.timeout_s)
         except WorkerFailed as exc:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import grpc
 
-from crucible.v1 import execution_pb2_grpc, verdict_pb2, verdict_pb2_grpc
+from crucible.v1 import execution_pb2, execution_pb2_grpc, verdict_pb2, verdict_pb2_grpc
 from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_pool import ScorerPool, ScoringError
-from crucible.shared import rpc
+from crucible.shared import integrity, rpc
 
 # Sandbox answers passed on as they are: the caller's request was bad, or the sandbox is full.
 _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -35,8 +35,9 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
         if kind.needs_execution and not request.HasField("execution"):
             job = kind.execution(request.task, request.rollout.completion)
             if not job.code.strip():  # nothing to run: a failure to score, not a bad request
-                request = verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=dict(
-                    not_run="the completion holds no program"))
+                nothing = integrity.seal(execution_pb2.ExecutionResult(not_run="the completion holds no program"),
+                                         job, self.scorer.secret)  # the verifier's own finding
+                request = verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=nothing)
                 return await self._score(request, context)
             job.request_id = request.rollout.id
             try:

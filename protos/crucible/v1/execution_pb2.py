@@ -26,31 +26,31 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from crucible.v1 import rollout_pb2 as crucible_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63rucible/v1/execution.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/rollout.proto\"\xb5\x01\n\tExecution\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x05group\x18\x02 \x01(\x0b\x32\x19.crucible.v1.RolloutGroup\x12-\n\x07results\x18\x03 \x03(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\x13\n\x0b\x65xecutor_id\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xbe\x03\n\x0f\x45xecutionResult\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06signal\x18\x02 \x01(\x05\x12\'\n\x05tests\x18\x03 \x03(\x0b\x32\x18.crucible.v1.TestOutcome\x12\x0e\n\x06stdout\x18\x04 \x01(\x0c\x12\x0e\n\x06stderr\x18\x05 \x01(\x0c\x12\x18\n\x10stdout_truncated\x18\x06 \x01(\x08\x12\x18\n\x10stderr_truncated\x18\x07 \x01(\x08\x12)\n\x05usage\x18\x08 \x01(\x0b\x32\x1a.crucible.v1.ResourceUsage\x12\x13\n\x0b\x64uration_ms\x18\t \x01(\x01\x12.\n\tisolation\x18\n \x01(\x0e\x32\x1b.crucible.v1.IsolationLevel\x12\x1a\n\x12missing_guarantees\x18\x0b \x03(\t\x12)\n\tviolation\x18\x0c \x01(\x0e\x32\x16.crucible.v1.Violation\x12\x18\n\x10violation_detail\x18\r \x01(\t\x12)\n\x06tamper\x18\x0e \x03(\x0b\x32\x19.crucible.v1.TamperSignal\x12\x0f\n\x07not_run\x18\x0f \x01(\t\"/\n\x0cTamperSignal\x12\x0f\n\x07pattern\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"<\n\x0bTestOutcome\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06passed\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"`\n\rResourceUsage\x12\x12\n\ncpu_user_s\x18\x01 \x01(\x01\x12\x14\n\x0c\x63pu_system_s\x18\x02 \x01(\x01\x12\x15\n\rmax_rss_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06source\x18\x04 \x01(\t\"\xba\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x11\n\ttest_code\x18\x04 \x01(\t\x12\x13\n\x0b\x65ntry_point\x18\x05 \x01(\t\x12\r\n\x05stdin\x18\x06 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x04\x12\x14\n\x0ctest_prelude\x18\t \x01(\t\"b\n\x0f\x45xecuteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\r\n\x05\x65rror\x18\x03 \x01(\t*\x82\x01\n\x0eIsolationLevel\x12\x1f\n\x1bISOLATION_LEVEL_UNSPECIFIED\x10\x00\x12\x18\n\x14ISOLATION_LEVEL_NONE\x10\x01\x12\x1b\n\x17ISOLATION_LEVEL_PARTIAL\x10\x02\x12\x18\n\x14ISOLATION_LEVEL_FULL\x10\x03*\xcc\x01\n\tViolation\x12\x12\n\x0eVIOLATION_NONE\x10\x00\x12\x15\n\x11VIOLATION_TIMEOUT\x10\x01\x12\x14\n\x10VIOLATION_MEMORY\x10\x02\x12\x18\n\x14VIOLATION_OUTPUT_CAP\x10\x03\x12\x1f\n\x1bVIOLATION_FORBIDDEN_SYSCALL\x10\x04\x12\x11\n\rVIOLATION_CPU\x10\x05\x12\x17\n\x13VIOLATION_FILE_SIZE\x10\x06\x12\x17\n\x13VIOLATION_PROCESSES\x10\x07\x32\x9e\x01\n\x07Sandbox\x12\x44\n\x07\x45xecute\x12\x1b.crucible.v1.ExecuteRequest\x1a\x1c.crucible.v1.ExecuteResponse\x12M\n\x0c\x45xecuteBatch\x12\x1b.crucible.v1.ExecuteRequest\x1a\x1c.crucible.v1.ExecuteResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63rucible/v1/execution.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/rollout.proto\"\xb5\x01\n\tExecution\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x05group\x18\x02 \x01(\x0b\x32\x19.crucible.v1.RolloutGroup\x12-\n\x07results\x18\x03 \x03(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\x13\n\x0b\x65xecutor_id\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xf8\x03\n\x0f\x45xecutionResult\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06signal\x18\x02 \x01(\x05\x12\'\n\x05tests\x18\x03 \x03(\x0b\x32\x18.crucible.v1.TestOutcome\x12\x0e\n\x06stdout\x18\x04 \x01(\x0c\x12\x0e\n\x06stderr\x18\x05 \x01(\x0c\x12\x18\n\x10stdout_truncated\x18\x06 \x01(\x08\x12\x18\n\x10stderr_truncated\x18\x07 \x01(\x08\x12)\n\x05usage\x18\x08 \x01(\x0b\x32\x1a.crucible.v1.ResourceUsage\x12\x13\n\x0b\x64uration_ms\x18\t \x01(\x01\x12.\n\tisolation\x18\n \x01(\x0e\x32\x1b.crucible.v1.IsolationLevel\x12\x1a\n\x12missing_guarantees\x18\x0b \x03(\t\x12)\n\tviolation\x18\x0c \x01(\x0e\x32\x16.crucible.v1.Violation\x12\x18\n\x10violation_detail\x18\r \x01(\t\x12)\n\x06tamper\x18\x0e \x03(\x0b\x32\x19.crucible.v1.TamperSignal\x12\x0f\n\x07not_run\x18\x0f \x01(\t\x12\x16\n\x0etests_declared\x18\x10 \x03(\t\x12\x12\n\njob_digest\x18\x11 \x01(\x0c\x12\x0c\n\x04seal\x18\x12 \x01(\x0c\"/\n\x0cTamperSignal\x12\x0f\n\x07pattern\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"<\n\x0bTestOutcome\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06passed\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"`\n\rResourceUsage\x12\x12\n\ncpu_user_s\x18\x01 \x01(\x01\x12\x14\n\x0c\x63pu_system_s\x18\x02 \x01(\x01\x12\x15\n\rmax_rss_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06source\x18\x04 \x01(\t\"\xba\x01\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x11\n\ttest_code\x18\x04 \x01(\t\x12\x13\n\x0b\x65ntry_point\x18\x05 \x01(\t\x12\r\n\x05stdin\x18\x06 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x04\x12\x14\n\x0ctest_prelude\x18\t \x01(\t\"b\n\x0f\x45xecuteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\r\n\x05\x65rror\x18\x03 \x01(\t*\x82\x01\n\x0eIsolationLevel\x12\x1f\n\x1bISOLATION_LEVEL_UNSPECIFIED\x10\x00\x12\x18\n\x14ISOLATION_LEVEL_NONE\x10\x01\x12\x1b\n\x17ISOLATION_LEVEL_PARTIAL\x10\x02\x12\x18\n\x14ISOLATION_LEVEL_FULL\x10\x03*\xcc\x01\n\tViolation\x12\x12\n\x0eVIOLATION_NONE\x10\x00\x12\x15\n\x11VIOLATION_TIMEOUT\x10\x01\x12\x14\n\x10VIOLATION_MEMORY\x10\x02\x12\x18\n\x14VIOLATION_OUTPUT_CAP\x10\x03\x12\x1f\n\x1bVIOLATION_FORBIDDEN_SYSCALL\x10\x04\x12\x11\n\rVIOLATION_CPU\x10\x05\x12\x17\n\x13VIOLATION_FILE_SIZE\x10\x06\x12\x17\n\x13VIOLATION_PROCESSES\x10\x07\x32\x9e\x01\n\x07Sandbox\x12\x44\n\x07\x45xecute\x12\x1b.crucible.v1.ExecuteRequest\x1a\x1c.crucible.v1.ExecuteResponse\x12M\n\x0c\x45xecuteBatch\x12\x1b.crucible.v1.ExecuteRequest\x1a\x1c.crucible.v1.ExecuteResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crucible.v1.execution_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ISOLATIONLEVEL']._serialized_start=1236
-  _globals['_ISOLATIONLEVEL']._serialized_end=1366
-  _globals['_VIOLATION']._serialized_start=1369
-  _globals['_VIOLATION']._serialized_end=1573
+  _globals['_ISOLATIONLEVEL']._serialized_start=1294
+  _globals['_ISOLATIONLEVEL']._serialized_end=1424
+  _globals['_VIOLATION']._serialized_start=1427
+  _globals['_VIOLATION']._serialized_end=1631
   _globals['_EXECUTION']._serialized_start=105
   _globals['_EXECUTION']._serialized_end=286
   _globals['_EXECUTIONRESULT']._serialized_start=289
-  _globals['_EXECUTIONRESULT']._serialized_end=735
-  _globals['_TAMPERSIGNAL']._serialized_start=737
-  _globals['_TAMPERSIGNAL']._serialized_end=784
-  _globals['_TESTOUTCOME']._serialized_start=786
-  _globals['_TESTOUTCOME']._serialized_end=846
-  _globals['_RESOURCEUSAGE']._serialized_start=848
-  _globals['_RESOURCEUSAGE']._serialized_end=944
-  _globals['_EXECUTEREQUEST']._serialized_start=947
-  _globals['_EXECUTEREQUEST']._serialized_end=1133
-  _globals['_EXECUTERESPONSE']._serialized_start=1135
-  _globals['_EXECUTERESPONSE']._serialized_end=1233
-  _globals['_SANDBOX']._serialized_start=1576
-  _globals['_SANDBOX']._serialized_end=1734
+  _globals['_EXECUTIONRESULT']._serialized_end=793
+  _globals['_TAMPERSIGNAL']._serialized_start=795
+  _globals['_TAMPERSIGNAL']._serialized_end=842
+  _globals['_TESTOUTCOME']._serialized_start=844
+  _globals['_TESTOUTCOME']._serialized_end=904
+  _globals['_RESOURCEUSAGE']._serialized_start=906
+  _globals['_RESOURCEUSAGE']._serialized_end=1002
+  _globals['_EXECUTEREQUEST']._serialized_start=1005
+  _globals['_EXECUTEREQUEST']._serialized_end=1191
+  _globals['_EXECUTERESPONSE']._serialized_start=1193
+  _globals['_EXECUTERESPONSE']._serialized_end=1291
+  _globals['_SANDBOX']._serialized_start=1634
+  _globals['_SANDBOX']._serialized_end=1792
 # @@protoc_insertion_point(module_scope)

@@ -56,7 +56,7 @@ class Execution(_message.Message):
     def __init__(self, id: _Optional[str] = ..., group: _Optional[_Union[_rollout_pb2.RolloutGroup, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ExecutionResult, _Mapping]]] = ..., executor_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ExecutionResult(_message.Message):
-    __slots__ = ("exit_code", "signal", "tests", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "usage", "duration_ms", "isolation", "missing_guarantees", "violation", "violation_detail", "tamper", "not_run")
+    __slots__ = ("exit_code", "signal", "tests", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "usage", "duration_ms", "isolation", "missing_guarantees", "violation", "violation_detail", "tamper", "not_run", "tests_declared", "job_digest", "seal")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TESTS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,9 @@ class ExecutionResult(_message.Message):
     VIOLATION_DETAIL_FIELD_NUMBER: _ClassVar[int]
     TAMPER_FIELD_NUMBER: _ClassVar[int]
     NOT_RUN_FIELD_NUMBER: _ClassVar[int]
+    TESTS_DECLARED_FIELD_NUMBER: _ClassVar[int]
+    JOB_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     signal: int
     tests: _containers.RepeatedCompositeFieldContainer[TestOutcome]
@@ -87,7 +90,10 @@ class ExecutionResult(_message.Message):
     violation_detail: str
     tamper: _containers.RepeatedCompositeFieldContainer[TamperSignal]
     not_run: str
-    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., tests: _Optional[_Iterable[_Union[TestOutcome, _Mapping]]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., duration_ms: _Optional[float] = ..., isolation: _Optional[_Union[IsolationLevel, str]] = ..., missing_guarantees: _Optional[_Iterable[str]] = ..., violation: _Optional[_Union[Violation, str]] = ..., violation_detail: _Optional[str] = ..., tamper: _Optional[_Iterable[_Union[TamperSignal, _Mapping]]] = ..., not_run: _Optional[str] = ...) -> None: ...
+    tests_declared: _containers.RepeatedScalarFieldContainer[str]
+    job_digest: bytes
+    seal: bytes
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., tests: _Optional[_Iterable[_Union[TestOutcome, _Mapping]]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., duration_ms: _Optional[float] = ..., isolation: _Optional[_Union[IsolationLevel, str]] = ..., missing_guarantees: _Optional[_Iterable[str]] = ..., violation: _Optional[_Union[Violation, str]] = ..., violation_detail: _Optional[str] = ..., tamper: _Optional[_Iterable[_Union[TamperSignal, _Mapping]]] = ..., not_run: _Optional[str] = ..., tests_declared: _Optional[_Iterable[str]] = ..., job_digest: _Optional[bytes] = ..., seal: _Optional[bytes] = ...) -> None: ...
 
 class TamperSignal(_message.Message):
     __slots__ = ("pattern", "detail")

@@ -72,7 +72,7 @@ class Cgroups:
                 f.write("0")
         except OSError:
             return None
-        return {"user_ns": cpu[0], "system_ns": cpu[1]}
+        return {"cpu": cpu}
 
     def usage_since(self, begun: dict | None) -> tuple[float, float, int] | None:
         """(user CPU s, system CPU s, peak memory bytes) of everything the slot ran since `begun`:
@@ -87,18 +87,23 @@ class Cgroups:
             return None
         if cpu is None:
             return None
-        return (cpu[0] - begun["user_ns"]) / 1e9, (cpu[1] - begun["system_ns"]) / 1e9, peak
+        # cpuacct.usage is exact (the scheduler's nanoseconds); its user/system split is sampled at
+        # timer ticks, so a job of a few milliseconds may show none: split the exact total by it.
+        total, user, system = (now - then for now, then in zip(cpu, begun["cpu"]))
+        user_s = total * user / (user + system) if user + system > 0 else total
+        return user_s / 1e9, (total - user_s) / 1e9, peak
 
-    def _cpu_ns(self) -> tuple[int, int] | None:
-        """(user, system) CPU nanoseconds the slot has used (cgroup v1 cpuacct)."""
+    def _cpu_ns(self) -> tuple[int, int, int] | None:
+        """(total, user, system) CPU nanoseconds the slot has used (cgroup v1 cpuacct)."""
         path = self.paths.get("cpuacct")
         if not path:
             return None
         try:
-            with open(os.path.join(path, "cpuacct.usage_user")) as f:
-                user = int(f.read())
-            with open(os.path.join(path, "cpuacct.usage_sys")) as f:
-                return user, int(f.read())
+            values = []
+            for name in ("cpuacct.usage", "cpuacct.usage_user", "cpuacct.usage_sys"):
+                with open(os.path.join(path, name)) as f:
+                    values.append(int(f.read()))
+            return values[0], values[1], values[2]
         except (OSError, ValueError):
             return None
 

@@ -24,6 +24,7 @@ import sys
 
 from crucible.services.sandbox_executor import candidate, harness
 from crucible.services.sandbox_executor.jail import rootfs, seccomp
+from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS
 from crucible.services.sandbox_executor.jail.linux import PR_SET_DUMPABLE, PR_SET_PDEATHSIG, prctl, set_hostname
 from crucible.shared import framing
 
@@ -153,15 +154,24 @@ def confine(cfg: dict, job: dict) -> None:
     if cfg["seccomp"]:
         seccomp.install()
     os.environ.clear()
+    # What a program may expect of its environment, none of it the host's: `~` expands without a
+    # password-database lookup, and the user has a name.
+    os.environ.update(HOME="/tmp", USER="sandbox", LOGNAME="sandbox", LANG="C.UTF-8")
 
 
 def drop_privileges(cfg: dict, job: dict) -> None:
     limits = job["limits"]
+    # With a pids cgroup, the slot's pids.max (processes + the jail's own) is the limit that refuses a
+    # fork or a thread, and the kernel counts each refusal (pids.events): a job that hits it is named a
+    # `processes` violation even when it swallows the error. RLIMIT_NPROC (per uid, which the prepared
+    # next jail shares) stays a looser backstop behind it.
+    has_pids = any("pids" in slot or "unified" in slot for slot in cfg.get("cgroups") or [])
+    nproc = limits["processes"] + (3 * JAIL_OWN_TASKS if has_pids else 0)
     for res, value in [
         (resource.RLIMIT_AS, limits["memory_bytes"]),
         (resource.RLIMIT_FSIZE, limits["file_bytes"]),
         (resource.RLIMIT_NOFILE, limits["open_files"]),
-        (resource.RLIMIT_NPROC, limits["processes"]),
+        (resource.RLIMIT_NPROC, nproc),
         (resource.RLIMIT_CORE, 0),
         (resource.RLIMIT_MEMLOCK, 0),
         (resource.RLIMIT_MSGQUEUE, 0),
@@ -188,6 +198,7 @@ def execute(job: dict) -> int:
     sys.argv = [job["main"]]
     sys.path[:0] = ["/work"]
     sys.modules.pop("__main__", None)
+    candidate.enter_job()
     namespace = {"__name__": "__main__", "__file__": "/work/" + job["main"], "__builtins__": builtins}
     exit_code = 0
     try:

@@ -30,11 +30,13 @@ def harness_done(report: bytes) -> dict | None:
 def parse_report(data: bytes) -> dict:
     """What the harness wrote to fd 3: per-test outcomes, tamper signals and how the candidate's
     process ended; malformed lines are dropped."""
-    tests, tamper, candidate = [], [], {}
+    tests, tamper, candidate, declared = [], [], {}, []
     for line in data.splitlines()[:2000]:
         try:
             item = json.loads(line)
-            if "tamper" in item:
+            if "declared" in item:
+                declared = [str(n)[:200] for n in item["declared"]][:1000]
+            elif "tamper" in item:
                 tamper.append({"pattern": str(item["tamper"])[:64], "detail": str(item.get("detail", ""))[:500]})
             elif "candidate" in item:
                 candidate = {"exit_code": int(item["candidate"]["exit_code"]),
@@ -44,7 +46,7 @@ def parse_report(data: bytes) -> dict:
                               "message": str(item.get("message", ""))[:1000]})
         except (ValueError, KeyError, TypeError):
             continue
-    return {"tests": tests[:1000], "tamper": tamper[:100], "candidate": candidate}
+    return {"tests": tests[:1000], "tamper": tamper[:100], "candidate": candidate, "declared": declared}
 
 
 PROCESS_LIMIT_SIGNS = (b"[Errno 11] Resource temporarily unavailable", b"can't start new thread")

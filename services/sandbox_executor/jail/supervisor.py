@@ -19,6 +19,7 @@ import time
 
 from crucible.services.sandbox_executor.jail import jailed, outcome
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
+from crucible.services.sandbox_executor.jail.kernlog import KernelLog
 from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,
                                                            unshare)
 from crucible.shared import framing
@@ -99,7 +100,7 @@ def prepare_jail(cfg: dict, cgroups: Cgroups) -> dict:
     # the whole tree) out of the job's latency: it happens when this supervisor exits.
     mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY) if cfg["isolate"] else -1
     return {"pid": pid, "job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r, "report_r": report_r,
-            "mnt_ns": mnt_ns}
+            "mnt_ns": mnt_ns, "uid": cfg["uid"] if os.geteuid() == 0 else None}
 
 
 def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
@@ -115,6 +116,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     memory_events = cgroups.reset_memory_events()
     pids_events = cgroups.pids_events()
     accounting = cgroups.begin_usage()
+    kernel_log = KernelLog() if prepared["uid"] is not None else None
     started = time.monotonic()
     tested = "tests" in job
     program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
@@ -202,13 +204,21 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         def teardown():
             pass
 
-    report = outcome.parse_report(bytes(out[report_r])) if tested else {"tests": [], "tamper": [], "candidate": {}}
+    report = outcome.parse_report(bytes(out[report_r])) if tested else \
+        {"tests": [], "tamper": [], "candidate": {}, "declared": []}
     if not violation:
         cpu_s = user_s + system_s  # the program's own (rusage): what its CPU rlimit counts
         # In a tested job the harness outlives a candidate killed by a limit: classify by the candidate's end.
         limit_sig = sig or report["candidate"].get("signal", 0)
         violation, detail = outcome.classify(limit_sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s,
                                              memory_events, pids_events)
+    # A forbidden call in any process of the job (a forked child's too) is the job's, whatever else happened.
+    if kernel_log is not None:
+        kills = kernel_log.seccomp_kills(prepared["uid"])
+        kernel_log.close()
+        if kills and violation != "forbidden_syscall":
+            violation = "forbidden_syscall"
+            detail = f"a process of the job was killed for {', '.join(sorted(set(kills)))} (seccomp)"
     # What the job used, as its cgroup slot counted it (every process it started), where the host can.
     measured = cgroups.usage_since(accounting)
     usage_source = "rusage"
@@ -231,6 +241,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         "violation_detail": detail,
         "stragglers_killed": killed_stragglers,
         "tests": report["tests"],
+        "tests_declared": report["declared"],
         "tamper": report["tamper"],
     }, teardown
 

@@ -1,0 +1,132 @@
+"""What a reward may be computed from, authenticated: tasks from a trusted submitter, results from a sandbox.
+
+Anyone who can write to a topic or reach a port could otherwise mint rewards: publish a task whose
+tests pass anything, or hand the verifier an execution result that says every test passed. Two keyed
+MACs (HMAC-SHA256 with the deployment's integrity key) close that:
+
+- a **task** is signed where trusted code publishes it (`crucible train`, the Control service;
+  `bus.Producer` signs every Task it sends), and the generator and the verifier refuse a task whose
+  signature does not match: its tests, expected answer and instance are the submitter's;
+- an **execution result** is sealed by the sandbox that produced it, over the result and a digest of
+  the job it ran (code, tests, prelude, limits); the verifier rebuilds the job from the signed task
+  and the completion, and refuses a result that is not sealed, was changed, or belongs to another job.
+
+The key is `CRUCIBLE_INTEGRITY_KEY` (hex, at least 32 bytes: a k8s Secret), or else a key file under
+CRUCIBLE_HOME (`secrets/integrity.key`, 0600) that the first process to need it creates; every process
+of one deployment on one machine shares it. Holding the key is what makes a process trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from crucible.v1 import execution_pb2, task_pb2
+
+KEY_BYTES = 32
+
+
+class IntegrityError(ValueError):
+    """A task or result that cannot be trusted; the text says which and why (never the key)."""
+
+
+_cache: dict[str, bytes] = {}
+
+
+def key(settings) -> bytes:
+    """The deployment's integrity key (see the module's text)."""
+    configured = settings.integrity_key.get_secret_value() if settings.integrity_key else ""
+    if configured:
+        try:
+            value = bytes.fromhex(configured)
+        except ValueError:
+            raise IntegrityError("CRUCIBLE_INTEGRITY_KEY must be hex") from None
+        if len(value) < KEY_BYTES:
+            raise IntegrityError(f"CRUCIBLE_INTEGRITY_KEY must hold at least {KEY_BYTES} bytes")
+        return value
+    path = Path(settings.home) / "secrets" / "integrity.key"
+    cached = _cache.get(str(path))
+    if cached:
+        return cached
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".integrity.key.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(KEY_BYTES))
+        try:
+            os.link(tmp, path)  # atomic: whoever links first wins, everyone reads the winner's key
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    value = bytes.fromhex(path.read_text().strip())
+    _cache[str(path)] = value
+    return value
+
+
+def _mac(secret: bytes, domain: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, domain + b"\0" + body, hashlib.sha256).digest()
+
+
+# --- tasks -----------------------------------------------------------------------------------------
+
+def _task_body(task: task_pb2.Task) -> bytes:
+    unsigned = task_pb2.Task()
+    unsigned.CopyFrom(task)
+    unsigned.ClearField("signature")
+    return unsigned.SerializeToString(deterministic=True)
+
+
+def sign_task(task: task_pb2.Task, secret: bytes) -> task_pb2.Task:
+    """Signs the task in place (and returns it)."""
+    task.signature = _mac(secret, b"crucible.task", _task_body(task))
+    return task
+
+
+def check_task(task: task_pb2.Task, secret: bytes) -> None:
+    """IntegrityError unless the task is exactly as a trusted submitter signed it."""
+    if not task.signature:
+        raise IntegrityError(f"task {task.id!r} is not signed by a trusted submitter (publish it through "
+                             "Control.Submit or `crucible train`)")
+    if not hmac.compare_digest(task.signature, _mac(secret, b"crucible.task", _task_body(task))):
+        raise IntegrityError(f"task {task.id!r}: its signature does not match (changed after signing, or "
+                             "signed with another key)")
+
+
+# --- execution results -----------------------------------------------------------------------------
+
+def job_digest(request: execution_pb2.ExecuteRequest) -> bytes:
+    """What a job is, whoever asked for it: everything of the request but its id."""
+    job = execution_pb2.ExecuteRequest()
+    job.CopyFrom(request)
+    job.ClearField("request_id")
+    return hashlib.sha256(job.SerializeToString(deterministic=True)).digest()
+
+
+def _result_body(result: execution_pb2.ExecutionResult) -> bytes:
+    unsealed = execution_pb2.ExecutionResult()
+    unsealed.CopyFrom(result)
+    unsealed.ClearField("seal")
+    return unsealed.SerializeToString(deterministic=True)
+
+
+def seal(result: execution_pb2.ExecutionResult, request: execution_pb2.ExecuteRequest,
+         secret: bytes) -> execution_pb2.ExecutionResult:
+    """The sandbox's seal on a result it produced for `request` (in place; returns it)."""
+    result.job_digest = job_digest(request)
+    result.seal = _mac(secret, b"crucible.execution", _result_body(result))
+    return result
+
+
+def check_execution(result: execution_pb2.ExecutionResult, request: execution_pb2.ExecuteRequest,
+                    secret: bytes) -> None:
+    """IntegrityError unless a sandbox holding the key produced this result for exactly this job."""
+    if not result.seal:
+        raise IntegrityError("the execution result is not sealed by a sandbox")
+    if not hmac.compare_digest(result.seal, _mac(secret, b"crucible.execution", _result_body(result))):
+        raise IntegrityError("the execution result's seal does not match: it was changed, or not made by a sandbox")
+    if not hmac.compare_digest(result.job_digest, job_digest(request)):
+        raise IntegrityError("the execution result is for another job (other code, tests or limits)")

@@ -1,0 +1,197 @@
+"""Rewards that cannot be bought, tried for real in the sandbox and scored by the python_tests kind:
+runs cut short are paid only for the tests they completed, honest code that imports widely is paid
+in full, a forbidden call in any process of the job is named, and the job sees nothing of the host."""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from crucible.ml import kinds
+from crucible.ml.kinds import python_tests
+from crucible.services.sandbox_executor.handler import job_for_request, result_message
+from crucible.services.sandbox_executor.pool import Job, SandboxPool
+from crucible.shared.settings import Settings
+from crucible.v1 import execution_pb2, task_pb2
+
+pytestmark = pytest.mark.sandbox
+ROOT = Path(__file__).resolve().parent.parent
+
+# Four tests; a candidate that handles the first input and misbehaves on the others.
+FOUR_TESTS = """
+def test_small():
+    assert double(2) == 4
+
+def test_negative():
+    assert double(-3) == -6
+
+def test_zero():
+    assert double(0) == 0
+
+def test_large():
+    assert double(10 ** 6) == 2 * 10 ** 6
+"""
+DOUBLE = task_pb2.Task(id="double", kind="python_tests", prompt="Write double(x).", group_size=1,
+                       python_tests=task_pb2.PythonTests(entry_point="double", test_code=FOUR_TESTS))
+
+# name -> what double() does on any input but 2
+CUT_SHORT = {
+    "hangs": "import time\n        time.sleep(3600)",
+    "loops_forever": "while True:\n            pass",
+    "floods_output": "import sys\n        while True:\n            sys.stdout.write('x' * 65536)",
+    "kills_itself": "import os, signal\n        os.kill(os.getpid(), signal.SIGKILL)",
+    "stops_itself": "import os, signal\n        os.kill(os.getpid(), signal.SIGSTOP)",
+    "exits_quietly": "import os\n        os._exit(0)",
+    "kills_its_process_group": "import os, signal\n        os.killpg(0, signal.SIGKILL)",
+}
+
+
+def cut_short(behaviour: str) -> str:
+    return f"def double(x):\n    if x != 2:\n        {behaviour}\n    return 4\n"
+
+
+@pytest_asyncio.fixture(scope="module")
+async def pool():
+    async with SandboxPool(Settings(sandbox_workers=2, sandbox_wall_s=3.0, sandbox_cpu_s=2,
+                                    sandbox_queue_size=64)) as p:
+        yield p
+
+
+async def score(pool, task, completion):
+    kind = kinds.get(task.kind)
+    result = await pool.execute(job_for_request(kind.execution(task, completion)))
+    return kind.score(task, completion, result_message(result)), result
+
+
+def test_the_declared_tests_are_read_from_the_task_outside_the_sandbox():
+    assert python_tests.declared_tests(DOUBLE) == ["test_small", "test_negative", "test_zero", "test_large"]
+    humaneval_style = task_pb2.Task(kind="python_tests", python_tests=task_pb2.PythonTests(
+        entry_point="f", test_code="def check(candidate):\n    assert candidate() == 1\n"))
+    assert python_tests.declared_tests(humaneval_style) == ["check"]
+
+
+def test_a_result_reporting_fewer_tests_or_strange_names_is_paid_for_what_the_task_declares():
+    kind = kinds.get("python_tests")
+    one_of_four = execution_pb2.ExecutionResult(tests=[execution_pb2.TestOutcome(name="test_small", passed=True)])
+    assert kind.score(DOUBLE, "def double(x):\n    return 2 * x\n", one_of_four).reward == 0.25
+    # outcomes for tests the task does not declare, or twice for one, pay nothing more
+    padded = execution_pb2.ExecutionResult(tests=[execution_pb2.TestOutcome(name=n, passed=True) for n in
+                                                  ["test_small", "test_small", "test_extra", "check"]])
+    assert kind.score(DOUBLE, "def double(x):\n    return 2 * x\n", padded).reward == 0.25
+    # a result naming its own tamper pattern is passed on as unknown_signal, the name in the detail
+    odd = execution_pb2.ExecutionResult(tamper=[execution_pb2.TamperSignal(pattern="<img src=x>", detail="hi")])
+    verdict = kind.score(DOUBLE, "def double(x):\n    return 2 * x\n", odd)
+    assert verdict.patterns == ("unknown_signal",) and verdict.reward == 0.0
+
+
+async def test_the_honest_solution_of_the_four_test_task_is_paid_in_full(pool):
+    verdict, result = await score(pool, DOUBLE, "def double(x):\n    return 2 * x\n")
+    assert verdict.reward == 1.0 and not verdict.tampered, verdict.detail
+    assert list(result.tests_declared) == python_tests.declared_tests(DOUBLE)
+
+
+@pytest.mark.parametrize("name", sorted(CUT_SHORT))
+async def test_a_run_cut_short_is_paid_only_for_the_tests_it_completed(pool, name):
+    verdict, result = await score(pool, DOUBLE, cut_short(CUT_SHORT[name]))
+    assert verdict.reward <= 0.25, (name, verdict.detail, result.tests)
+    assert verdict.components["tests_total"] == 4.0, verdict.detail
+    # and the pool serves the next job
+    again, _ = await score(pool, DOUBLE, "def double(x):\n    return x + x\n")
+    assert again.reward == 1.0, again.detail
+
+
+# Honest solutions that import widely from the standard library, several modules the worker has
+# not preloaded among them (importing them makes the import system list the work folder).
+IMPORTS = ["cmath", "array", "threading", "unicodedata", "decimal", "fractions", "statistics", "heapq",
+           "bisect", "itertools", "functools", "collections", "re", "string", "math", "datetime", "json",
+           "textwrap", "operator", "copy", "random", "hashlib", "struct", "zlib", "base64", "difflib",
+           "calendar", "enum", "dataclasses", "typing", "numbers", "queue", "contextlib", "abc", "time",
+           "weakref", "pprint", "io", "csv", "binascii", "colorsys", "graphlib", "secrets", "uuid", "html",
+           "shlex", "fnmatch", "glob", "pathlib", "tempfile", "sched", "locale", "codecs", "gettext",
+           "concurrent.futures", "multiprocessing", "asyncio", "email", "xml.etree.ElementTree", "sqlite3",
+           "urllib.parse", "ipaddress", "zoneinfo", "array", "mmap", "select", "signal", "errno", "platform"]
+
+
+def honest_corpus() -> list[tuple[str, str]]:
+    corpus = []
+    for i, module in enumerate(dict.fromkeys(IMPORTS)):
+        corpus.append((module, f"import {module}\n\ndef double(x):\n    return x * 2\n"))
+        corpus.append((module + " (inside)", f"def double(x):\n    import {module}\n    return x + x\n"))
+    corpus.append(("from-imports", "from cmath import sqrt\nfrom array import array\nfrom threading import Lock\n"
+                                   "from unicodedata import name\n\ndef double(x):\n    with Lock():\n"
+                                   "        return int(sqrt(x * x).real) * 2 if x >= 0 else -double(-x)\n"))
+    corpus.append(("threads", "import threading\n\ndef double(x):\n    out = []\n"
+                              "    t = threading.Thread(target=lambda: out.append(2 * x))\n    t.start(); t.join()\n"
+                              "    return out[0]\n"))
+    return corpus
+
+
+@pytest.mark.timeout(600)
+async def test_honest_code_importing_the_standard_library_is_paid_in_full(pool):
+    corpus = honest_corpus()
+    slots = asyncio.Semaphore(8)
+
+    async def one(code):
+        async with slots:
+            return await score(pool, DOUBLE, code)
+
+    results = await asyncio.gather(*(one(code) for _, code in corpus))
+    unpaid = [(name, v.patterns, v.detail[:200]) for (name, _), (v, _) in zip(corpus, results)
+              if v.reward != 1.0 or v.tampered]
+    assert unpaid == [], f"{len(unpaid)} of {len(corpus)} honest solutions were not paid in full"
+
+
+async def test_a_forbidden_call_in_a_forked_child_is_named_and_pays_nothing(pool):
+    completion = ("import os, socket\n\ndef double(x):\n    pid = os.fork()\n    if pid == 0:\n"
+                  "        socket.socket()\n        os._exit(0)\n    os.waitpid(pid, 0)\n    return 2 * x\n")
+    verdict, result = await score(pool, DOUBLE, completion)
+    assert result.violation == "forbidden_syscall" and "socket" in result.violation_detail, \
+        (result.violation, result.violation_detail)
+    assert verdict.reward == 0.0 and "forbidden_syscall" in verdict.patterns, verdict.detail
+    # an untested program too
+    plain = await pool.execute(Job(code="import os, socket\nif os.fork() == 0:\n    socket.socket()\n"
+                                        "    os._exit(0)\nos.wait()\nprint('fine')\n"))
+    assert plain.violation == "forbidden_syscall" and plain.stdout == b"fine\n"
+
+
+async def test_a_thread_bomb_that_swallows_the_error_is_still_a_process_limit_violation(pool):
+    code = ("import threading, time\nn = 0\ntry:\n    while True:\n"
+            "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n        n += 1\n"
+            "except BaseException:\n    pass\nprint('started', n > 0)\n")
+    result = await pool.execute(Job(code=code))
+    assert result.violation == "processes", (result.violation, result.exit_code, result.stderr[-200:])
+
+
+LOOK_AROUND = """
+import os, sys, traceback
+seen = [repr(sys.orig_argv), repr(sys.argv), repr(dict(os.environ)), repr(sys.path),
+        repr(sorted(k for k in sys.modules if 'crucible' in k)), ''.join(traceback.format_stack()),
+        repr(getattr(sys.modules.get('__main__'), '__dict__', {}).keys())]
+for name, module in list(sys.modules.items()):
+    seen.append(str(getattr(module, '__file__', '')))
+try:
+    seen.append(open('/proc/self/cmdline', 'rb').read().decode(errors='replace'))
+except OSError as exc:
+    seen.append(str(exc))
+print('\\n'.join(seen))
+"""
+
+
+async def test_the_job_sees_nothing_of_the_host(pool):
+    host_strings = [str(ROOT) + "/", pool.runtime_dir.name, "/sys/fs/cgroup", "ro_binds", "uid_base",
+                    f"-{os.getpid()}-"]
+    plain = await pool.execute(Job(code=LOOK_AROUND))
+    assert plain.exit_code == 0, plain.stderr[-500:]
+    shown = plain.stdout.decode()
+    assert "python3" in shown
+    assert [s for s in host_strings if s in shown] == [], shown[:3000]
+    # in a tested job, from the candidate's side, through a function the tests call
+    probe = ("def double(x):\n    import os, sys, traceback\n"
+             "    print(repr(sys.orig_argv), ''.join(traceback.format_stack()), sorted(sys.modules))\n"
+             "    return 2 * x\n")
+    verdict, result = await score(pool, DOUBLE, probe)
+    shown = result.stdout.decode()
+    assert shown and [s for s in host_strings if s in shown] == [], shown[:3000]
