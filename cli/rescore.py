@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from crucible.ml import evaluation
-from crucible.shared import store
+from crucible.shared import integrity, rpc, store
 from crucible.shared.settings import Settings
 from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
 
@@ -117,6 +117,7 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
          + (f", grading {', '.join(f'{a} as {b}' for a, b in grade_as.items())}" if grade_as else ""))
     slots = asyncio.Semaphore(concurrency)
     rows: list[list] = []
+    secret = integrity.key(settings)
 
     async def one(sample: tuple) -> None:
         trajectory_id, task_id, kind, version, completion, old_reward, old_components, turns = sample
@@ -128,7 +129,9 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
             return
         task = json_format.Parse(tasks[task_id], task_pb2.Task())
         graded_as = grade_as.get(task.kind, task.kind)
-        task.kind = graded_as
+        if graded_as != task.kind:  # regraded on purpose, by a process holding the key: signed anew
+            task.kind = graded_as
+            integrity.sign_task(task, secret)
         request = verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(
             id=trajectory_id, completion=completion))
         async with slots:
@@ -169,31 +172,29 @@ async def local_verifier(settings: Settings, echo=print) -> AsyncIterator[evalua
     run = Run(settings, builtin(), echo=echo, name="rescore")
     run.start_services("", names=("sandbox_executor", "verifier"))
     try:
-        await asyncio.sleep(0)
+        await _wait_ready(run)
         async with evaluation.verifier(run.verifier_address) as verify:
-            await _wait_ready(verify, run)
             yield verify
     finally:
         run.stop_services()
 
 
-async def _wait_ready(verify, run, timeout_s: float = 60.0) -> None:
-    """Until the verifier answers a probe (a plain `exact` task), or RescoreError with its log's tail."""
-    probe = verdict_pb2.VerifyRequest(
-        task=task_pb2.Task(id="probe", kind="exact", prompt="1+1=", answer=task_pb2.ExpectedAnswer(answer="2")),
-        rollout=rollout_pb2.Rollout(id="probe", completion="2"))
+async def _wait_ready(run, timeout_s: float = 60.0) -> None:
+    """Until the verifier (and its sandbox) report SERVING, or RescoreError naming the logs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while True:
-        run.check_services()
-        try:
-            await verify(probe)
-            return
-        except Exception:
+    for address, service in ((run.sandbox_address, "crucible.v1.Sandbox"), (run.verifier_address, "crucible.v1.Verifier")):
+        while True:
+            run.check_services()
+            try:
+                if await rpc.health_status(address, service, timeout=1.0) == "SERVING":
+                    break
+            except Exception:
+                pass
             if loop.time() > deadline:
-                raise RescoreError(f"the verifier started for rescoring did not answer in {timeout_s:.0f}s "
-                                   f"(logs in {run.dir / 'logs'})") from None
-            await asyncio.sleep(0.5)
+                raise RescoreError(f"the {service} started for rescoring did not answer in {timeout_s:.0f}s "
+                                   f"(logs in {run.dir / 'logs'})")
+            await asyncio.sleep(0.3)
 
 
 def summary(report: RescoreReport, top: int = 10) -> list[str]:

@@ -1,6 +1,7 @@
 """The one-machine stack: the local Kafka broker and the chDB store as background processes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ class LocalStore:
     root: Path
     host: str = "127.0.0.1"
     port: int = 8123
+    user: str = "default"
+    password: str = ""  # with one set, the store checks every query's credentials
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "LocalStore":
@@ -33,7 +36,8 @@ class LocalStore:
         if url.hostname not in ("127.0.0.1", "localhost"):
             raise StackError(f"CRUCIBLE_CLICKHOUSE_URL={settings.clickhouse_url} is not local: "
                              "the embedded store only serves on 127.0.0.1")
-        return cls(settings.home / "store", "127.0.0.1", url.port or 8123)
+        password = settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else ""
+        return cls(settings.home / "store", "127.0.0.1", url.port or 8123, settings.clickhouse_user, password)
 
     @property
     def url(self) -> str:
@@ -63,6 +67,7 @@ class LocalStore:
                 [sys.executable, "-m", "crucible.local.store.server", "--data", str(data),
                  "--host", self.host, "--port", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "CRUCIBLE_STORE_USER": self.user, "CRUCIBLE_STORE_PASSWORD": self.password},
             )
         self.pid_file.write_text(f"{proc.pid}\n")
         try:

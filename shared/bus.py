@@ -418,6 +418,9 @@ class Reader:
         except messages.MessageDecodeError as exc:
             await self.dead_letter(record, f"undecodable: {exc}")
             return None
+        except Exception as exc:  # whatever a decoder raises on some input: that record, never the partition
+            await self.dead_letter(record, f"undecodable: {type(exc).__name__}: {str(exc)[:300]}")
+            return None
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
                         tuple(record.headers or ()), otel_context.get_current())
 

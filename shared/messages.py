@@ -127,12 +127,16 @@ def _decode_json(value: bytes, expected: type[Message]) -> Message:
         data = json.loads(value.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MessageDecodeError(f"invalid JSON: {exc}") from exc
+    except RecursionError:
+        raise MessageDecodeError("JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise MessageDecodeError(f"JSON must be an object describing a {name}, got {type(data).__name__}")
     try:
         return json_format.ParseDict(data, expected())
     except json_format.ParseError as exc:
         raise MessageDecodeError(f"JSON does not match {name}: {exc}") from exc
+    except (RecursionError, ValueError, TypeError) as exc:
+        raise MessageDecodeError(f"JSON does not make a {name}: {type(exc).__name__}") from None
 
 
 def to_json(message: Message) -> str:

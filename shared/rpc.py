@@ -111,11 +111,72 @@ class _TracingInterceptor(grpc.aio.ServerInterceptor):
             return handler
         kind = next(k for k in self._KINDS if getattr(handler, k) is not None)
         carrier = [(m.key, m.value) for m in (handler_call_details.invocation_metadata or ())]
-        traced = _traced(getattr(handler, kind), handler_call_details.method.lstrip("/"),
+        traced = _traced(_checked(getattr(handler, kind), kind), handler_call_details.method.lstrip("/"),
                          telemetry.extract_context(carrier))
         return getattr(grpc, f"{kind}_rpc_method_handler")(
-            traced, request_deserializer=handler.request_deserializer,
+            traced, request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer)
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    reason: str
+
+
+def _tolerant(deserialize):
+    """Request bytes that do not parse become an _Undecodable (answered INVALID_ARGUMENT by _checked),
+    instead of the UNKNOWN gRPC makes of a deserializer's exception."""
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # any input: a DecodeError, a RecursionError, ...
+            return _Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    return parse
+
+
+def _checked(inner, kind: str):
+    """`inner`, answering INVALID_ARGUMENT for a request (or a streamed request) that did not parse."""
+    message = "the request bytes are not a valid message for this method"
+
+    async def refuse(context, bad: _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message} ({bad.reason})")
+
+    if kind.startswith("stream"):
+        async def checked_stream(requests, context):
+            async def clean():
+                async for r in requests:
+                    if isinstance(r, _Undecodable):
+                        await refuse(context, r)
+                    yield r
+            return clean()
+
+        if inspect.isasyncgenfunction(inner):
+            async def streamed(requests, context):
+                async for reply in inner(await checked_stream(requests, context), context):
+                    yield reply
+            return streamed
+
+        async def unary_reply(requests, context):
+            return await inner(await checked_stream(requests, context), context)
+        return unary_reply
+
+    if inspect.isasyncgenfunction(inner):
+        async def streamed_one(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(context, request)
+            async for reply in inner(request, context):
+                yield reply
+        return streamed_one
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await refuse(context, request)
+        return await inner(request, context)
+    return unary
 
 
 def _traced(inner, method: str, parent):

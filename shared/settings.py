@@ -110,7 +110,7 @@ class Settings(BaseSettings, RunConfig):
     clickhouse_url: str = "http://127.0.0.1:8123"
     clickhouse_database: str = "crucible"
     clickhouse_user: str = "default"
-    clickhouse_password: str = ""
+    clickhouse_password: SecretStr | None = None
 
     # Trust: the key that signs tasks and seals sandbox results (shared/integrity.py); none: a key file
     # under CRUCIBLE_HOME that the first process creates.

@@ -26,13 +26,14 @@ class StoreProcess:
     """A store process started for a test, stopped (and its exit status kept) by stop()."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, log_path: Path | None = None, extra_args: list[str] | None = None
+        self, data_dir: Path, port: int | None = None, log_path: Path | None = None, extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or self.data_dir.parent / f"store-{self.port}.log"
-        self.proc = spawn_store(self.data_dir, port=self.port, log_path=self.log_path, extra_args=extra_args)
+        self.proc = spawn_store(self.data_dir, port=self.port, log_path=self.log_path, extra_args=extra_args, env=env)
         self.returncode: int | None = None
 
     def wait_ready(self, timeout: float = 60.0) -> StoreProcess:
@@ -89,9 +90,11 @@ def spawned_store(tmp_path):
         pytest.skip(f"needs its own store process ({EXTERNAL_URL_ENV} is set)")
     started: list[StoreProcess] = []
 
-    def start(data_dir: Path | None = None, wait: bool = True, extra_args: list[str] | None = None) -> StoreProcess:
+    def start(data_dir: Path | None = None, wait: bool = True, extra_args: list[str] | None = None,
+              env: dict[str, str] | None = None) -> StoreProcess:
         store = StoreProcess(
-            data_dir or tmp_path / "data", log_path=tmp_path / f"store-{len(started)}.log", extra_args=extra_args
+            data_dir or tmp_path / "data", log_path=tmp_path / f"store-{len(started)}.log", extra_args=extra_args,
+            env=env,
         )
         started.append(store)
         return store.wait_ready() if wait else store

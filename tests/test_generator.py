@@ -102,6 +102,8 @@ async def test_policy_version_event_swaps_weights(generator, tmp_path):
     (task_pb2.Task(id="odd", kind="poetry", prompt="p", group_size=2), "unknown kind 'poetry'"),
     (task_pb2.Task(id="held", kind="exact", prompt="p", group_size=2, split="heldout",
                    answer=task_pb2.ExpectedAnswer(answer="1")), "is held out"),
+    (task_pb2.Task(id="long", kind="exact", prompt="x" * 600, group_size=2, metadata={"prompt_format": "raw"},
+                   answer=task_pb2.ExpectedAnswer(answer="1")), "passes the model's context of 512"),
 ])
 async def test_bad_tasks_land_in_dlq_with_reason(generator, bad, reason):
     settings = generator
@@ -171,3 +173,23 @@ async def test_a_bad_task_is_dead_lettered_once_with_the_task_log_running(genera
     finally:
         stop.set()
         await asyncio.wait_for(control, 30)
+
+
+async def test_records_nobody_trusted_or_nobody_can_decode_are_dead_lettered_and_the_partition_moves_on(generator):
+    settings = generator
+    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await raw.start()
+    try:
+        for value in (b'{"id": "unsigned", "kind": "exact", "prompt": "p", "group_size": 1, "answer": {"answer": "1"}}',
+                      b'{"metadata": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+                      b'{"id": ' + b'{"a": ' * 20_000 + b"1" + b"}" * 20_001):
+            await raw.send_and_wait(settings.topic("tasks"), value, headers=[("content-type", b"application/json")])
+    finally:
+        await raw.stop()
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("tasks", task("after-the-poison", group_size=1))
+    reasons = [dict(r.headers)["dlq-reason"].decode() for r in await read_raw(settings, "tasks.dlq", 3, timeout=30)]
+    assert "not signed by a trusted submitter" in reasons[0], reasons
+    assert all("undecodable" in r for r in reasons[1:]), reasons
+    ok = await read_raw(settings, "rollouts", 1, timeout=60)
+    assert messages.decode(ok[0].value, rollout_pb2.RolloutGroup).task.id == "after-the-poison"

@@ -182,7 +182,11 @@ def execution(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
 
 
 def test_python_tests_score_is_the_pass_fraction():
-    result = score(python_task(), "    return a + b\n", execution(True, True, False))
+    three = python_task(test_code="".join(f"def test_{n}():\n    assert add(1, 2) == 3\n" for n in "abc"))
+    ran = execution_pb2.ExecutionResult(tests=[execution_pb2.TestOutcome(name=f"test_{n}", passed=p)
+                                               for n, p in zip("abc", (True, True, False))],
+                                        isolation=execution_pb2.ISOLATION_LEVEL_FULL)
+    result = score(three, "    return a + b\n", ran)
     assert result.reward == pytest.approx(2 / 3) and not result.tampered
     assert result.components["tests_passed"] == 2 and result.components["tests_total"] == 3
     assert result.components["compiled"] == 1.0

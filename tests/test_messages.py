@@ -19,6 +19,8 @@ def test_protobuf_round_trip_and_deterministic_encoding():
     (b'{"id": 5}', "JSON does not match"),
     (b'{"id": "x", "group_sizee": 1}', "JSON does not match"),
     (b'{"id": "x",', "invalid JSON"),
+    (b'{"metadata": ' + b'[' * 10_000 + b']' * 10_000 + b'}', "nested too deeply|does not"),
+    (b'{"id": ' + b'{"a": ' * 5_000 + b'1' + b'}' * 5_001, "nested too deeply|does not"),
 ])
 def test_bad_values_raise_with_reason(value, reason):
     with pytest.raises(messages.MessageDecodeError, match=reason):

@@ -104,7 +104,7 @@ async def test_a_token_guards_every_call_but_health_checks():
             await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
 
 
-def test_a_server_beyond_loopback_needs_a_token():
+async def test_a_server_beyond_loopback_needs_a_token():
     with pytest.raises(PermissionError, match="CRUCIBLE_RPC_TOKEN"):
         _learner_server(host="0.0.0.0", security=rpc.Security())
     _learner_server(host="0.0.0.0", security=rpc.Security(token="t"))  # binds (never started)
@@ -126,3 +126,16 @@ async def test_tls_with_a_token(tmp_path):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await policy_pb2_grpc.LearnerStub(plain).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_garbage_request_bytes_are_invalid_argument_and_the_server_keeps_serving():
+    server = _learner_server(security=rpc.Security())
+    async with server, rpc.channel(server.address, rpc.Security()) as ch:
+        for garbage in (b"\xff\xff\xff\xff", b"\x0a" + b"\xff" * 9, b"\x12\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01"):
+            call = ch.unary_unary("/crucible.v1.Learner/GetPolicy", request_serializer=lambda b: b,
+                                  response_deserializer=policy_pb2.PolicyVersion.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(garbage, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (garbage, err.value.code())
+            assert "not a valid message" in err.value.details()
+        assert await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5) is not None

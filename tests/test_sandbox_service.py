@@ -201,3 +201,19 @@ async def test_streaming_execute_batch_continues_the_callers_trace(sandbox):
     assert server[0].context.trace_id == client.get_span_context().trace_id
     assert server[0].parent.span_id == client.get_span_context().span_id
     assert server[0].kind == trace.SpanKind.SERVER
+
+
+async def test_a_garbage_request_in_an_execute_batch_stream_is_invalid_argument(sandbox):
+    server, _ = sandbox
+    async with rpc.channel(server.address) as channel:
+        call = channel.stream_stream("/crucible.v1.Sandbox/ExecuteBatch", request_serializer=lambda b: b,
+                                     response_deserializer=execution_pb2.ExecuteResponse.FromString)
+
+        async def requests():
+            yield execution_pb2.ExecuteRequest(request_id="fine", code="print(1)").SerializeToString()
+            yield b"\xff\xff\xff\xff"
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call(requests(), timeout=30):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

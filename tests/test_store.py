@@ -420,3 +420,26 @@ def test_body_limits_hold_against_a_decompression_bomb(spawned_store):
         answer = sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 413") and b"QUERY_IS_TOO_LARGE" in answer, answer
     assert raw(store.url, b"SELECT 1")[2] == b"1\n"
+
+
+def test_a_store_with_a_password_refuses_queries_without_it_and_beyond_loopback_needs_one(spawned_store, tmp_path):
+    import base64
+
+    from pydantic import SecretStr
+
+    from crucible.shared.settings import Settings
+    from crucible.shared.store import connect
+
+    store = spawned_store(tmp_path / "guarded", env={"CRUCIBLE_STORE_USER": "crucible",
+                                                     "CRUCIBLE_STORE_PASSWORD": "st0re-pw"})
+    status, headers, body = raw(store.url, b"SELECT 1")
+    assert status == 403 and headers["X-ClickHouse-Exception-Code"] == "516", body
+    good = "Basic " + base64.b64encode(b"crucible:st0re-pw").decode()
+    assert raw(store.url, b"SELECT 1", headers={"Authorization": good})[::2] == (200, b"1\n")
+    assert raw(store.url, b"SELECT 1", headers={"X-ClickHouse-User": "crucible", "X-ClickHouse-Key": "nope"})[0] == 403
+    assert raw(store.url)[0] == 200  # the health check stays open
+    settings = Settings(clickhouse_url=store.url, clickhouse_user="crucible", clickhouse_password=SecretStr("st0re-pw"))
+    assert connect(settings, database="default").query("SELECT 2").result_rows == [(2,)]
+    assert "st0re-pw" not in store.log()
+    exposed = spawned_store(tmp_path / "exposed", wait=False, extra_args=["--host", "0.0.0.0"])
+    assert exposed.proc.wait(timeout=60) == 1 and "without a password" in exposed.log()

@@ -23,6 +23,7 @@ def spawn_store(
     port: int = 8123,
     log_path: str | os.PathLike | None = None,
     extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start `python -m crucible.local.store.server` on data_dir; returns at once (see wait_ready).
 
@@ -39,7 +40,8 @@ def spawn_store(
     try:
         proc = subprocess.Popen(
             # Its own data folder as the working directory: whatever the engine writes lands there.
-            cmd, cwd=str(data_dir), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file
+            cmd, cwd=str(data_dir), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            env={**os.environ, **(env or {})},  # credentials go here, never on the command line
         )
     finally:
         if log_file is not None:

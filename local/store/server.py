@@ -14,6 +14,9 @@ table functions included), so do not expose it beyond the machine.
 from __future__ import annotations
 
 import argparse
+import base64
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -35,6 +38,7 @@ from crucible.local.store.errors import (
     BAD_ARGUMENTS,
     HTTP_LENGTH_REQUIRED,
     QUERY_IS_TOO_LARGE,
+    AUTHENTICATION_FAILED,
     STD_EXCEPTION,
     UNSUPPORTED_METHOD,
     StoreError,
@@ -90,11 +94,31 @@ class StoreServer(ThreadingHTTPServer):
         self.spool_dir = spool_dir
         self.max_body_bytes = max_body_bytes
         self.display_name = socket.gethostname()
+        # Credentials from the environment, never the command line (`ps` shows that): with a password
+        # set, every query must carry it (HTTP basic auth, X-ClickHouse-User/Key, or user/password).
+        self.user = os.environ.get("CRUCIBLE_STORE_USER") or "default"
+        self.password = os.environ.get("CRUCIBLE_STORE_PASSWORD", "")
         self._connections = threading.BoundedSemaphore(max_connections)
         self._active = 0
         self._idle = threading.Condition()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, StoreRequestHandler)
+
+    def authorized(self, headers, pairs: list[tuple[str, str]]) -> bool:
+        if not self.password:
+            return True
+        params = dict(pairs)
+        user, key = headers.get("X-ClickHouse-User"), headers.get("X-ClickHouse-Key")
+        auth = headers.get("Authorization", "")
+        if auth.startswith("Basic "):
+            try:
+                user, _, key = base64.b64decode(auth[6:]).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return False
+        user = user or params.get("user") or "default"
+        key = key if key is not None else params.get("password", "")
+        return hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
+            (key or "").encode(), self.password.encode())
 
     # Connection cap: a flood of sockets gets a quick 503 instead of a thread each.
     def process_request(self, request, client_address):
@@ -218,6 +242,9 @@ class StoreRequestHandler(BaseHTTPRequestHandler):
                 # A bare GET / is a health check on a ClickHouse server too.
                 self._send(200, b"Ok.\n", {"Content-Type": "text/plain; charset=UTF-8"}, method)
                 return
+            if not self.server.authorized(self.headers, pairs):
+                raise StoreError(AUTHENTICATION_FAILED, "Authentication failed: password is incorrect, or there is "
+                                 "no user with such name.")
             outcome = self._execute(spec, None if multipart else body)
             self._send_outcome(spec, outcome, method)
         except StoreError as error:
@@ -428,13 +455,21 @@ def _decode_sql(fn):
 # -- the process -------------------------------------------------------------------------------
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m crucible.local.store.server",
         description="Serve a chDB data directory over ClickHouse's HTTP interface.",
     )
     parser.add_argument("--data", required=True, type=Path, help="data directory (created if missing); one store per directory")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; there is no authentication)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1); beyond loopback "
+                        "it needs a password: CRUCIBLE_STORE_USER and CRUCIBLE_STORE_PASSWORD in the environment")
     parser.add_argument("--port", default=8123, type=int, help="port to listen on (default 8123; 0 picks a free one)")
     parser.add_argument("--sessions", default=4, type=int, help="chDB sessions, i.e. queries that run at once (default 4)")
     parser.add_argument("--max-body-bytes", default=4 << 30, type=int, help="largest request body after decompression (default 4 GiB)")
@@ -447,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s store %(levelname)s %(message)s")
     data_dir = args.data.expanduser().resolve()
+    if not os.environ.get("CRUCIBLE_STORE_PASSWORD") and not _loopback(args.host):
+        print(f"crucible store: refusing to listen on {args.host} without a password (set CRUCIBLE_STORE_PASSWORD)",
+              file=sys.stderr, flush=True)
+        return 1
 
     lock = DataDirLock(data_dir)
     try:

@@ -47,6 +47,11 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
             raise bus.Reject(f"task {task.id!r} is held out (split {task.split!r}): it is never sampled for "
                              "training; the evaluator scores held-out tasks through Generator.Generate")
         group_id = group_id_for(task.id, f"{incoming.topic}/{incoming.partition}@{incoming.offset}")
+        if not envs.is_environment(task):
+            too_long = batcher.backend.too_long(render_prompt(task), params.max_tokens)
+            if too_long:
+                TASKS.add(1, {"kind": task.kind, "outcome": "refused"})
+                raise bus.Reject(f"task {task.id!r}: {too_long}")
         if envs.is_environment(task):
             return await episodes.start(task, group_id, batcher, params, settings=settings, generator_id=generator_id)
         completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)

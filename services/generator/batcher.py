@@ -212,9 +212,23 @@ class Batcher:
             try:
                 groups = await self._sample(same)
             except Exception as exc:  # a failing batch fails its requests, not the generator
+                if len(same) == 1:
+                    if not same[0].future.done():
+                        same[0].future.set_exception(exc)
+                    continue
+                # One request's prompt (too long for the model, ...) must not fail the others: each
+                # is sampled again alone, and only those that fail alone fail.
+                log.warning("a batch of %d requests failed (%s: %s); sampling each alone", len(same),
+                            type(exc).__name__, exc)
                 for r in same:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
+                    try:
+                        [alone] = await self._sample([r])
+                    except Exception as own:
+                        if not r.future.done():
+                            r.future.set_exception(own)
+                    else:
+                        if not r.future.done():
+                            r.future.set_result((alone, self.backend.version, (time.perf_counter() - started) * 1000))
                 continue
             ms = (time.perf_counter() - started) * 1000
             self.batches += 1

@@ -42,7 +42,7 @@ def _endpoint(url: str) -> dict[str, Any]:
 def _client(endpoint: dict[str, Any], settings: Settings, database: str, **kwargs: Any) -> Client:
     params: dict[str, Any] = {
         "username": settings.clickhouse_user,
-        "password": settings.clickhouse_password,
+        "password": settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else "",
         # A session id would make the server reject two threads sharing one client; Crucible's
         # clients are shared, and nothing relies on session state.
         "autogenerate_session_id": False,

@@ -24,6 +24,23 @@ class PolicyBackend(ABC):
     version: int = 0
     call_format: str = "hermes"  # how its policy writes tool calls (crucible.ml.envs.calls)
 
+    def prompt_tokens(self, prompt: Prompt) -> int | None:
+        """How many tokens the prompt is for this model; None where the backend cannot say cheaply."""
+        return None
+
+    def max_context(self) -> int | None:
+        """Tokens the model attends to (prompt and completion); None: no limit known."""
+        return None
+
+    def too_long(self, prompt: Prompt, max_new_tokens: int) -> str | None:
+        """Why the prompt cannot be sampled with `max_new_tokens` more, or None: checked for each task
+        before it joins a batch, so a prompt the model cannot take is refused alone."""
+        limit, n = self.max_context(), self.prompt_tokens(prompt)
+        if limit is None or n is None or n + max_new_tokens <= limit:
+            return None
+        return (f"the prompt is {n} tokens for this model; with {max_new_tokens} more to sample it passes the "
+                f"model's context of {limit} tokens")
+
     @abstractmethod
     def sample(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Completion]]:
         """`n` completions for each prompt, batched across prompts as the backend sees fit. A prompt

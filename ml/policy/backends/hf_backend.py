@@ -39,6 +39,12 @@ class HFBackend(PolicyBackend):
         self._generator.manual_seed(sample_seed if sample_seed is not None else torch.seed())
         self.version = 0
 
+    def prompt_tokens(self, prompt: str | list[int]) -> int | None:
+        return len(self.encode(prompt))
+
+    def max_context(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
