@@ -294,6 +294,47 @@ def cmd_query(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_submit(args, settings: Settings) -> int:
+    """Publishes a JSONL file of tasks (or stdin) to crucible.tasks, signed: all of them, or none
+    when any line is bad (each bad line named)."""
+    from crucible.ml.task_sources import parse_jsonl
+    from crucible.shared import bus
+
+    source = "stdin" if args.file == "-" else args.file
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    except OSError as exc:
+        echo(f"crucible submit: cannot read {source}: {exc.strerror}")
+        return 2
+    tasks, problems = parse_jsonl(text.splitlines(), source, settings=settings)
+    if problems:
+        for problem in problems[:50]:
+            echo(problem)
+        echo(f"crucible submit: {len(problems)} bad line(s); nothing was published")
+        return 2
+
+    async def publish() -> None:
+        await bus.ensure_topics(["tasks"], settings=settings)
+        async with bus.Producer(settings) as producer:
+            for f in [await producer.send("tasks", t, key=t.id) for t in tasks]:
+                await f
+
+    try:
+        asyncio.run(asyncio.wait_for(publish(), 60))
+    except Exception as exc:
+        echo(f"crucible submit: the broker at {settings.kafka_bootstrap} did not take the tasks "
+             f"({type(exc).__name__}: {str(exc)[:200]}); is it running? `crucible up`")
+        return 1
+    echo(f"published {len(tasks)} task(s) to {settings.topic('tasks')}")
+    return 0
+
+
+def cmd_status(args, settings: Settings) -> int:
+    from crucible.cli.status import report
+
+    return report(settings, echo=echo)
+
+
 def cmd_dashboard(args, settings: Settings) -> int:
     import time
 
@@ -384,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
         users = [q.name for q in queries.QUERIES.values() if param in q.parameters]
         p.add_argument(f"--{param}", help=f"the {param} id, for {', '.join(users)}")
     p.set_defaults(func=cmd_query)
+    sub.add_parser("status", help="broker and store up or not, consumer lag per group and topic, each run's "
+                                  "newest policy version, the last alerts").set_defaults(func=cmd_status)
+    p = sub.add_parser("submit", help="publish tasks from a JSONL file (or - for stdin) to crucible.tasks; "
+                                      "a bad line is named and nothing is published")
+    p.add_argument("file", help="one Task as JSON per line, or - to read stdin")
+    p.set_defaults(func=cmd_submit)
     p = sub.add_parser("dashboard", help="the run's panels, live from the store, in a browser (no Grafana needed)")
     p.add_argument("--host", default="127.0.0.1", help="where to listen (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="the port (default 8050; 0: any free one)")

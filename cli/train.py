@@ -30,6 +30,7 @@ from crucible.shared.procs import free_port, stop_processes
 from crucible.shared.settings import Settings
 from crucible.v1 import alert_pb2
 
+STALL_S = 20.0  # no new version for this long: the learner is short of samples; feed it more tasks
 SERVICES = ("control", "sandbox_executor", "verifier", "reward_aggregator", "learner", "generator", "evaluator")
 
 
@@ -83,6 +84,8 @@ class Run:
         })
         self.dir = settings.home / "runs" / self.run_id
         self.processes: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}       # service -> times started again
+        self.restart_at: dict[str, float] = {}   # service -> not before (monotonic), the backoff
         self.heldout: list = []
         self.echo = echo
         self.verifier_address = ""
@@ -134,11 +137,28 @@ class Run:
         """Where service `name` writes the port of its Prometheus /metrics endpoint."""
         return self.dir / "metrics" / f"{name}.port"
 
+    MAX_RESTARTS = 5
+
     def check_services(self) -> None:
-        for name, proc in self.processes.items():
-            if proc.poll() is not None:
+        """A service that died is started again: its state is on the log and in checkpoints, so the run
+        goes on. It waits 1, 2, 4, ... s between restarts; one that dies MAX_RESTARTS times stops the
+        run with its log's tail."""
+        now = time.monotonic()
+        for name, proc in list(self.processes.items()):
+            if proc.poll() is None:
+                continue
+            restarts = self.restarts.get(name, 0)
+            if restarts >= self.MAX_RESTARTS:
                 tail = (self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
-                raise RuntimeError(f"service {name} exited with {proc.returncode}:\n" + "\n".join(tail))
+                raise RuntimeError(f"service {name} exited with {proc.returncode} after {restarts} restarts:\n"
+                                   + "\n".join(tail))
+            if now < self.restart_at.get(name, 0.0):
+                continue
+            self.restarts[name] = restarts + 1
+            self.restart_at[name] = now + 2 ** restarts
+            self.echo(f"      service {name} exited with {proc.returncode}; starting it again "
+                      f"({restarts + 1} of at most {self.MAX_RESTARTS})")
+            self.start_service(name)
 
     def stop_services(self) -> None:
         stop_processes(list(self.processes.values()), timeout=20)
@@ -233,14 +253,23 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     published = 0
     version = -1
     last_step_ms = []
+    # Steps' worth of tasks fed beyond the lag bound because the learner stalled: samples lost with a
+    # killed service, or all dropped as stale (a generator restarted mid-step) leave it short of a step.
+    extra, last_progress, intervals = 0, time.monotonic(), []
     echo(f"[4/5] training: {s.groups_per_step} tasks x {recipe.sampling.group_size} samples per step, up to "
          f"{budget.steps} steps or {budget.minutes:g} minutes")
     try:
         async with bus.Producer(s) as producer:
             while version < budget.steps and time.monotonic() - started < budget.minutes * 60:
                 run.check_services()
+                # Stalled: much longer than steps take (never less than STALL_S) since the last version.
+                stall_s = max(STALL_S, 3 * sorted(intervals)[len(intervals) // 2]) if intervals else 3 * STALL_S
+                if time.monotonic() - last_progress > stall_s:
+                    extra += 1
+                    last_progress = time.monotonic()
+                    echo(f"      no new policy version for {stall_s:.0f}s: feeding another step's tasks")
                 # Keep the generator busy, but never more than max_policy_lag + 1 steps ahead of the learner.
-                allowed = (max(version, 0) + s.max_policy_lag + 1) * s.groups_per_step
+                allowed = (max(version, 0) + s.max_policy_lag + 1 + extra) * s.groups_per_step
                 while published < allowed:
                     task = next(run.train_tasks)
                     await producer.send("tasks", task, key=task.id)
@@ -249,7 +278,8 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     pv = incoming.message
                     if pv.version <= version:
                         continue
-                    version = pv.version
+                    intervals.append(time.monotonic() - last_progress)
+                    version, last_progress = pv.version, time.monotonic()
                     if version == 0:
                         continue
                     m = pv.metrics

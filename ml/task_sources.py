@@ -29,26 +29,39 @@ def read_jsonl(path: Path, group_size: int | None = None) -> list[task_pb2.Task]
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise TaskFileError(f"cannot read task file {path}: {exc.strerror}") from None
-    tasks, seen = [], {}
+    tasks, problems = parse_jsonl(lines, str(path), group_size)
+    if problems:
+        raise TaskFileError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return tasks
+
+
+def parse_jsonl(lines: list[str], source: str, group_size: int | None = None,
+                settings=None) -> tuple[list[task_pb2.Task], list[str]]:
+    """(the tasks, every problem as "source:line: why"): each line a Task in JSON, checked as the
+    generator would check it; ids must be unique; a file with no task is a problem too."""
+    tasks, problems, seen = [], [], {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             task = messages.decode(line.encode(), task_pb2.Task, content_type=messages.CONTENT_TYPE_JSON)
         except messages.MessageDecodeError as exc:
-            raise TaskFileError(f"{path}:{number}: {exc}") from None
+            problems.append(f"{source}:{number}: {exc}")
+            continue
         if group_size is not None and not task.group_size:
             task.group_size = group_size
-        problems = task_problems(task)
-        if problems:
-            raise TaskFileError(f"{path}:{number}: task {task.id!r}: " + "; ".join(problems))
-        if task.id in seen:
-            raise TaskFileError(f"{path}:{number}: task id {task.id!r} already used on line {seen[task.id]}")
+        found = task_problems(task, settings) if settings is not None else task_problems(task)
+        if found:
+            problems.append(f"{source}:{number}: task {task.id!r}: " + "; ".join(found))
+            continue
+        if task.id and task.id in seen:
+            problems.append(f"{source}:{number}: task id {task.id!r} already used on line {seen[task.id]}")
+            continue
         seen[task.id] = number
         tasks.append(task)
-    if not tasks:
-        raise TaskFileError(f"{path}: no tasks in it")
-    return tasks
+    if not tasks and not problems:
+        problems.append(f"{source}: no tasks in it")
+    return tasks, problems
 
 
 def in_heldout(task_id: str, fraction: float) -> bool:

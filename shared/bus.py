@@ -40,7 +40,6 @@ from opentelemetry.metrics import Observation
 
 from crucible.shared import integrity, messages, metrics, telemetry
 from crucible.shared.settings import Settings, get_settings
-from crucible.v1 import task_pb2
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +212,11 @@ class Producer:
             return await self._producer.send(topic, messages.encode(message), key=_key_bytes(key), headers=headers)
 
     def _vouch(self, message: Message) -> None:
-        """A task a Crucible producer publishes is signed with the deployment's key, in place: this
-        process holds the key, so it is a trusted submitter (shared/integrity.py). The generator and
-        the verifier refuse tasks nobody holding the key published."""
-        if isinstance(message, task_pb2.Task):
-            integrity.sign_task(message, integrity.key(self.settings))
+        """A task or policy version a Crucible producer publishes is signed with the deployment's key,
+        in place: this process holds the key, so it is trusted (shared/integrity.py). The generators,
+        the evaluator and the verifier refuse what nobody holding the key published."""
+        if isinstance(message, integrity.SIGNED):
+            integrity.sign(message, integrity.key(self.settings))
 
     async def send_and_wait(self, topic: str, message: Message, key: str | bytes | None = None):
         return await (await self.send(topic, message, key))
@@ -423,6 +422,12 @@ class Reader:
             return None
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
                         tuple(record.headers or ()), otel_context.get_current())
+
+    async def reject(self, incoming: Incoming, reason: str) -> None:
+        """Dead-letters a record that decoded but cannot be used (the reader's own check), with the reason."""
+        record = ConsumerRecord(incoming.topic, incoming.partition, incoming.offset, 0, 0, incoming.key,
+                                messages.encode(incoming.message), None, 0, 0, list(incoming.headers))
+        await self.dead_letter(record, reason)
 
     async def dead_letter(self, record: ConsumerRecord, reason: str) -> None:
         if not self.dead_letters:

@@ -4,7 +4,7 @@ Anyone who can write to a topic or reach a port could otherwise mint rewards: pu
 tests pass anything, or hand the verifier an execution result that says every test passed. Two keyed
 MACs (HMAC-SHA256 with the deployment's integrity key) close that:
 
-- a **task** is signed where trusted code publishes it (`crucible train`, the Control service;
+- a **task** (and a **policy version**, which only the run's learner publishes) is signed where trusted code publishes it (`crucible train`, the Control service;
   `bus.Producer` signs every Task it sends), and the generator and the verifier refuse a task whose
   signature does not match: its tests, expected answer and instance are the submitter's;
 - an **execution result** is sealed by the sandbox that produced it, over the result and a digest of
@@ -23,7 +23,7 @@ import os
 import secrets
 from pathlib import Path
 
-from crucible.v1 import execution_pb2, task_pb2
+from crucible.v1 import execution_pb2, policy_pb2, task_pb2
 
 KEY_BYTES = 32
 
@@ -71,19 +71,35 @@ def _mac(secret: bytes, domain: bytes, body: bytes) -> bytes:
     return hmac.new(secret, domain + b"\0" + body, hashlib.sha256).digest()
 
 
-# --- tasks -----------------------------------------------------------------------------------------
+# --- signed messages: tasks, policy versions ---------------------------------------------------------
 
-def _task_body(task: task_pb2.Task) -> bytes:
-    unsigned = task_pb2.Task()
-    unsigned.CopyFrom(task)
+SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion)  # messages with a `signature` field, signed by who publishes
+
+
+def _body(message) -> bytes:
+    unsigned = type(message)()
+    unsigned.CopyFrom(message)
     unsigned.ClearField("signature")
     return unsigned.SerializeToString(deterministic=True)
 
 
+def _domain(message) -> bytes:
+    return message.DESCRIPTOR.full_name.encode()
+
+
+def sign(message, secret: bytes):
+    """Signs a Task or PolicyVersion in place (and returns it)."""
+    message.signature = _mac(secret, _domain(message), _body(message))
+    return message
+
+
+def signed_correctly(message, secret: bytes) -> bool:
+    return bool(message.signature) and hmac.compare_digest(message.signature,
+                                                           _mac(secret, _domain(message), _body(message)))
+
+
 def sign_task(task: task_pb2.Task, secret: bytes) -> task_pb2.Task:
-    """Signs the task in place (and returns it)."""
-    task.signature = _mac(secret, b"crucible.task", _task_body(task))
-    return task
+    return sign(task, secret)
 
 
 def check_task(task: task_pb2.Task, secret: bytes) -> None:
@@ -91,9 +107,16 @@ def check_task(task: task_pb2.Task, secret: bytes) -> None:
     if not task.signature:
         raise IntegrityError(f"task {task.id!r} is not signed by a trusted submitter (publish it through "
                              "Control.Submit or `crucible train`)")
-    if not hmac.compare_digest(task.signature, _mac(secret, b"crucible.task", _task_body(task))):
+    if not signed_correctly(task, secret):
         raise IntegrityError(f"task {task.id!r}: its signature does not match (changed after signing, or "
                              "signed with another key)")
+
+
+def check_policy(policy: policy_pb2.PolicyVersion, secret: bytes) -> None:
+    """IntegrityError unless the version was published by the run's learner (a holder of the key)."""
+    if not signed_correctly(policy, secret):
+        raise IntegrityError(f"policy version {policy.version} of run {policy.run_id!r} is not signed by the "
+                             "run's learner" + (" (its signature does not match)" if policy.signature else ""))
 
 
 # --- execution results -----------------------------------------------------------------------------

@@ -77,6 +77,19 @@ async def test_policy_version_event_swaps_weights(generator, tmp_path):
     settings = generator
     new_model = fresh_policy(99)
     uri = save_checkpoint(new_model, tmp_path / "v7", {"version": 7}).as_uri()
+    # A version nobody holding the key published (a real checkpoint, a huge number) is refused and
+    # does not hold back the learner's real ones.
+    old_uri = save_checkpoint(fresh_policy(3), tmp_path / "v0", {"version": 0}).as_uri()
+    forged = policy_pb2.PolicyVersion(run_id=settings.run_id, version=1_000_000, checkpoint_uri=old_uri,
+                                      checkpoint_sha256=transfer.content_hash(tmp_path / "v0"))
+    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await raw.start()
+    try:
+        await raw.send_and_wait(settings.topic("policy"), forged.SerializeToString())
+    finally:
+        await raw.stop()
+    dead = await read_raw(settings, "policy.dlq", 1, timeout=30)
+    assert "not signed by the run's learner" in dict(dead[0].headers)["dlq-reason"].decode()
     async with bus.Producer(settings) as producer:
         await producer.send_and_wait("policy", policy_pb2.PolicyVersion(
             run_id=settings.run_id, version=7, checkpoint_uri=uri,

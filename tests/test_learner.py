@@ -148,3 +148,25 @@ async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_setting
     rows = client.query("SELECT step, policy_version FROM train_steps FINAL WHERE run_id = 'test-run' "
                         "ORDER BY step").result_rows
     assert rows == [(1, 1), (2, 2), (3, 3), (4, 4)]
+
+
+def test_a_sample_that_is_not_a_sample_is_refused_with_the_reason():
+    from crucible.services.learner.groups import sample_problem
+    from crucible.v1 import trajectory_pb2
+
+    good = trajectory_pb2.Trajectory(id="s", group_id="g", group_size=2, group_received=2, sample_index=1,
+                                     prompt_token_ids=[1, 2], completion_token_ids=[3], logprobs=[-0.5],
+                                     reward=1.0, advantage=0.5)
+    assert sample_problem(good) is None
+    broken = {
+        "empty": trajectory_pb2.Trajectory(),
+        "no group": trajectory_pb2.Trajectory(id="s", group_size=1, group_received=1, prompt_token_ids=[1]),
+        "index past the group": trajectory_pb2.Trajectory(id="s", group_id="g", group_size=1, group_received=1,
+                                                          sample_index=3, prompt_token_ids=[1]),
+        "log-probs missing": trajectory_pb2.Trajectory(id="s", group_id="g", group_size=1, group_received=1,
+                                                       prompt_token_ids=[1], completion_token_ids=[2, 3]),
+        "nan reward": trajectory_pb2.Trajectory(id="s", group_id="g", group_size=1, group_received=1,
+                                                prompt_token_ids=[1], reward=float("nan")),
+    }
+    for name, sample in broken.items():
+        assert sample_problem(sample), name

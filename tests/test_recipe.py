@@ -95,3 +95,60 @@ def test_held_out_tasks_are_a_stable_split_and_never_in_the_training_stream():
     seen = [next(train) for _ in range(200)]
     assert all(t.split == "train" and t.id.split("#")[0] not in held_ids for t in seen)
     assert all(t.group_size == 4 for t in seen)
+
+
+@pytest.mark.kafka
+def test_crucible_submit_publishes_signed_tasks_or_names_every_bad_line(settings, tmp_path, capsys):
+    import asyncio
+    import json
+
+    from crucible.cli.main import main as crucible_main
+    from crucible.shared import integrity
+    from crucible.v1 import task_pb2
+    from tests.test_bus import read_raw
+
+    env = {"CRUCIBLE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "CRUCIBLE_TOPIC_PREFIX": settings.topic_prefix,
+           "CRUCIBLE_HOME": str(settings.home)}
+    good = [{"id": f"s{i}", "kind": "exact", "prompt": "2+2=", "group_size": 2, "answer": {"answer": "4"}}
+            for i in range(3)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([json.dumps(good[0]), '{"id": "x", "kind": "exact"', json.dumps({**good[1], "kind": "haiku"}),
+                              json.dumps(good[0])]) + "\n")
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text("\n".join(json.dumps(t) for t in good) + "\n")
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, env):
+        from crucible.shared.settings import get_settings
+
+        get_settings.cache_clear()
+        try:
+            assert crucible_main(["submit", str(bad)]) == 2
+            out = capsys.readouterr().out
+            assert f"{bad}:2: invalid JSON" in out and f"{bad}:3:" in out and "unknown kind 'haiku'" in out
+            assert f"{bad}:4: task id 's0' already used on line 1" in out and "nothing was published" in out
+            assert crucible_main(["submit", str(ok)]) == 0
+        finally:
+            get_settings.cache_clear()
+    records = asyncio.run(read_raw(settings, "tasks", 3))
+    published = [task_pb2.Task.FromString(r.value) for r in records]
+    assert [t.id for t in published] == ["s0", "s1", "s2"]
+    secret = integrity.key(settings)
+    assert all(integrity.signed_correctly(t, secret) for t in published)
+
+
+@pytest.mark.kafka
+@pytest.mark.store
+def test_crucible_status_reports_lag_versions_and_alerts_and_says_what_is_down(stack_settings, capsys):
+    from crucible.cli.status import report
+    from crucible.shared import store
+
+    store.migrate(store.connect(stack_settings))
+    assert report(stack_settings) == 0
+    out = capsys.readouterr().out
+    assert "Kafka" in out and ": up" in out and "store" in out
+    down = stack_settings.model_copy(update={"kafka_bootstrap": "127.0.0.1:1", "clickhouse_url": "http://127.0.0.1:1"})
+    assert report(down) == 1
+    out = capsys.readouterr().out
+    assert out.count("not answering") == 2 and "crucible up" in out

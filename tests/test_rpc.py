@@ -139,3 +139,28 @@ async def test_garbage_request_bytes_are_invalid_argument_and_the_server_keeps_s
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (garbage, err.value.code())
             assert "not a valid message" in err.value.details()
         assert await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5) is not None
+
+
+@pytest.mark.store
+async def test_run_status_is_of_the_run_asked_for(settings, store_client):
+    from crucible.services.control.handler import TASK_COLUMNS, task_row
+    from crucible.shared.store import migrate
+
+    migrate(store_client)
+    for run_id, n in (("run-a", 3), ("run-b", 1)):
+        rows = [task_row(task_pb2.Task(id=f"{run_id}-{i}", kind="exact", prompt="p", group_size=1), "", run_id)
+                for i in range(n)]
+        store_client.insert("tasks", rows, column_names=TASK_COLUMNS)
+    async with bus.Producer(settings) as producer:
+        own = settings.model_copy(update={"run_id": "run-b"})
+        server = rpc.RpcServer([rpc.Service("crucible.v1.Control", ControlServicer(own, producer, store_client),
+                                            control_pb2_grpc.add_ControlServicer_to_server)])
+        async with server, rpc.channel(server.address) as ch:
+            stub = control_pb2_grpc.ControlStub(ch)
+            a = await stub.GetRunStatus(control_pb2.RunStatusRequest(run_id="run-a"), timeout=10)
+            assert (a.run_id, a.tasks_submitted) == ("run-a", 3)
+            mine = await stub.GetRunStatus(control_pb2.RunStatusRequest(), timeout=10)
+            assert (mine.run_id, mine.tasks_submitted) == ("run-b", 1)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetRunStatus(control_pb2.RunStatusRequest(run_id="no-such-run"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-run" in err.value.details()

@@ -217,3 +217,24 @@ async def test_a_garbage_request_in_an_execute_batch_stream_is_invalid_argument(
             async for _ in call(requests(), timeout=30):
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.kafka
+async def test_a_completion_the_sandbox_refuses_is_scored_not_run_and_its_group_goes_on(settings, pool):
+    add = task_pb2.Task(id="add-nul", kind="python_tests", prompt="def add(a, b):\n", group_size=2,
+                        python_tests=task_pb2.PythonTests(entry_point="add", test_code="def check(f):\n    assert f(1, 2) == 3\n"))
+    group = rollout_pb2.RolloutGroup(group_id="nul", task=add, rollouts=[
+        rollout_pb2.Rollout(id="nul/0", completion="    return a + b\x00\n"),
+        rollout_pb2.Rollout(id="nul/1", completion="    return a + b\n", sample_index=1)])
+    await bus.ensure_topics(["rollouts", "executions"], settings=settings)
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("rollouts", group, key="nul")
+    consumer_ref = []
+    async with bus.Consumer(["rollouts"], "sandbox-nul", group_handler(pool, consumer_ref, "test", KEY),
+                            settings=settings) as consumer:
+        consumer_ref.append(consumer)
+        await asyncio.wait_for(consumer.run(max_records=1), 60)
+    [record] = await read_raw(settings, "executions", 1)
+    execution = execution_pb2.Execution.FromString(record.value)
+    refused, ran = execution.results
+    assert "NUL byte" in refused.not_run and ran.tests[0].passed

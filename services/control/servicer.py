@@ -1,6 +1,8 @@
 """Control gRPC: submit tasks to the bus, report a run's status, query stored trajectories."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from crucible.v1 import control_pb2, control_pb2_grpc
@@ -33,16 +35,28 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.SubmitTasksResponse(task_ids=[t.id for t in prepared])
 
     async def GetRunStatus(self, request, context):
+        """The run named (this control service's own when none is): its tasks, samples, mean reward and
+        newest policy version; NOT_FOUND for a run the store has nothing of."""
         if self.store is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
-        submitted = self.store.query("SELECT count() FROM tasks FINAL").result_rows[0][0]
-        trajectories = self.store.query(
-            "SELECT count(), avg(reward), max(policy_version) FROM trajectories FINAL").result_rows[0]
-        return control_pb2.RunStatus(
-            run_id=request.run_id, tasks_submitted=submitted, trajectories=trajectories[0],
-            reward_mean=float(trajectories[1] or 0.0) if trajectories[0] else 0.0,
-            policy_version=int(trajectories[2] or 0),
-        )
+        run_id = request.run_id or self.settings.run_id
+
+        def counts():
+            params = {"r": run_id}
+            submitted = self.store.query("SELECT count() FROM tasks FINAL WHERE run_id = {r:String}",
+                                         parameters=params).result_rows[0][0]
+            samples = self.store.query("SELECT count(), avg(reward) FROM trajectories FINAL WHERE run_id = {r:String}",
+                                       parameters=params).result_rows[0]
+            version = self.store.query("SELECT max(version), count() FROM policy_versions FINAL WHERE run_id = {r:String}",
+                                       parameters=params).result_rows[0]
+            return submitted, samples, version
+
+        submitted, (samples, reward), (version, versions) = await asyncio.to_thread(counts)
+        if not (submitted or samples or versions):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"the store holds nothing of run {run_id!r}")
+        return control_pb2.RunStatus(run_id=run_id, tasks_submitted=submitted, trajectories=samples,
+                                     reward_mean=float(reward or 0.0) if samples else 0.0,
+                                     policy_version=int(version or 0))
 
     async def QueryTrajectories(self, request: control_pb2.QueryTrajectoriesRequest, context):
         if self.store is None:

@@ -59,8 +59,13 @@ class Evaluator:
         self.secret = integrity.key(settings)
 
     def wants(self, pv: policy_pb2.PolicyVersion) -> bool:
-        return (pv.run_id == self.settings.run_id and pv.version % self.settings.eval_every == 0
-                and pv.version not in self.done)
+        if not (pv.run_id == self.settings.run_id and pv.version % self.settings.eval_every == 0
+                and pv.version not in self.done):
+            return False
+        if not integrity.signed_correctly(pv, self.secret):
+            log.warning("ignoring policy version %d: not signed by the run's learner", pv.version)
+            return False
+        return True
 
     def take_task(self, task: task_pb2.Task) -> None:
         problems = task_problems(task, self.settings)

@@ -96,6 +96,10 @@ def policy_problem(settings: Settings, policy: policy_pb2.PolicyVersion) -> str 
         return f"policy version {policy.version} has no checkpoint_uri"
     if not policy.checkpoint_sha256:
         return f"policy version {policy.version} has no checkpoint_sha256: its checkpoint cannot be verified"
+    try:  # only the run's learner publishes versions: a forged one (say 1,000,000) is never believed
+        integrity.check_policy(policy, integrity.key(settings))
+    except integrity.IntegrityError as exc:
+        return str(exc)
     return None
 
 

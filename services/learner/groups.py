@@ -18,6 +18,28 @@ class Buffered:
     context: otel_context.Context | None  # the consumer span's, so the step that uses it joins the trace
 
 
+def sample_problem(s: trajectory_pb2.Trajectory) -> str | None:
+    """Why a sample cannot be trained on or grouped (it is dead-lettered with this), or None."""
+    import math
+
+    what = f"trajectory {s.id!r}"
+    if not s.id or not s.group_id:
+        return f"{what} has no id or no group_id"
+    if s.group_size < 1 or s.group_received < 1 or s.group_received > s.group_size:
+        return f"{what}: group_received {s.group_received} of group_size {s.group_size} is not a group"
+    if s.sample_index >= s.group_size:
+        return f"{what}: sample_index {s.sample_index} is not below group_size {s.group_size}"
+    if not s.prompt_token_ids:
+        return f"{what} has no prompt tokens"
+    if len(s.logprobs) != len(s.completion_token_ids):
+        return f"{what}: {len(s.completion_token_ids)} tokens but {len(s.logprobs)} log-probs"
+    if len(s.loss_mask) not in (0, len(s.completion_token_ids)):
+        return f"{what}: a loss mask of {len(s.loss_mask)} for {len(s.completion_token_ids)} tokens"
+    if not (math.isfinite(s.reward) and math.isfinite(s.advantage)):
+        return f"{what}: reward {s.reward} or advantage {s.advantage} is not finite"
+    return None
+
+
 class GroupBuffer:
     """Samples by group, in arrival order."""
 

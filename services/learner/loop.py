@@ -13,7 +13,7 @@ import logging
 from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
 from crucible.services.learner import checkpoints
-from crucible.services.learner.groups import Buffered, GroupBuffer
+from crucible.services.learner.groups import Buffered, GroupBuffer, sample_problem
 from crucible.services.learner.monitors import HealthMonitor
 from crucible.services.learner.rows import record_alert, record_step
 from crucible.services.learner.trainer import StepResult, Trainer
@@ -132,6 +132,10 @@ class Learner:
                     if ev.run_id == self.settings.run_id and ev.tasks:
                         self.monitor.record_heldout(int(ev.policy_version), ev.pass_rate)
                 for incoming in await self.reader.fetch(max_records=500):
+                    problem = sample_problem(incoming.message)
+                    if problem:
+                        await self.reader.reject(incoming, problem)
+                        continue
                     if incoming.message.id not in self.trained_past:  # else: trained on before the restart
                         self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
                                                  incoming.offset, incoming.context))

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import socket
 
-from crucible.v1 import execution_pb2_grpc
+from crucible.v1 import execution_pb2_grpc, rollout_pb2
 from crucible.services.sandbox_executor.handler import (
     NothingToRun,
     execution_message,
@@ -52,12 +52,29 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
     sealed for the job it ran (shared/integrity.py)."""
     execute = backpressured(pool, consumer_ref)
 
+    def task_refused(task) -> bool:
+        """Whether the sandbox refuses the task itself (its language, its limits), whatever the completion."""
+        try:
+            pool.check(job_for_request(request_for_rollout(task, rollout_pb2.Rollout(completion="pass\n"))))
+        except NothingToRun:
+            return False
+        except (JobRejected, ValueError):
+            return True
+        return False
+
     async def run_one(task, rollout):
         request = request_for_rollout(task, rollout)
         try:
             job = job_for_request(request)
+            pool.check(job)
         except NothingToRun as exc:
             return integrity.seal(not_run_result(str(exc)), request, secret)
+        except (JobRejected, ValueError) as exc:
+            if task_refused(task):
+                raise  # the group goes to the DLQ with the reason
+            # the model's output is what the sandbox will not take (a NUL byte, a huge program): that
+            # sample is scored as not run, a failure; the group's others are run as usual
+            return integrity.seal(not_run_result(f"the sandbox refused this completion: {exc}"), request, secret)
         return integrity.seal(result_message(await execute(job)), request, secret)
 
     async def handle(incoming: bus.Incoming):

@@ -233,8 +233,8 @@ class SandboxPool:
     def has_capacity(self) -> bool:
         return self._workers.has_capacity()
 
-    async def execute(self, job: Job) -> Result:
-        """Runs one job; raises PoolFull when the queue is at its bound, JobRejected for a bad job."""
+    def check(self, job: Job) -> tuple[Limits, str, bytes]:
+        """(its limits, its main file, its payload), or JobRejected saying why the pool will not run it."""
         limits = self.limits.narrowed(job.timeout_s, job.memory_bytes)
         files, main, tests = prepare(job)
         body = {"files": files, "entry_point": job.entry_point, "stdin_b64": base64.b64encode(job.stdin).decode()}
@@ -243,6 +243,11 @@ class SandboxPool:
         payload = json.dumps(body).encode()
         if len(payload) > MAX_JOB_BYTES:
             raise JobRejected(f"job is {len(payload)} bytes; the limit is {MAX_JOB_BYTES}")
+        return limits, main, payload
+
+    async def execute(self, job: Job) -> Result:
+        """Runs one job; raises PoolFull when the queue is at its bound, JobRejected for a bad job."""
+        limits, main, payload = self.check(job)
         header = {"job_id": next(self._ids), "main": main, "limits": dict(limits.__dict__),
                   "work_bytes": limits.work_bytes}
         async with self._workers.worker() as worker:
@@ -252,7 +257,7 @@ class SandboxPool:
                 raise RuntimeError(f"sandbox failure: {exc}") from None
             if "error" in raw:  # raised inside the block: the worker is restarted
                 raise RuntimeError(f"sandbox failure: {raw['error']}")
-        result = self._result(raw, tests is not None)
+        result = self._result(raw, bool(job.tests))
         labels = {"outcome": result.violation or ("ok" if result.exit_code == 0 else "exit_nonzero"),
                   "isolation": result.isolation}
         JOB_MS.record(result.duration_ms, labels)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63rucible/v1/policy.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xcc\x01\n\rPolicyVersion\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0e\x63heckpoint_uri\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12)\n\x07metrics\x18\x05 \x01(\x0b\x32\x18.crucible.v1.StepMetrics\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11\x63heckpoint_sha256\x18\x07 \x01(\t\"\xc0\x02\n\x0bStepMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\n\n\x02kl\x18\x02 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x03 \x01(\x01\x12\x11\n\tgrad_norm\x18\x04 \x01(\x01\x12\x13\n\x0breward_mean\x18\x05 \x01(\x01\x12\x11\n\tpass_rate\x18\x06 \x01(\x01\x12\x0f\n\x07samples\x18\x07 \x01(\r\x12\x15\n\rdropped_stale\x18\x08 \x01(\r\x12\x0f\n\x07step_ms\x18\t \x01(\x01\x12\x15\n\rlearning_rate\x18\n \x01(\x01\x12\x13\n\x0bmismatch_kl\x18\x0b \x01(\x01\x12\x36\n\x07skipped\x18\x0c \x03(\x0b\x32%.crucible.v1.StepMetrics.SkippedEntry\x1a.\n\x0cSkippedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\"\n\x10GetPolicyRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t2Q\n\x07Learner\x12\x46\n\tGetPolicy\x12\x1d.crucible.v1.GetPolicyRequest\x1a\x1a.crucible.v1.PolicyVersionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63rucible/v1/policy.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdf\x01\n\rPolicyVersion\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x16\n\x0e\x63heckpoint_uri\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12)\n\x07metrics\x18\x05 \x01(\x0b\x32\x18.crucible.v1.StepMetrics\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11\x63heckpoint_sha256\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\"\xc0\x02\n\x0bStepMetrics\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\n\n\x02kl\x18\x02 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x03 \x01(\x01\x12\x11\n\tgrad_norm\x18\x04 \x01(\x01\x12\x13\n\x0breward_mean\x18\x05 \x01(\x01\x12\x11\n\tpass_rate\x18\x06 \x01(\x01\x12\x0f\n\x07samples\x18\x07 \x01(\r\x12\x15\n\rdropped_stale\x18\x08 \x01(\r\x12\x0f\n\x07step_ms\x18\t \x01(\x01\x12\x15\n\rlearning_rate\x18\n \x01(\x01\x12\x13\n\x0bmismatch_kl\x18\x0b \x01(\x01\x12\x36\n\x07skipped\x18\x0c \x03(\x0b\x32%.crucible.v1.StepMetrics.SkippedEntry\x1a.\n\x0cSkippedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\"\n\x10GetPolicyRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t2Q\n\x07Learner\x12\x46\n\tGetPolicy\x12\x1d.crucible.v1.GetPolicyRequest\x1a\x1a.crucible.v1.PolicyVersionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPMETRICS_SKIPPEDENTRY']._loaded_options = None
   _globals['_STEPMETRICS_SKIPPEDENTRY']._serialized_options = b'8\001'
   _globals['_POLICYVERSION']._serialized_start=75
-  _globals['_POLICYVERSION']._serialized_end=279
-  _globals['_STEPMETRICS']._serialized_start=282
-  _globals['_STEPMETRICS']._serialized_end=602
-  _globals['_STEPMETRICS_SKIPPEDENTRY']._serialized_start=556
-  _globals['_STEPMETRICS_SKIPPEDENTRY']._serialized_end=602
-  _globals['_GETPOLICYREQUEST']._serialized_start=604
-  _globals['_GETPOLICYREQUEST']._serialized_end=638
-  _globals['_LEARNER']._serialized_start=640
-  _globals['_LEARNER']._serialized_end=721
+  _globals['_POLICYVERSION']._serialized_end=298
+  _globals['_STEPMETRICS']._serialized_start=301
+  _globals['_STEPMETRICS']._serialized_end=621
+  _globals['_STEPMETRICS_SKIPPEDENTRY']._serialized_start=575
+  _globals['_STEPMETRICS_SKIPPEDENTRY']._serialized_end=621
+  _globals['_GETPOLICYREQUEST']._serialized_start=623
+  _globals['_GETPOLICYREQUEST']._serialized_end=657
+  _globals['_LEARNER']._serialized_start=659
+  _globals['_LEARNER']._serialized_end=740
 # @@protoc_insertion_point(module_scope)

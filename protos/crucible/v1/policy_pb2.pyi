@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PolicyVersion(_message.Message):
-    __slots__ = ("run_id", "version", "checkpoint_uri", "step", "metrics", "created_at", "checkpoint_sha256")
+    __slots__ = ("run_id", "version", "checkpoint_uri", "step", "metrics", "created_at", "checkpoint_sha256", "signature")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_URI_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PolicyVersion(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     checkpoint_uri: str
@@ -25,7 +26,8 @@ class PolicyVersion(_message.Message):
     metrics: StepMetrics
     created_at: _timestamp_pb2.Timestamp
     checkpoint_sha256: str
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., checkpoint_sha256: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Union[StepMetrics, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., checkpoint_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("loss", "kl", "entropy", "grad_norm", "reward_mean", "pass_rate", "samples", "dropped_stale", "step_ms", "learning_rate", "mismatch_kl", "skipped")

@@ -1,0 +1,79 @@
+"""`crucible status`: what an operator asks first. Is the broker up, is the store up, how far behind
+is each consumer group on each topic, what is each run's newest policy version, and what were the
+last alerts. Each part says plainly when it cannot be known (broker or store unreachable)."""
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+from crucible.shared import bus, store
+from crucible.shared.settings import Settings
+
+
+async def consumer_lag(settings: Settings, timeout_s: float = 10.0) -> dict[str, dict[str, int]]:
+    """{consumer group: {topic: records not yet consumed}} for this deployment's groups and topics."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**bus.connection(settings), request_timeout_ms=int(timeout_s * 1000))
+    await admin.start()
+    reader = AIOKafkaConsumer(**bus.connection(settings), enable_auto_commit=False)
+    await reader.start()
+    try:
+        groups = [g[0] for g in await admin.list_consumer_groups() if g[0].startswith(settings.consumer_group_prefix)]
+        lag: dict[str, dict[str, int]] = {}
+        for group in sorted(groups):
+            committed = await admin.list_consumer_group_offsets(group)
+            mine = {tp: meta for tp, meta in committed.items() if tp.topic.startswith(settings.topic_prefix)}
+            if not mine:
+                continue
+            ends = await reader.end_offsets(list(mine))
+            per_topic: dict[str, int] = defaultdict(int)
+            for tp, meta in mine.items():
+                per_topic[tp.topic] += max(0, ends[tp] - max(meta.offset, 0))
+            lag[group] = dict(per_topic)
+        return lag
+    finally:
+        await reader.stop()
+        await admin.close()
+
+
+def store_view(settings: Settings) -> tuple[list[tuple], list[tuple]]:
+    """(each run's newest policy version and when, the last alerts)."""
+    client = store.connect(settings, create_database=False)
+    runs = client.query("SELECT run_id, max(version), max(created_at) FROM policy_versions FINAL GROUP BY run_id "
+                        "ORDER BY max(created_at) DESC LIMIT 10").result_rows
+    alerts = client.query("SELECT ts, kind, severity, substring(message, 1, 120) FROM alerts FINAL "
+                          "ORDER BY ts DESC LIMIT 8").result_rows
+    return runs, alerts
+
+
+def report(settings: Settings, echo=print) -> int:
+    """Prints the status; 0 when broker and store both answer, 1 otherwise."""
+    healthy = True
+    try:
+        lag = asyncio.run(asyncio.wait_for(consumer_lag(settings), 20))
+        echo(f"Kafka  {settings.kafka_bootstrap}: up")
+        if not lag:
+            echo("  no consumer group of this deployment has committed anything yet")
+        for group, topics in lag.items():
+            behind = ", ".join(f"{t.removeprefix(settings.topic_prefix)} {n}" for t, n in sorted(topics.items()))
+            echo(f"  {group:40s} behind by: {behind}")
+    except Exception as exc:
+        healthy = False
+        echo(f"Kafka  {settings.kafka_bootstrap}: not answering ({type(exc).__name__}); `crucible up` starts the local one")
+    try:
+        runs, alerts = store_view(settings)
+        echo(f"store  {settings.clickhouse_url} (database {settings.clickhouse_database}): up")
+        for run_id, version, at in runs:
+            echo(f"  run {run_id}: policy version {version} at {at}")
+        if not runs:
+            echo("  no run has published a policy version yet")
+        echo("  last alerts:" if alerts else "  no alerts")
+        for ts, kind, severity, message in alerts:
+            echo(f"    {ts}  {severity:8s} {kind}: {message}")
+    except Exception as exc:
+        healthy = False
+        echo(f"store  {settings.clickhouse_url}: not answering or not migrated ({type(exc).__name__}: "
+             f"{str(exc)[:120]}); `crucible up` starts the local one")
+    return 0 if healthy else 1

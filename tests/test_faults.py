@@ -1,0 +1,73 @@
+"""Faults during a real run: services killed with SIGKILL one after another while `crucible train`
+runs the built-in job over real Kafka; the run restarts each and finishes its budget, and the
+bookkeeping holds: every stored group has all its samples (FINAL), and the policy versions have no gap.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import psutil
+import pytest
+
+from crucible.cli import recipe as recipes
+from crucible.cli.train import train
+from crucible.shared import store
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
+VICTIMS = ("generator", "verifier", "sandbox_executor", "learner")
+
+
+def service_pid(name: str, home) -> int | None:
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if f"crucible.services.{name}" in cmdline and (proc.info["environ"] or {}).get("CRUCIBLE_HOME") == str(home):
+                return proc.pid
+        except (psutil.Error, TypeError):
+            continue
+    return None
+
+
+@pytest.mark.timeout(900)
+async def test_a_run_survives_its_services_being_killed_one_after_another(stack_settings, tmp_path):
+    settings = stack_settings.model_copy(update={"home": tmp_path})
+    recipe = recipes.builtin()
+    recipe.budget.steps, recipe.budget.minutes = 30, 12
+    lines: list[str] = []
+    killed: list[tuple[str, int]] = []
+
+    def steps() -> int:
+        return sum(1 for line in lines if line.lstrip().startswith("step "))
+
+    async def killer():
+        for name in VICTIMS:
+            while steps() < 5 * (len(killed) + 1):
+                await asyncio.sleep(0.2)
+            pid = service_pid(name, tmp_path)
+            assert pid, f"no {name} process found"
+            os.kill(pid, signal.SIGKILL)
+            killed.append((name, steps()))
+
+    chaos = asyncio.create_task(killer())
+    try:
+        report = await train(settings, recipe, echo=lines.append)
+    finally:
+        chaos.cancel()
+    assert [name for name, _ in killed] == list(VICTIMS), (killed, lines[-20:])
+    assert report.steps == recipe.budget.steps, lines[-30:]
+    for name in VICTIMS:
+        assert any(f"service {name} exited" in line and "starting it again" in line for line in lines), name
+
+    client = store.connect(settings)
+    run = {"r": report.run_id}
+    partial = client.query("SELECT group_id, count() FROM trajectories FINAL WHERE run_id = {r:String} "
+                           "GROUP BY group_id HAVING count() != 8", parameters=run).result_rows
+    assert partial == [], partial
+    groups = client.query("SELECT count(DISTINCT group_id) FROM trajectories FINAL WHERE run_id = {r:String}",
+                          parameters=run).result_rows[0][0]
+    assert groups >= recipe.budget.steps * 16
+    versions = [v for (v,) in client.query("SELECT DISTINCT version FROM policy_versions FINAL "
+                                           "WHERE run_id = {r:String} ORDER BY version", parameters=run).result_rows]
+    assert versions == list(range(versions[0], versions[-1] + 1)) and versions[-1] >= recipe.budget.steps, versions
