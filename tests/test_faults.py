@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -16,7 +17,7 @@ from crucible.cli.train import train
 from crucible.shared import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
-VICTIMS = ("generator", "verifier", "sandbox_executor", "learner")
+VICTIMS = ("generator", "verifier", "sandbox_executor", "learner", "reward_aggregator")
 
 
 def service_pid(name: str, home) -> int | None:
@@ -36,7 +37,12 @@ async def test_a_run_survives_its_services_being_killed_one_after_another(stack_
     recipe = recipes.builtin()
     recipe.budget.steps, recipe.budget.minutes = 30, 12
     lines: list[str] = []
-    killed: list[tuple[str, int]] = []
+    stamps: list[float] = []  # when each line was printed
+    killed: list[tuple[str, int, float]] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        stamps.append(time.monotonic())
 
     def steps() -> int:
         return sum(1 for line in lines if line.lstrip().startswith("step "))
@@ -48,14 +54,18 @@ async def test_a_run_survives_its_services_being_killed_one_after_another(stack_
             pid = service_pid(name, tmp_path)
             assert pid, f"no {name} process found"
             os.kill(pid, signal.SIGKILL)
-            killed.append((name, steps()))
+            killed.append((name, steps(), time.monotonic()))
 
     chaos = asyncio.create_task(killer())
     try:
-        report = await train(settings, recipe, echo=lines.append)
+        report = await train(settings, recipe, echo=echo)
     finally:
         chaos.cancel()
-    assert [name for name, _ in killed] == list(VICTIMS), (killed, lines[-20:])
+    assert [name for name, _, _ in killed] == list(VICTIMS), (killed, lines[-20:])
+    # time to recover: from each kill to the next policy step the run printed
+    recovery = {name: next(t for line, t in zip(lines, stamps) if t > at and line.lstrip().startswith("step ")) - at
+                for name, _, at in killed}
+    print("seconds from SIGKILL to the next policy step:", {k: round(v, 1) for k, v in recovery.items()})
     assert report.steps == recipe.budget.steps, lines[-30:]
     for name in VICTIMS:
         assert any(f"service {name} exited" in line and "starting it again" in line for line in lines), name

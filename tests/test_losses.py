@@ -108,3 +108,23 @@ def test_health_monitor_catches_responses_blowing_up_once():
     assert fired == [(6, "length_blowup"), (10, "length_blowup")]
     short = HealthMonitor("run", min_steps=0, window=3)
     assert not any(short.check(s, s, {**calm, "response_length": n}) for s, n in enumerate([1, 1, 1, 5, 9], 1))
+
+
+def test_an_honest_rise_early_does_not_hide_a_reward_that_then_rises_alone():
+    from crucible.services.learner.monitors import HealthMonitor
+
+    monitor = HealthMonitor("run", min_steps=0, reward_window=3, reward_gain=0.2)
+    calm = {"kl": 0.1, "entropy": 1.0}
+    fired = []
+    # held-out rises with the reward at first (0.4 -> 0.6 by step 6), then stays at 0.6 while the
+    # training reward climbs on to 0.95
+    rewards = [0.4, 0.4, 0.45, 0.5, 0.55, 0.6, 0.7, 0.8, 0.9, 0.95, 0.95, 0.95]
+    for step, reward in enumerate(rewards, start=1):
+        if step == 1:
+            monitor.record_heldout(0, 0.4)
+        if step == 7:
+            monitor.record_heldout(6, 0.6)
+        if step == 12:
+            monitor.record_heldout(11, 0.6)
+        fired += [(step, a.kind) for a in monitor.check(step, step, {**calm, "reward_mean": reward})]
+    assert fired == [(12, "reward_without_heldout")], fired

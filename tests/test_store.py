@@ -443,3 +443,33 @@ def test_a_store_with_a_password_refuses_queries_without_it_and_beyond_loopback_
     assert "st0re-pw" not in store.log()
     exposed = spawned_store(tmp_path / "exposed", wait=False, extra_args=["--host", "0.0.0.0"])
     assert exposed.proc.wait(timeout=60) == 1 and "without a password" in exposed.log()
+
+
+def test_a_write_waits_out_a_store_restart_and_lands_once(tmp_path):
+    import threading
+
+    from crucible.shared.settings import Settings
+    from crucible.shared.store import connect, migrate, writes
+    from tests.fixtures_store import StoreProcess
+
+    first = StoreProcess(tmp_path / "data").wait_ready()
+    client = connect(Settings(clickhouse_url=first.url), database="crucible")
+    migrate(client)
+    first.stop()  # the store is down...
+    second: list[StoreProcess] = []
+    restart = threading.Timer(2.0, lambda: second.append(StoreProcess(tmp_path / "data", port=first.port).wait_ready()))
+    restart.start()
+    try:
+        row = ["run-x", 1, 1, 0.1, 0.0, 1.0, 0.5, 0.5, 0.5, 1e-4, 10.0, datetime.datetime.now(datetime.timezone.utc)]
+        columns = ["run_id", "step", "policy_version", "loss", "kl", "entropy", "grad_norm", "reward_mean",
+                   "pass_rate", "lr", "step_time_ms", "ts"]
+        writes.insert(client, "train_steps", [row], columns, patience_s=60)  # ...and back within the patience
+        restart.join()
+        assert client.query("SELECT count() FROM train_steps FINAL WHERE run_id = 'run-x'").result_rows == [(1,)]
+        # a refusal (no such table) is not retried
+        with pytest.raises(Exception, match="(?i)table"):
+            writes.insert(client, "no_such_table", [[1]], ["x"], patience_s=60)
+    finally:
+        restart.cancel()
+        for store in second:
+            store.stop()

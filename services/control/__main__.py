@@ -9,6 +9,7 @@ from crucible.services.control.handler import TASK_COLUMNS, task_row
 from crucible.services.control.servicer import ControlServicer
 from crucible.shared import bus, rpc, service, store, telemetry
 from crucible.shared.settings import Settings
+from crucible.shared.store import writes
 
 log = logging.getLogger("crucible.control")
 
@@ -26,7 +27,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         # generator, which dead-letters the bad ones. A replayed record rewrites the same row
         # (`tasks` is a ReplacingMergeTree on task_id).
         row = task_row(task, telemetry.current_trace_id(), settings.run_id)
-        await asyncio.to_thread(client.insert, "tasks", [row], column_names=TASK_COLUMNS)
+        await asyncio.to_thread(writes.insert, client, "tasks", [row], TASK_COLUMNS)
         log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)
 
     async with bus.Producer(settings) as producer:

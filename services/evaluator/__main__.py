@@ -20,6 +20,7 @@ from crucible.ml.policy.backends import backend_for
 from crucible.ml.tasks import is_heldout, task_problems
 from crucible.shared import bus, integrity, service, store, telemetry
 from crucible.shared.settings import Settings
+from crucible.shared.store import writes
 from crucible.v1 import evaluation_pb2, policy_pb2, task_pb2
 
 log = logging.getLogger("crucible.evaluator")
@@ -118,7 +119,7 @@ class Evaluator:
                                                    max_tokens=s.max_tokens, execute=execute,
                                                    max_episode_tokens=s.max_episode_tokens)
             message = evaluation_message(s, pv.version, result, self.id)
-            await asyncio.to_thread(self.store.insert, "evaluations", rows(message), column_names=COLUMNS)
+            await asyncio.to_thread(writes.insert, self.store, "evaluations", rows(message), COLUMNS)
             await self.producer.send_and_wait("evaluations", message, key=s.run_id)
             self.done.add(pv.version)
             log.info("version %d: held-out pass rate %.3f on %d tasks (%s) in %.0f ms", pv.version,

@@ -192,8 +192,22 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         judge = bus.Consumer(["policy"], settings.consumer_group_prefix + "generator-policy",
                              policy_judge(settings, verifier), settings=settings, producer=producer)
         async with tasks, turns, policy, judge:
+            await catch_up(policy, batcher)
             await service.run_until(stop, tasks.run(), turns.run(), policy.run(), judge.run())
     await batcher.stop()
+
+
+async def catch_up(policy: bus.Consumer, batcher: Batcher, timeout_s: float = 30.0) -> None:
+    """A (re)started generator reads every version published so far, and readies the newest, before
+    it takes a task: otherwise its first batch is sampled with old weights and dropped as stale."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline and not await policy.at_end():
+        try:
+            await asyncio.wait_for(policy.run(max_records=1), max(0.1, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            break
+    await batcher.settle(max(0.1, deadline - loop.time()))
 
 
 async def main() -> None:

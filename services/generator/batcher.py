@@ -148,6 +148,15 @@ class Batcher:
             self._preparing = asyncio.create_task(self._prepare_offers())
         return True
 
+    async def settle(self, timeout_s: float) -> None:
+        """Waits (at most `timeout_s`) until the offers made so far are checked; the newest is then
+        loaded before the next batch."""
+        if self._preparing is not None and not self._preparing.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._preparing), timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("policy versions still being checked after %.0f s: sampling starts anyway", timeout_s)
+
     async def _prepare_offers(self) -> None:
         """Checks the newest unchecked offer that is newer than every checked one, until none is left."""
         while True:

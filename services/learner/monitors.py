@@ -63,15 +63,24 @@ class HealthMonitor:
                 for kind, message in self.incidents.starting(firing)]
 
     def _diverging(self, step: int) -> tuple[bool, str]:
+        """Over some stretch between two held-out evaluations: the training reward (mean of the
+        `reward_window` steps up to the earlier one, against the last ones) rose by `reward_gain`
+        while the held-out pass rate did not rise by `heldout_flat`. Every earlier evaluation is tried
+        against the newest, so an honest rise early in a run does not hide a hack that follows."""
         n = self.reward_window
         if len(self.rewards) < 2 * n or len(self.heldout) < 2:
             return False, ""
-        early = sum(self.rewards[:n]) / n
         late = sum(self.rewards[-n:]) / n
-        (_, first), (_, last) = self.heldout[0], self.heldout[-1]
-        firing = late - early >= self.reward_gain and last - first < self.heldout_flat
-        return firing, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
-                        f"{first:.3f} -> {last:.3f} by step {step}")
+        newest_step, newest = self.heldout[-1]
+        for at, then in self.heldout[:-1]:
+            if at >= newest_step or at > len(self.rewards) - n:
+                continue  # the later stretch must be n steps at least
+            window = self.rewards[max(0, at - n):at] or self.rewards[:n]
+            early = sum(window) / len(window)
+            if late - early >= self.reward_gain and newest - then < self.heldout_flat:
+                return True, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
+                              f"{then:.3f} -> {newest:.3f} (versions {at} to {newest_step}), by step {step}")
+        return False, ""
 
     def _lengthening(self, step: int) -> tuple[bool, str]:
         if len(self.lengths) <= self.window:

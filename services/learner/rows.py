@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 
 from crucible.shared import alerts
+from crucible.shared.store import writes
 from crucible.v1 import alert_pb2, policy_pb2
 
 TRAIN_STEP_COLUMNS = ["run_id", "step", "policy_version", "loss", "kl", "entropy", "grad_norm", "reward_mean",
@@ -13,13 +14,13 @@ TRAIN_STEP_COLUMNS = ["run_id", "step", "policy_version", "loss", "kl", "entropy
 def record_step(client, pv: policy_pb2.PolicyVersion, metrics: dict) -> None:
     m = pv.metrics
     now = dt.datetime.now(dt.timezone.utc)
-    client.insert("train_steps", [[pv.run_id, pv.step, pv.version, m.loss, m.kl, m.entropy, m.grad_norm,
+    writes.insert(client, "train_steps", [[pv.run_id, pv.step, pv.version, m.loss, m.kl, m.entropy, m.grad_norm,
                                    m.reward_mean, m.pass_rate, m.learning_rate, m.step_ms, now]],
                   column_names=TRAIN_STEP_COLUMNS)
     numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-    client.insert("policy_versions", [[pv.run_id, pv.version, pv.checkpoint_uri, pv.step, now, numeric]],
+    writes.insert(client, "policy_versions", [[pv.run_id, pv.version, pv.checkpoint_uri, pv.step, now, numeric]],
                   column_names=["run_id", "version", "checkpoint_uri", "step", "created_at", "metrics"])
 
 
 def record_alert(client, alert: alert_pb2.Alert) -> None:
-    client.insert("alerts", [alerts.row(alert)], column_names=alerts.COLUMNS)
+    writes.insert(client, "alerts", [alerts.row(alert)], alerts.COLUMNS)

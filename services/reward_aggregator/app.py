@@ -36,6 +36,7 @@ from crucible.services.reward_aggregator.detectors import WindowDetectors
 from crucible.shared import alerts as alert_rows
 from crucible.shared import bus, messages, metrics, telemetry
 from crucible.shared.settings import Settings
+from crucible.shared.store import writes
 from crucible.v1 import alert_pb2, verdict_pb2
 
 log = logging.getLogger("crucible.aggregator")
@@ -79,6 +80,9 @@ class Aggregator:
             value_serializer="raw", key_serializer="raw", producer_acks=-1,
             consumer_auto_offset_reset="earliest",
             broker_credentials=bus.faust_credentials(settings),
+            # A member killed without leaving holds its partitions until its session times out: faust's
+            # default (60 s) kept a restarted aggregator idle for about a minute.
+            broker_session_timeout=10.0, broker_heartbeat_interval=3.0,
             datadir=str(datadir),  # faust creates it at start: never in the working directory
         )
         self.verdicts = self.app.topic(settings.topic("verdicts"), value_serializer="raw", key_serializer="raw")
@@ -158,10 +162,10 @@ class Aggregator:
         if self.store is not None:
             trace_id = telemetry.current_trace_id()
             rows = [trajectory_row(by_id[t.id], t, trace_id, self.settings.run_id) for t in trajectories]
-            await asyncio.to_thread(self.store.insert, "trajectories", rows, column_names=TRAJECTORY_COLUMNS)
+            await asyncio.to_thread(writes.insert, self.store, "trajectories", rows, TRAJECTORY_COLUMNS)
             turns = [row for t in trajectories for row in turn_rows(by_id[t.id], t)]
             if turns:
-                await asyncio.to_thread(self.store.insert, "episode_turns", turns, column_names=TURN_COLUMNS)
+                await asyncio.to_thread(writes.insert, self.store, "episode_turns", turns, TURN_COLUMNS)
         await asyncio.gather(*[await self.producer.send("trajectories", t, key=group_id) for t in trajectories])
         self.groups_emitted += 1
         if not complete:
@@ -179,8 +183,8 @@ class Aggregator:
         for a in found:
             span.add_event(f"alert {a.kind}", {"message": a.message, **dict(a.details)})
         if self.store is not None:
-            await asyncio.to_thread(self.store.insert, "alerts", [alert_rows.row(a) for a in found],
-                                    column_names=alert_rows.COLUMNS)
+            await asyncio.to_thread(writes.insert, self.store, "alerts", [alert_rows.row(a) for a in found],
+                                    alert_rows.COLUMNS)
         for a in found:
             log.warning("alert %s: %s", a.kind, a.message)
             await self.producer.send_and_wait("alerts", a, key=a.kind)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import select
 import socket
 import struct
 
@@ -47,9 +48,15 @@ class KernelLog:
         except OSError:
             self.fd = -1
 
+    GRACE_S = 0.003  # the kernel writes its records from a thread of its own: one made just now may lag
+
     def seccomp_kills(self, uid: int) -> list[str]:
         """The system calls (by name) whose seccomp kill was recorded for `uid` since the start."""
         records = (self._netlink() if self.sock is not None else []) + (self._kmsg() if self.fd >= 0 else [])
+        if not records:
+            watched = [f for f in (self.sock, self.fd if self.fd >= 0 else None) if f is not None]
+            if watched and select.select(watched, [], [], self.GRACE_S)[0]:
+                records = (self._netlink() if self.sock is not None else []) + (self._kmsg() if self.fd >= 0 else [])
         found, seen = [], set()
         for record in records:
             serial = _SERIAL.search(record)
