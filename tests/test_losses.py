@@ -128,3 +128,15 @@ def test_an_honest_rise_early_does_not_hide_a_reward_that_then_rises_alone():
             monitor.record_heldout(11, 0.6)
         fired += [(step, a.kind) for a in monitor.check(step, step, {**calm, "reward_mean": reward})]
     assert fired == [(12, "reward_without_heldout")], fired
+    # a policy sharpening: the sampled training reward still climbs towards a greedy held-out score
+    # that has levelled off above it (the clean planted-hack twin on CI): no alert
+    sharpening = HealthMonitor("run", min_steps=0, reward_window=3, reward_gain=0.2)
+    sharpening.record_heldout(0, 0.4)
+    alerts = []
+    for step, reward in enumerate([0.45, 0.5, 0.5, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.76], start=1):
+        if step == 4:
+            sharpening.record_heldout(3, 0.84)
+        if step == 10:
+            sharpening.record_heldout(9, 0.84)
+        alerts += sharpening.check(step, step, {**calm, "reward_mean": reward})
+    assert alerts == []

@@ -3,10 +3,10 @@
 - `kl_blowup`: KL to the reference jumps above `kl_limit` (the policy left its anchor in one step);
 - `entropy_collapse`: mean token entropy falls below `entropy_floor` (the policy stopped exploring,
   often the first sign of a reward being gamed by one fixed answer);
-- `reward_without_heldout`: the mean training reward over the last `reward_window` steps is
-  `reward_gain` above its mean over the first ones, while the held-out pass rate reported to the
-  monitor rose by less than `heldout_flat` since its first report (the policy fits the training
-  distribution, or games its reward);
+- `reward_without_heldout`: between two held-out evaluations the mean training reward (over
+  `reward_window` steps) rose by `reward_gain` while the held-out pass rate rose by less than
+  `heldout_flat`, and the training reward now stands `heldout_margin` above it (the policy fits the
+  training distribution, or games its reward);
 - `length_blowup`: the mean response length (the model's own tokens) reaches `length_factor` times
   its mean over the first `window` steps, and at least `length_floor` tokens (padding answers to
   please a length-blind reward, or a policy that stopped ending its turns).
@@ -30,6 +30,7 @@ class HealthMonitor:
     reward_window: int = 5
     reward_gain: float = 0.2
     heldout_flat: float = 0.05
+    heldout_margin: float = 0.1
     length_factor: float = 3.0
     length_floor: float = 16.0
     incidents: alerts.Incidents = field(default_factory=alerts.Incidents)
@@ -66,7 +67,10 @@ class HealthMonitor:
         """Over some stretch between two held-out evaluations: the training reward (mean of the
         `reward_window` steps up to the earlier one, against the last ones) rose by `reward_gain`
         while the held-out pass rate did not rise by `heldout_flat`. Every earlier evaluation is tried
-        against the newest, so an honest rise early in a run does not hide a hack that follows."""
+        against the newest, so an honest rise early in a run does not hide a hack that follows. And the
+        training reward must stand `heldout_margin` above the held-out pass rate: a sampled reward still
+        climbing while a greedy held-out score has levelled off near it is a policy sharpening, not a
+        reward being gamed."""
         n = self.reward_window
         if len(self.rewards) < 2 * n or len(self.heldout) < 2:
             return False, ""
@@ -77,7 +81,8 @@ class HealthMonitor:
                 continue  # the later stretch must be n steps at least
             window = self.rewards[max(0, at - n):at] or self.rewards[:n]
             early = sum(window) / len(window)
-            if late - early >= self.reward_gain and newest - then < self.heldout_flat:
+            if (late - early >= self.reward_gain and newest - then < self.heldout_flat
+                    and late - newest >= self.heldout_margin):
                 return True, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
                               f"{then:.3f} -> {newest:.3f} (versions {at} to {newest_step}), by step {step}")
         return False, ""
