@@ -145,19 +145,36 @@ async def test_honest_code_importing_the_standard_library_is_paid_in_full(pool):
 
 
 async def test_a_forbidden_call_in_a_forked_child_is_named_and_pays_nothing(pool):
-    # Where the kernel's records come only through its log (a container), the log passes at most 10
-    # audit records per 5 s: the kills of the tests before this one must not use up the window.
-    await asyncio.sleep(5.5)
     completion = ("import os, socket\n\ndef double(x):\n    pid = os.fork()\n    if pid == 0:\n"
                   "        socket.socket()\n        os._exit(0)\n    os.waitpid(pid, 0)\n    return 2 * x\n")
     verdict, result = await score(pool, DOUBLE, completion)
     assert result.violation == "forbidden_syscall" and "socket" in result.violation_detail, \
         (result.violation, result.violation_detail)
     assert verdict.reward == 0.0 and "forbidden_syscall" in verdict.patterns, verdict.detail
-    # an untested program too
-    plain = await pool.execute(Job(code="import os, socket\nif os.fork() == 0:\n    socket.socket()\n"
-                                        "    os._exit(0)\nos.wait()\nprint('fine')\n"))
-    assert plain.violation == "forbidden_syscall" and plain.stdout == b"fine\n"
+    # an untested program too: the job ends at the call, whichever process made it
+    plain = await pool.execute(Job(code="import os, socket\nprint('before', flush=True)\nif os.fork() == 0:\n"
+                                        "    socket.socket()\n    os._exit(0)\nos.wait()\nprint('after')\n"))
+    assert plain.violation == "forbidden_syscall" and "socket" in plain.violation_detail, plain.violation_detail
+    assert plain.stdout == b"before\n"
+    # a flood of forbidden calls from many children, then one more: every job is named, none is lost
+    flood = ("import os, socket\nfor _ in range(20):\n    if os.fork() == 0:\n        socket.socket()\n"
+             "        os._exit(0)\n")
+    results = await asyncio.gather(*(pool.execute(Job(code=flood)) for _ in range(6)))
+    assert [r.violation for r in results] == ["forbidden_syscall"] * 6
+    late = await pool.execute(Job(code="import os, socket\nif os.fork() == 0:\n"
+                                       "    socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n    os._exit(0)\n"
+                                       "os.wait()\n"))
+    assert late.violation == "forbidden_syscall" and "family 10" in late.violation_detail, late.violation_detail
+
+
+async def test_no_process_of_the_job_holds_the_listener_that_names_its_forbidden_calls(pool):
+    # A process holding its own filter's listener could answer for the supervisor and let a
+    # forbidden call through: look for one among every descriptor, then make a forbidden call.
+    hunt = ("import fcntl, os, socket\nfound = []\nfor fd in range(1024):\n    try:\n"
+            "        fcntl.ioctl(fd, 0xC0502100, bytearray(80), True)\n        found.append(fd)\n"
+            "    except OSError:\n        pass\nprint('found', found, flush=True)\nsocket.socket()\n")
+    result = await pool.execute(Job(code=hunt))
+    assert result.stdout == b"found []\n" and result.violation == "forbidden_syscall", (result.stdout, result.violation)
 
 
 async def test_a_thread_bomb_that_swallows_the_error_is_still_a_process_limit_violation(pool):

@@ -31,10 +31,11 @@ from crucible.shared import framing
 # Signals the worker ignores or handles that a jailed program must feel: exceeding a file limit
 # or writing to a closed pipe kills, so the result can say so.
 _DEFAULT_SIGNALS = (signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM)
+LISTENER_TO = 7  # where each jailed process holds the socket its seccomp listener is sent on, until sent
 
 
 def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int,
-        ready_w: int, attached_r: int) -> None:
+        ready_w: int, attached_r: int, calls_w: int) -> None:
     """The jail process: prepares its root and its candidate process before any job exists, then
     runs one job; never returns."""
     code = 120
@@ -61,7 +62,7 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         if candidate_pid == 0:
             for fd in (job_r, report_w, ready_w, call_w, reply_r):
                 os.close(fd)
-            run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w)
+            run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w, calls_w)
         os.close(call_r)
         os.close(reply_w)
         os.write(ready_w, b"r")
@@ -77,12 +78,15 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         if tested:
             framing.write(call_w, program)  # the program (no tests in this frame) to the candidate's process
         # Final places: 0-2 stdio, 3 report, and for a tested job 4 the rest of the job pipe (the
-        # tests), 5 and 6 the call channel. Everything else closes; untested, the candidate's
-        # process sees its channel close and leaves.
-        keep = [(stdin_r, 0), (out_w, 1), (err_w, 2), (report_w, 3)]
+        # tests), 5 and 6 the call channel; 7 the socket the seccomp listener goes out on (closed
+        # by `confine`). Everything else closes; untested, the candidate's process sees its
+        # channel close and leaves.
+        keep = [(stdin_r, 0), (out_w, 1), (err_w, 2), (report_w, 3), (calls_w, LISTENER_TO)]
         if tested:
             keep += [(job_r, 4), (call_w, 5), (reply_r, 6)]
         place_fds(keep)
+        if not tested:  # its channel is closed: it leaves, and the program has no child it did not make
+            os.waitpid(candidate_pid, 0)
         confine(cfg, job)
         code = harness.run(job, 3, 4, candidate_pid, 5, 6) if tested else execute(job)
     except BaseException as exc:  # setup failures must surface, not hang
@@ -95,7 +99,7 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         os._exit(code)
 
 
-def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int, err_w: int) -> None:
+def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int, err_w: int, calls_w: int) -> None:
     """A tested job's candidate process: waits (as root, in the jail) for the program, then confines
     itself like the harness (rlimits, uid, seccomp) and runs it; never returns."""
     code = 122
@@ -105,7 +109,7 @@ def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int
         if program is None:
             os._exit(0)  # the job is untested: nothing to do
         job = json.loads(program)
-        place_fds([(stdin_r, 0), (out_w, 1), (err_w, 2), (call_r, 5), (reply_w, 6)])
+        place_fds([(stdin_r, 0), (out_w, 1), (err_w, 2), (call_r, 5), (reply_w, 6), (calls_w, LISTENER_TO)])
         confine(cfg, job)
         candidate.serve(job, 5, 6)
     except EOFError:
@@ -147,12 +151,17 @@ def place_fds(pairs: list[tuple[int, int]]) -> None:
 
 def confine(cfg: dict, job: dict) -> None:
     """The last steps before job code runs, in this order: rlimits and the uid drop (which need
-    privileges), default signal handling, seccomp (which forbids what came before), no environment."""
+    privileges), default signal handling, seccomp (which forbids what came before; its listener
+    leaves on LISTENER_TO), no environment."""
     drop_privileges(cfg, job)
     for sig in _DEFAULT_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
-    if cfg["seccomp"]:
-        seccomp.install()
+    if cfg["seccomp"] and seccomp.NOTIFY:
+        seccomp.install(LISTENER_TO)
+    else:
+        os.close(LISTENER_TO)
+        if cfg["seccomp"]:
+            seccomp.install()
     os.environ.clear()
     # What a program may expect of its environment, none of it the host's: `~` expands without a
     # password-database lookup, and the user has a name.

@@ -1,13 +1,22 @@
-"""The seccomp filter every jailed process installs last: forbidden syscalls kill the process.
+"""The seccomp filter every jailed process installs last: a forbidden syscall never runs, and is named.
 
 A classic-BPF program compiled here once per worker (`prepare`) and inherited by
-every job through fork; a killed process ends with SIGSYS, which the result
-reports as a forbidden-syscall violation.
+every job through fork. Where the kernel offers user notification (5.0 and
+later), a forbidden call is held by the kernel and reported on a listener
+descriptor that each jailed process hands to its supervisor (over a Unix
+socket, before any job code runs, keeping no copy): the supervisor names the
+call, whichever process of the job made it (a forked child's too, exactly, with
+no log to read or rate limit), and ends the job. Elsewhere the call kills the
+process that made it (SIGSYS), which names it only when that process is one
+the jail watches.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import os
+import socket
 import struct
 
 from crucible.services.sandbox_executor.jail.linux import (NAMESPACE_FLAGS, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP,
@@ -15,7 +24,12 @@ from crucible.services.sandbox_executor.jail.linux import (NAMESPACE_FLAGS, PR_S
 
 SECCOMP_MODE_FILTER = 2
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 317, 1, 8
 AUDIT_ARCH_X86_64 = 0xC000003E
+# ioctl numbers of the listener (_IOWR('!', n, struct)): struct seccomp_notif is 80 bytes, and
+# seccomp_notif_resp 24.
+NOTIF_RECV, NOTIF_SIZE = 0xC0502100, 80
 
 # Sockets only of the AF_UNIX family: honest code makes them (multiprocessing's pipes are socket
 # pairs; glibc asks nscd for user names over one), and the jail's own network namespace keeps them
@@ -44,10 +58,12 @@ FORBIDDEN_SYSCALLS_X86_64 = {
 }
 
 _program = b""  # compiled by prepare(), in the worker, before any job is forked
+NOTIFY = False  # whether it reports forbidden calls to a listener (prepare)
 
 
-def compile_filter() -> bytes:
-    """The filter: x86_64 only; forbidden syscalls and namespace-creating clones kill."""
+def compile_filter(notify: bool = False) -> bytes:
+    """The filter: x86_64 only; forbidden syscalls and namespace-creating clones are held for the
+    listener (`notify`) or kill."""
     def stmt(code, k):
         return struct.pack("HBBI", code, 0, 0, k)
 
@@ -55,20 +71,21 @@ def compile_filter() -> bytes:
         return struct.pack("HBBI", code, jt, jf, k)
 
     LD_W_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    deny = SECCOMP_RET_USER_NOTIF if notify else SECCOMP_RET_KILL_PROCESS
     denied = sorted(FORBIDDEN_SYSCALLS_X86_64.values())
     prog = [
         stmt(LD_W_ABS, 4),                          # seccomp_data.arch
         jump(JEQ, AUDIT_ARCH_X86_64, 1, 0),
-        stmt(RET, SECCOMP_RET_KILL_PROCESS),        # another ABI: refuse
+        stmt(RET, deny),        # another ABI: refuse
         stmt(LD_W_ABS, 0),                          # seccomp_data.nr
         jump(JGE, 0x40000000, 0, 1),                # the x32 ABI
-        stmt(RET, SECCOMP_RET_KILL_PROCESS),
+        stmt(RET, deny),
         jump(JEQ, SYS_CLONE3, 0, 1),                # clone3's flags sit behind a pointer BPF cannot
         stmt(RET, SECCOMP_RET_ERRNO | errno.ENOSYS),  # read: ENOSYS makes libc fall back to clone
         jump(JEQ, SYS_CLONE, 0, 3),
         stmt(LD_W_ABS, 16),                         # clone's flags (args[0], low word)
         jump(JSET, NAMESPACE_FLAGS, 0, 1),
-        stmt(RET, SECCOMP_RET_KILL_PROCESS),
+        stmt(RET, deny),
         stmt(LD_W_ABS, 0),
     ]
     for nr in UNIX_ONLY_X86_64.values():
@@ -77,30 +94,85 @@ def compile_filter() -> bytes:
             stmt(LD_W_ABS, 16),                     # the address family (args[0], low word)
             jump(JEQ, AF_UNIX, 0, 1),
             stmt(RET, SECCOMP_RET_ALLOW),
-            stmt(RET, SECCOMP_RET_KILL_PROCESS),
+            stmt(RET, deny),
         ]
     # Each forbidden number jumps forward to the final KILL; otherwise fall through to ALLOW.
     for i, nr in enumerate(denied):
         remaining = len(denied) - i - 1
         prog.append(jump(JEQ, nr, remaining + 1, 0))
     prog.append(stmt(RET, SECCOMP_RET_ALLOW))
-    prog.append(stmt(RET, SECCOMP_RET_KILL_PROCESS))
+    prog.append(stmt(RET, deny))
     return b"".join(prog)
 
 
-def prepare() -> None:
-    global _program
-    _program = compile_filter()
+def prepare(notify: bool) -> None:
+    global _program, NOTIFY
+    _program, NOTIFY = compile_filter(notify), notify
 
 
-def install() -> None:
-    """Installs the filter on this process (irrevocably, and on every process it forks)."""
-    program = _program or compile_filter()
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install(listener_to: int = -1) -> None:
+    """Installs the filter on this process (irrevocably, and on every process it forks).
+
+    With `listener_to` (a Unix socket to the supervisor), the filter reports to a new listener,
+    which is sent there and closed here: no process of the job ever holds it, so none can answer
+    for the supervisor.
+    """
+    program = _program or compile_filter(listener_to >= 0)
     buffer = ctypes.create_string_buffer(program, len(program))
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    fprog = SockFprog(len(program) // 8, ctypes.addressof(buffer))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
     prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(NO_NEW_PRIVS)")
-    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(SECCOMP)")
+    if listener_to < 0:
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(SECCOMP)")
+        return
+    listener = check(libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER,
+                                  ctypes.byref(fprog)), "seccomp(NEW_LISTENER)")
+    with socket.socket(fileno=os.dup(listener_to)) as channel:
+        socket.send_fds(channel, [b"L"], [listener])
+    os.close(listener)
+    os.close(listener_to)
+
+
+def notify_supported() -> bool:
+    """Whether this kernel gives a seccomp filter a listener (tried in a throwaway child)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            allow = struct.pack("HBBI", 0x06, 0, 0, SECCOMP_RET_ALLOW)
+            buffer = ctypes.create_string_buffer(allow, len(allow))
+            fprog = _SockFprog(1, ctypes.addressof(buffer))
+            prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(NO_NEW_PRIVS)")
+            check(libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER,
+                               ctypes.byref(fprog)), "seccomp(NEW_LISTENER)")
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+_NAMES = {nr: name for name, nr in {**FORBIDDEN_SYSCALLS_X86_64, **UNIX_ONLY_X86_64}.items()}
+
+
+def held_call(listener: int) -> str | None:
+    """The forbidden call a process of the job is held in, named; None if it went away meanwhile."""
+    buffer = bytearray(NOTIF_SIZE)
+    try:
+        fcntl.ioctl(listener, NOTIF_RECV, buffer, True)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.EINTR):
+            return None  # the process was killed between the poll and the read
+        raise
+    nr, arch = struct.unpack_from("iI", buffer, 16)
+    family = struct.unpack_from("Q", buffer, 32)[0] & 0xFFFFFFFF  # args[0]: a socket's family
+    if arch != AUDIT_ARCH_X86_64:
+        return f"a call of another ABI (arch {arch:#x})"
+    if nr >= 0x40000000:
+        return f"an x32 call ({nr - 0x40000000})"
+    if nr == SYS_CLONE:
+        return "clone into new namespaces"
+    name = _NAMES.get(nr, f"syscall {nr}")
+    return f"{name} (address family {family})" if nr in UNIX_ONLY_X86_64.values() else name

@@ -15,11 +15,11 @@ import json
 import os
 import select
 import signal
+import socket
 import time
 
-from crucible.services.sandbox_executor.jail import jailed, outcome
+from crucible.services.sandbox_executor.jail import jailed, outcome, seccomp
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
-from crucible.services.sandbox_executor.jail.kernlog import KernelLog
 from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,
                                                            unshare)
 from crucible.shared import framing
@@ -79,6 +79,7 @@ def prepare_jail(cfg: dict, cgroups: Cgroups) -> dict:
     report_r, report_w = os.pipe()
     ready_r, ready_w = os.pipe()
     attached_r, attached_w = os.pipe()
+    calls, calls_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # seccomp listeners come in here
     if cfg["isolate"]:
         # The mount namespace is the jail's own (it unshares it itself): pivot_root moves every
         # process of a namespace, and the supervisor must keep seeing the host's cgroups.
@@ -87,9 +88,11 @@ def prepare_jail(cfg: dict, cgroups: Cgroups) -> dict:
     if pid == 0:
         for fd in (job_w, in_w, out_r, err_r, report_r, ready_r, attached_w):
             os.close(fd)
-        jailed.run(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r)
+        calls.close()
+        jailed.run(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r, calls_w.detach())
     for fd in (job_r, in_r, out_w, err_w, report_w, ready_w, attached_r):
         os.close(fd)
+    calls_w.close()
     cgroups.attach(pid)
     os.write(attached_w, b"a")
     os.close(attached_w)
@@ -100,7 +103,7 @@ def prepare_jail(cfg: dict, cgroups: Cgroups) -> dict:
     # the whole tree) out of the job's latency: it happens when this supervisor exits.
     mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY) if cfg["isolate"] else -1
     return {"pid": pid, "job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r, "report_r": report_r,
-            "mnt_ns": mnt_ns, "uid": cfg["uid"] if os.geteuid() == 0 else None}
+            "mnt_ns": mnt_ns, "calls": ForbiddenCalls(calls)}
 
 
 def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
@@ -116,7 +119,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     memory_events = cgroups.reset_memory_events()
     pids_events = cgroups.pids_events()
     accounting = cgroups.begin_usage()
-    kernel_log = KernelLog() if prepared["uid"] is not None else None
+    calls = prepared["calls"]
     started = time.monotonic()
     tested = "tests" in job
     program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
@@ -145,8 +148,13 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         if left <= 0:
             violation, detail = "timeout", f"wall-clock limit of {limits['wall_s']}s reached"
             break
-        readable, writable, _ = select.select(open_fds, write_fds, [], left)
+        readable, writable, _ = select.select(open_fds + calls.fds(), write_fds, [], left)
+        if calls.read(readable):
+            violation, detail = "forbidden_syscall", calls.detail()
+            break
         for fd in readable:
+            if fd not in out:
+                continue
             try:
                 chunk = os.read(fd, 65536)
             except BlockingIOError:
@@ -175,6 +183,8 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
             if not stdin_data:
                 os.close(fd)
                 write_fds = []
+    if not violation and calls.read_pending():  # one made just before the job finished
+        violation, detail = "forbidden_syscall", calls.detail()
     if done is not None and not violation:
         drain([out_r, err_r], out, truncated, cap)  # what the killed candidate wrote last
         duration_ms = (time.monotonic() - started) * 1000
@@ -185,6 +195,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         def teardown():
             finish_jail(pid, limits["wall_s"])
             cgroups.reap()
+            calls.close()
             for fd in write_fds + [out_r, err_r, report_r]:
                 os.close(fd)
     else:
@@ -195,6 +206,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         for fd in write_fds:
             os.close(fd)
         killed_stragglers = cgroups.reap()
+        calls.close()
         for fd in (out_r, err_r, report_r):
             os.close(fd)
         exit_code = os.waitstatus_to_exitcode(status)
@@ -212,13 +224,6 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         limit_sig = sig or report["candidate"].get("signal", 0)
         violation, detail = outcome.classify(limit_sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s,
                                              memory_events, pids_events)
-    # A forbidden call in any process of the job (a forked child's too) is the job's, whatever else happened.
-    if kernel_log is not None:
-        kills = kernel_log.seccomp_kills(prepared["uid"])
-        kernel_log.close()
-        if kills and violation != "forbidden_syscall":
-            violation = "forbidden_syscall"
-            detail = f"a process of the job was killed for {', '.join(sorted(set(kills)))} (seccomp)"
     # What the job used, as its cgroup slot counted it (every process it started), where the host can.
     measured = cgroups.usage_since(accounting)
     usage_source = "rusage"
@@ -244,6 +249,70 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         "tests_declared": report["declared"],
         "tamper": report["tamper"],
     }, teardown
+
+
+class ForbiddenCalls:
+    """The seccomp listeners of a job's processes (seccomp.py), as they arrive on the jail's socket.
+
+    A forbidden call, in whichever process of the job (a forked child's too), waits in the kernel
+    until the job is killed; the first one read here ends the job and is named in its result.
+    """
+
+    def __init__(self, channel: socket.socket):
+        self.channel: socket.socket | None = channel
+        self.channel.setblocking(False)
+        self.listeners: list[int] = []
+        self.named: list[str] = []
+
+    def fds(self) -> list[int]:
+        return self.listeners + ([self.channel.fileno()] if self.channel else [])
+
+    def read(self, readable: list[int]) -> bool:
+        """Takes new listeners and held calls among `readable`; whether a forbidden call was made."""
+        if self.channel and self.channel.fileno() in readable:
+            self._take_listeners()
+        for fd in [fd for fd in self.listeners if fd in readable]:
+            self._read_listener(fd)
+        return bool(self.named)
+
+    def read_pending(self) -> bool:
+        """Reads whatever is already waiting, without blocking; whether a forbidden call was made."""
+        ready, _, _ = select.select(self.fds(), [], [], 0)
+        return self.read(ready)
+
+    def detail(self) -> str:
+        return f"a process of the job made a forbidden system call: {', '.join(self.named)} (seccomp)"
+
+    def _take_listeners(self) -> None:
+        while self.channel:
+            try:
+                message, fds, _, _ = socket.recv_fds(self.channel, 16, 4)
+            except BlockingIOError:
+                return
+            self.listeners += fds
+            if not message and not fds:  # every process of the job has sent its listener or gone
+                self.channel.close()
+                self.channel = None
+
+    def _read_listener(self, fd: int) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        events = poller.poll(0)
+        if events and events[0][1] & select.POLLIN:
+            name = seccomp.held_call(fd)
+            if name:
+                self.named.append(name)
+        elif events:  # hung up: every process under this filter has exited
+            self.listeners.remove(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self.listeners:
+            os.close(fd)
+        self.listeners = []
+        if self.channel:
+            self.channel.close()
+            self.channel = None
 
 
 def drain(fds: list[int], out: dict, truncated: dict, cap: int) -> None:

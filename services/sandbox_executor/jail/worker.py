@@ -12,6 +12,7 @@ teardown (after its result was sent) empties the third.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -32,7 +33,7 @@ def main(cfg: dict) -> None:
     if cfg["isolate"]:
         rootfs.build_template(cfg)
     if cfg["seccomp"]:
-        seccomp.prepare()
+        seccomp.prepare(seccomp.notify_supported())
     # Modules imported here are inherited by every job through fork, so a job
     # that imports typing or re does not pay for it again (zygote preloading).
     for name in cfg.get("preload", ()):
@@ -41,8 +42,9 @@ def main(cfg: dict) -> None:
         except ImportError:
             pass
     candidate.prepare()
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    framing.write(1, json.dumps({"ready": True, "pid": os.getpid()}).encode())
+    framing.write(1, json.dumps({"ready": True, "pid": os.getpid(), "calls_named": seccomp.NOTIFY}).encode())
     serve(cfg, slots)
 
 
