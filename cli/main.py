@@ -191,9 +191,15 @@ def cmd_train(args, settings: Settings) -> int:
     from crucible.ml.models import ModelError
     from crucible.ml.task_sources import TaskFileError
 
+    from crucible.cli.train import ResumeError, resumable
+
+    if args.resume and args.recipe:
+        echo("give a recipe or --resume RUN, not both: a resumed run keeps its own recipe")
+        return 2
     try:
-        recipe = recipes.load(args.recipe) if args.recipe else recipes.builtin()
-    except recipes.RecipeError as exc:
+        recipe = resumable(settings, args.resume) if args.resume else \
+            recipes.load(args.recipe) if args.recipe else recipes.builtin()
+    except (recipes.RecipeError, ResumeError) as exc:
         echo(str(exc))
         return 2
     # Flags given on the command line win over the recipe (they have no defaults of their own).
@@ -202,14 +208,19 @@ def cmd_train(args, settings: Settings) -> int:
     if args.minutes is not None:
         recipe.budget.minutes = args.minutes
     if args.seed is not None:
+        if args.resume:
+            echo("--seed cannot change on --resume: the run's tasks and samples follow its own seed")
+            return 2
         recipe.algorithm.seed = args.seed
     echo(f"recipe: {recipe.source or 'built-in'}")
     started_here = ensure_stack(settings)
     try:
-        report = asyncio.run(train(settings, recipe, echo))
+        report = asyncio.run(train(settings, recipe, echo, resume=args.resume or ""))
     except (TaskFileError, ModelError, ValueError) as exc:
         echo(f"cannot run this recipe: {exc}")
         return 2
+    except KeyboardInterrupt:
+        return 130
     finally:
         if not args.keep:
             for service in reversed(started_here):
@@ -410,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, help="stop after this long in any case (overrides the recipe)")
     p.add_argument("--seed", type=int, help="overrides the recipe's algorithm.seed")
     p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")
+    p.add_argument("--resume", metavar="RUN", help="go on with a stopped run (its id, as printed and under "
+                   "CRUCIBLE_HOME/runs) from its newest checkpoint and committed offsets, up to its budget "
+                   "(or --steps)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("test", help="run the test suite (starts its own broker and store)")
     p.add_argument("--quick", action="store_true", help="skip tests marked slow")

@@ -14,24 +14,23 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from crucible.cli.recipe import Recipe
+from crucible.local.services import SERVICES, Services, stop_recorded
 from crucible.ml import evaluation, models, task_sources
 from crucible.ml.policy.backends import backend_for
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
-from crucible.shared import bus, rpc
-from crucible.shared.procs import free_port, stop_processes
+from crucible.shared import bus, integrity, rpc
+from crucible.shared.procs import free_port
 from crucible.shared.settings import Settings
 from crucible.v1 import alert_pb2
 
 STALL_S = 20.0  # no new version for this long: the learner is short of samples; feed it more tasks
-SERVICES = ("control", "sandbox_executor", "verifier", "reward_aggregator", "learner", "generator", "evaluator")
 
 
 @dataclass
@@ -75,17 +74,16 @@ def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, s
 
 
 class Run:
-    def __init__(self, settings: Settings, recipe: Recipe, echo=print, name: str = "train"):
+    def __init__(self, settings: Settings, recipe: Recipe, echo=print, name: str = "train", run_id: str = ""):
         self.recipe = recipe
-        self.run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.run_id = run_id or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.published = 0  # training tasks published so far (a resumed run starts past the earlier ones)
         self.settings = settings.model_copy(update={
             **recipe.run_config().model_dump(), "run_id": self.run_id, "topic_prefix": f"crucible.{self.run_id}.",
             "consumer_group_prefix": f"crucible-{self.run_id}-",
         })
         self.dir = settings.home / "runs" / self.run_id
-        self.processes: dict[str, subprocess.Popen] = {}
-        self.restarts: dict[str, int] = {}       # service -> times started again
-        self.restart_at: dict[str, float] = {}   # service -> not before (monotonic), the backoff
+        self.services = Services(self.dir, {}, echo)
         self.heldout: list = []
         self.echo = echo
         self.verifier_address = ""
@@ -112,60 +110,58 @@ class Run:
             "CRUCIBLE_GENERATOR_GRPC_PORT": str(ports["generator"]),
             "CRUCIBLE_LEARNER_GRPC_PORT": str(ports["learner"]),
             "CRUCIBLE_SANDBOX_WORKERS": "1",
-            "CRUCIBLE_METRICS_PORT": "0",  # each service its own free port, written to metrics/<service>.port
         }
         self.verifier_address = f"127.0.0.1:{ports['verifier']}"
         self.sandbox_address = f"127.0.0.1:{ports['sandbox']}"
-        self.env = service_env(s, run_settings)
-        for name in names:
-            self.start_service(name)
+        self.services.env = service_env(s, run_settings)
+        self.services.start_all(names)
         self.echo(f"      services started: {', '.join(names)} (logs in {self.dir / 'logs'})")
 
     def start_service(self, name: str) -> None:
         """Starts (or starts again) one service of the run as a process, logging to logs/<name>.log."""
-        logs = self.dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", f"crucible.services.{name}"]
-        if name == "sandbox_executor" and os.geteuid() != 0:
-            args.append("--allow-weak-isolation")  # not root: results name what is missing
-        with open(logs / f"{name}.log", "ab") as log:
-            env = {**self.env, "CRUCIBLE_METRICS_PORT_FILE": str(self.metrics_port_file(name))}
-            self.processes[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                    stdin=subprocess.DEVNULL)
+        self.services.start(name)
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return self.services.processes
 
     def metrics_port_file(self, name: str) -> Path:
         """Where service `name` writes the port of its Prometheus /metrics endpoint."""
-        return self.dir / "metrics" / f"{name}.port"
-
-    MAX_RESTARTS = 5
+        return self.services.metrics_port_file(name)
 
     def check_services(self) -> None:
-        """A service that died is started again: its state is on the log and in checkpoints, so the run
-        goes on. It waits 1, 2, 4, ... s between restarts; one that dies MAX_RESTARTS times stops the
-        run with its log's tail."""
-        now = time.monotonic()
-        for name, proc in list(self.processes.items()):
-            if proc.poll() is None:
-                continue
-            restarts = self.restarts.get(name, 0)
-            if restarts >= self.MAX_RESTARTS:
-                tail = (self.dir / "logs" / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
-                raise RuntimeError(f"service {name} exited with {proc.returncode} after {restarts} restarts:\n"
-                                   + "\n".join(tail))
-            if now < self.restart_at.get(name, 0.0):
-                continue
-            self.restarts[name] = restarts + 1
-            self.restart_at[name] = now + 2 ** restarts
-            self.echo(f"      service {name} exited with {proc.returncode}; starting it again "
-                      f"({restarts + 1} of at most {self.MAX_RESTARTS})")
-            self.start_service(name)
+        """A service that died is started again (local/services.py); one that keeps dying stops the run."""
+        self.services.check()
 
     def stop_services(self) -> None:
-        stop_processes(list(self.processes.values()), timeout=20)
+        self.services.stop()
 
 
-async def train(settings: Settings, recipe: Recipe, echo=print) -> TrainReport:
-    run = Run(settings, recipe, echo)
+class ResumeError(ValueError):
+    """A run that cannot be resumed; the text says why."""
+
+
+RUN_STATE = "run.json"  # in the run's folder: what `--resume` needs (the recipe, the start, the first evaluation)
+
+
+def resumable(settings: Settings, run_id: str) -> Recipe:
+    """The recipe of the stopped run `run_id`, as it ran."""
+    state_file = settings.home / "runs" / run_id / RUN_STATE
+    if not state_file.exists():
+        runs = sorted(p.name for p in (settings.home / "runs").glob("*") if (p / RUN_STATE).exists())
+        raise ResumeError(f"no resumable run {run_id!r} under {settings.home / 'runs'}"
+                          + (f" (resumable: {', '.join(runs[-5:])})" if runs else " (none is resumable)")
+                          + "; a run is resumable once its first held-out evaluation is done")
+    state = json.loads(state_file.read_text())
+    recipe = Recipe.model_validate(state["recipe"])
+    recipe.source = Path(state["recipe_source"]) if state.get("recipe_source") else None
+    return recipe
+
+
+async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = "") -> TrainReport:
+    """A whole run; with `resume`, the stopped run of that id goes on from its newest checkpoint, its
+    consumers from their committed offsets, and the task feed from where it stopped."""
+    run = Run(settings, recipe, echo, run_id=resume)
     s = run.settings
     report = TrainReport(run.run_id)
     train_tasks, heldout = task_sources.streams(
@@ -174,19 +170,40 @@ async def train(settings: Settings, recipe: Recipe, echo=print) -> TrainReport:
         heldout_file=recipe.path(recipe.heldout.file) if recipe.heldout.file else None,
         heldout_size=recipe.heldout.size, base=recipe.source.parent if recipe.source else Path.cwd())
     run.train_tasks, run.heldout = train_tasks, heldout
+    secret = integrity.key(s)
+    for task in heldout:  # scored here, through the run's verifier, which wants them signed
+        integrity.sign_task(task, secret)
 
-    init = await _initial_policy(run, settings)
-    await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts",
-                             "heldout", "evaluations", "actions", "observations", "episodes"], settings=s)
-    async with bus.Producer(s) as producer:  # for the evaluator; the generator would refuse them as tasks
-        for task in heldout:
-            await producer.send("heldout", task, key=task.id)
-        await producer.flush()
+    if resume:
+        state = json.loads((run.dir / RUN_STATE).read_text())
+        left = stop_recorded(run.dir)
+        if left:
+            echo(f"      stopped what the interrupted run left running: {', '.join(left)}")
+        init = Path(state["init"])
+        report.heldout_before = state["heldout_before"]
+        # The task stream is the seed's: skip what the stopped run published (the generator has it).
+        run.published = await bus.published("tasks", settings=s)
+        for _ in range(run.published):
+            next(train_tasks)
+        echo(f"[1/5] resuming run {run.run_id}: {run.published} training tasks were published before")
+    else:
+        init = await _initial_policy(run, settings)
+        await bus.ensure_topics(["tasks", "rollouts", "executions", "verdicts", "trajectories", "policy", "alerts",
+                                 "heldout", "evaluations", "actions", "observations", "episodes"], settings=s)
+        async with bus.Producer(s) as producer:  # for the evaluator; the generator would refuse them as tasks
+            for task in heldout:
+                await producer.send("heldout", task, key=task.id)
+            await producer.flush()
     echo(f"[2/5] starting the services for run {run.run_id}")
     run.start_services(init.as_uri())
     try:
         await rpc.wait_serving(run.verifier_address, "crucible.v1.Verifier", timeout=120)
-        report.heldout_before = await heldout_pass_rate(run, init, heldout)
+        if not resume:
+            report.heldout_before = await heldout_pass_rate(run, init, heldout)
+            (run.dir / RUN_STATE).write_text(json.dumps({
+                "run_id": run.run_id, "recipe": recipe.model_dump(mode="json"),
+                "recipe_source": str(recipe.source) if recipe.source else "", "init": str(init),
+                "heldout_before": report.heldout_before}, indent=1))
         echo(f"[3/5] held-out pass rate before RL: {report.heldout_before:.3f} "
              f"({len(heldout)} tasks never trained on)")
         await _feed_and_follow(run, report)
@@ -194,6 +211,10 @@ async def train(settings: Settings, recipe: Recipe, echo=print) -> TrainReport:
                      key=lambda p: p.name)
         report.checkpoint = str(latest)
         report.heldout_after = await heldout_pass_rate(run, latest, heldout)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        if (run.dir / RUN_STATE).exists():
+            echo(f"interrupted; go on with: crucible train --resume {run.run_id}")
+        raise
     finally:
         run.stop_services()
     echo(f"[5/5] held-out pass rate after RL: {report.heldout_after:.3f} (before: {report.heldout_before:.3f}); "
@@ -250,7 +271,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False)
     await alerts.start()
     started = time.monotonic()
-    published = 0
+    published = run.published
     version = -1
     last_step_ms = []
     # Steps' worth of tasks fed beyond the lag bound because the learner stalled: samples lost with a

@@ -654,4 +654,23 @@ async def ensure_topics(
         await admin.close()
 
 
+async def published(name: str, *, settings: Settings | None = None) -> int:
+    """How many records were ever written to topic `name` (its end offsets, summed over partitions);
+    0 for a topic that does not exist."""
+    settings = settings or get_settings()
+    full = settings.topic(name)
+    reader = AIOKafkaConsumer(**connection(settings), enable_auto_commit=False)
+    await reader.start()
+    try:
+        if full not in await reader.topics():  # also fetches every topic's partitions
+            return 0
+        partitions = reader.partitions_for_topic(full)
+        if not partitions:
+            return 0
+        ends = await reader.end_offsets([TopicPartition(full, p) for p in partitions])
+        return sum(ends.values())
+    finally:
+        await reader.stop()
+
+
 STANDARD_TOPICS = tuple(messages.TOPIC_SCHEMAS)

@@ -132,7 +132,7 @@ async def test_tool_calls_are_carried_out_once_when_the_executor_dies_in_the_mid
     s = run.settings
     await bus.ensure_topics(["actions", "observations", "episodes", "rollouts", "executions"], settings=s)
     run.start_services("", ())
-    run.env["CRUCIBLE_SANDBOX_WORKERS"] = "2"
+    run.services.env["CRUCIBLE_SANDBOX_WORKERS"] = "2"
     run.start_service("sandbox_executor")
     env = envs.get("python")
     task = next(env.generate("train", seed=3, group_size=8))

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from crucible.cli import recipe as recipes
-from crucible.cli.train import train
+from crucible.cli.train import resumable, train
 from crucible.shared import store
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
@@ -81,3 +81,59 @@ async def test_a_run_survives_its_services_being_killed_one_after_another(stack_
     versions = [v for (v,) in client.query("SELECT DISTINCT version FROM policy_versions FINAL "
                                            "WHERE run_id = {r:String} ORDER BY version", parameters=run).result_rows]
     assert versions == list(range(versions[0], versions[-1] + 1)) and versions[-1] >= recipe.budget.steps, versions
+    assert_trained_once(client, report.run_id, recipe.budget.steps)
+
+
+def assert_trained_once(client, run_id: str, steps: int) -> None:
+    """Every step 1..steps has its row, and no sample id is in two steps' rows (FINAL: a step redone
+    after a crash replaced its row)."""
+    run = {"r": run_id}
+    recorded = [s for (s,) in client.query("SELECT step FROM train_steps FINAL WHERE run_id = {r:String} "
+                                           "ORDER BY step", parameters=run).result_rows]
+    assert recorded == list(range(1, recorded[-1] + 1)) and recorded[-1] >= steps, recorded
+    twice = client.query("SELECT id, count() AS n FROM (SELECT arrayJoin(samples) AS id FROM train_steps FINAL "
+                         "WHERE run_id = {r:String}) GROUP BY id HAVING n > 1 LIMIT 5", parameters=run).result_rows
+    if twice:
+        where = client.query("SELECT step, policy_version FROM train_steps FINAL WHERE run_id = {r:String} AND "
+                             "has(samples, {i:String}) ORDER BY step", parameters={**run, "i": twice[0][0]}).result_rows
+        rows = client.query("SELECT policy_version, reward, created_at FROM trajectories WHERE run_id = {r:String} "
+                            "AND concat(group_id, '/', toString(sample_index)) = {i:String}",
+                            parameters={**run, "i": twice[0][0]}).result_rows
+        raise AssertionError(f"trained twice: {twice}; {twice[0][0]} in steps {where}; stored as {rows}")
+    trained = client.query("SELECT sum(length(samples)) FROM train_steps FINAL WHERE run_id = {r:String}",
+                           parameters=run).result_rows[0][0]
+    assert trained >= steps * 16 * 8, trained
+
+
+@pytest.mark.timeout(600)
+async def test_a_stopped_run_resumes_where_it_stopped(stack_settings, tmp_path):
+    """Stopped after 3 steps (Ctrl-C), `crucible train --resume RUN` goes on to the budget: versions
+    without a gap, no sample trained twice, the task feed past what was published before."""
+    settings = stack_settings.model_copy(update={"home": tmp_path})
+    recipe = recipes.builtin()
+    recipe.budget.steps, recipe.budget.minutes = 6, 8
+    lines: list[str] = []
+    first = asyncio.create_task(train(settings, recipe, echo=lines.append))
+    while sum(1 for line in lines if line.lstrip().startswith("step ")) < 3:
+        assert not first.done(), lines[-20:]
+        await asyncio.sleep(0.2)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    hint = [line for line in lines if "--resume" in line]
+    assert hint, lines[-10:]
+    run_id = hint[-1].split("--resume ")[1].strip()
+    client = store.connect(settings)
+    stopped_at = client.query("SELECT max(version) FROM policy_versions FINAL WHERE run_id = {r:String}",
+                              parameters={"r": run_id}).result_rows[0][0]
+    assert 3 <= stopped_at < 6
+
+    resumed_lines: list[str] = []
+    report = await train(settings, resumable(settings, run_id), echo=resumed_lines.append, resume=run_id)
+    assert report.run_id == run_id and report.steps == 6, resumed_lines[-20:]
+    assert any("training tasks were published before" in line for line in resumed_lines), resumed_lines[:5]
+    versions = [v for (v,) in client.query("SELECT DISTINCT version FROM policy_versions FINAL "
+                                           "WHERE run_id = {r:String} ORDER BY version",
+                                           parameters={"r": run_id}).result_rows]
+    assert versions == list(range(1, versions[-1] + 1)) and versions[-1] >= 6, versions
+    assert_trained_once(client, run_id, 6)

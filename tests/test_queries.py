@@ -81,7 +81,7 @@ def filled(store_client):
     store_client.insert("otel_traces", [span_row(s) for s in spans], column_names=SPAN_COLUMNS)
     pv = policy_pb2.PolicyVersion(run_id="run-1", version=1, step=1, checkpoint_uri="file:///x",
                                   metrics=policy_pb2.StepMetrics(reward_mean=0.5, kl=0.01, step_ms=12.0))
-    record_step(store_client, pv, {"loss": 0.1})
+    record_step(store_client, pv, {"loss": 0.1}, ["t1"])
     message = evaluation_pb2.Evaluation(run_id="run-1", policy_version=1, tasks=4, passed=3, pass_rate=0.75,
                                         by_kind={"lookup": evaluation_pb2.KindResult(tasks=4, passed=3)})
     message.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))

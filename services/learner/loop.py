@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from collections import Counter, deque
 
 from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
@@ -94,6 +95,28 @@ def policy_message(settings: Settings, trainer: Trainer, uri: str, result: StepR
     return pv
 
 
+class RecentIds:
+    """The sample ids of the last steps, at least MIN_STEPS of them and otherwise at most MAX_IDS ids."""
+
+    MIN_STEPS, MAX_IDS = 8, 1 << 16
+
+    def __init__(self, steps: list[list[str]]):
+        self._steps: deque[list[str]] = deque(steps)
+        self._ids = {i for step in steps for i in step}
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self._ids
+
+    def add(self, ids: list[str]) -> None:
+        self._steps.append(ids)
+        self._ids.update(ids)
+        while len(self._steps) > self.MIN_STEPS and len(self._ids) > self.MAX_IDS:
+            self._ids.difference_update(self._steps.popleft())
+
+    def steps(self) -> list[list[str]]:
+        return list(self._steps)
+
+
 class Learner:
     def __init__(self, settings: Settings, store_client, producer: bus.Producer, trainer: Trainer, meta: dict,
                  on_publish=None):
@@ -102,16 +125,21 @@ class Learner:
         self.producer = producer
         self.trainer = trainer
         self.reference_uri = meta["reference_uri"]
+        self.step_record = meta.get("step_record")  # the checkpoint's step, for its rows
         self.topic = settings.topic(TOPIC)
         saved = {int(p): o for p, o in meta.get("offsets", {}).items()}
         self.reader = bus.Reader([TOPIC], settings.consumer_group_prefix + "learner", settings=settings,
                                  producer=producer, offsets={TOPIC: saved})
         # Samples trained on that sit past the saved positions (a restart re-reads them): id -> (partition, offset).
         self.trained_past: dict[str, tuple[int, int]] = {i: (-1, -1) for i in meta.get("trained_ids_past_offsets", [])}
+        # The ids each recent step trained on: a sample published again (the aggregator delivers at least
+        # once, and replays what it had not committed when it stopped) is not trained on twice.
+        self.recent = RecentIds(meta.get("recent_trained_ids", []))
         # Held-out pass rates from the evaluator, for the health monitor (reward rising, held-out not).
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
                                       offsets={"evaluations": {}}, dead_letters=False)
         self.buffer = GroupBuffer()
+        self.duplicates = 0  # samples not buffered because they were trained on already
         self.monitor = HealthMonitor(settings.run_id, kl_limit=settings.detect_kl_limit,
                                      entropy_floor=settings.detect_entropy_floor,
                                      reward_gain=settings.detect_reward_gain,
@@ -123,7 +151,12 @@ class Learner:
         async with self.reader, self.evaluations:
             start_uri = checkpoints.version_dir(self.settings, self.trainer.version).as_uri()
             # Hashing (and uploading, with a remote checkpoint base) takes a while: off the event loop.
-            await self._publish(await asyncio.to_thread(policy_message, self.settings, self.trainer, start_uri, None))
+            record = self.step_record
+            last = StepResult(True, record["metrics"], Counter(record["skipped"])) if record else None
+            pv = await asyncio.to_thread(policy_message, self.settings, self.trainer, start_uri, last)
+            await self._publish(pv)
+            if record:  # killed after its checkpoint, the last step may not have its rows yet: write them (again)
+                await asyncio.to_thread(record_step, self.store, pv, record["metrics"], record["samples"])
             log.info("learner ready: run %s, version %d, %d groups per step, objective %s", self.settings.run_id,
                      self.trainer.version, self.settings.groups_per_step, self.settings.objective)
             while not stop.is_set():
@@ -136,9 +169,12 @@ class Learner:
                     if problem:
                         await self.reader.reject(incoming, problem)
                         continue
-                    if incoming.message.id not in self.trained_past:  # else: trained on before the restart
-                        self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
-                                                 incoming.offset, incoming.context))
+                    sample_id = incoming.message.id
+                    if sample_id in self.trained_past or sample_id in self.recent:
+                        self.duplicates += 1  # trained on already: read again after a restart, or published twice
+                        continue
+                    self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
+                                             incoming.offset, incoming.context))
                 ready = self.buffer.ready()
                 per_step = self.settings.groups_per_step
                 while len(ready) >= per_step:
@@ -169,13 +205,17 @@ class Learner:
         self.trained_past.update({m.sample.id: (m.partition, m.offset) for m in taken})
         self.trained_past = {i: (p, o) for i, (p, o) in self.trained_past.items()
                              if p < 0 or o >= positions.get((self.topic, p), 0)}
+        samples = [m.sample.id for m in taken]
+        self.recent.add(samples)
+        record = {"metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
+                  "skipped": dict(result.skipped), "samples": samples}
         folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
                                          {p: o for (t, p), o in positions.items() if t == self.topic},
-                                         sorted(self.trained_past), self.reference_uri)
+                                         sorted(self.trained_past), self.reference_uri, record, self.recent.steps())
         pv = await asyncio.to_thread(policy_message, self.settings, trainer, folder.as_uri(), result)
         await self._publish(pv)
         observe_step(result.metrics)
-        await asyncio.to_thread(record_step, self.store, pv, result.metrics)
+        await asyncio.to_thread(record_step, self.store, pv, result.metrics, samples)
         for alert in self.monitor.check(trainer.step_count, trainer.version, result.metrics):
             log.warning("alert %s: %s", alert.kind, alert.message)
             await self.producer.send_and_wait("alerts", alert, key=alert.kind)
@@ -183,8 +223,9 @@ class Learner:
         await self.reader.commit(positions)
         m = result.metrics
         log.info("step %d -> version %d: reward %.3f pass %.3f loss %.4f kl %.4f mismatch-kl %.2e (%d samples, "
-                 "skipped %s, %.0f ms)", trainer.step_count, trainer.version, m["reward_mean"], m["pass_rate"],
-                 m["loss"], m["kl"], m.get("mismatch_kl", 0.0), m["samples"], dict(result.skipped), m["step_ms"])
+                 "skipped %s, %.0f ms; %d duplicates not trained again so far)", trainer.step_count, trainer.version,
+                 m["reward_mean"], m["pass_rate"], m["loss"], m["kl"], m.get("mismatch_kl", 0.0), m["samples"],
+                 dict(result.skipped), m["step_ms"], self.duplicates)
 
     async def _publish(self, pv: policy_pb2.PolicyVersion) -> None:
         await self.producer.send_and_wait("policy", pv, key=self.settings.run_id)

@@ -1,0 +1,125 @@
+"""Crucible's services as processes on this machine: started, watched, started again when one dies.
+
+One `Services` keeps a set of them (a run's, under `crucible train`, or the standing deployment of
+`crucible up`): each logs to <folder>/logs/<name>.log and writes its metrics port to
+<folder>/metrics/<name>.port; <folder>/services.json names the live process of each, for
+operators and for a resumed run, which stops what an interrupted one left running.
+
+A service that exits is started again after a backoff of 1, 2, 4, ... s (at most MAX_BACKOFF_S);
+its state is on the log and in checkpoints, so the work goes on. The backoff starts over once a
+service has stayed up for SETTLED_S. With `max_restarts`, a service that dies that many times in
+a row raises ServiceFailed with its log's tail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from crucible.shared.procs import pid_alive, stop_processes
+
+SERVICES = ("control", "sandbox_executor", "verifier", "reward_aggregator", "learner", "generator", "evaluator")
+MAX_BACKOFF_S = 60.0
+SETTLED_S = 60.0
+
+
+class ServiceFailed(RuntimeError):
+    """A service kept dying; the text has its exit code and the tail of its log."""
+
+
+class Services:
+    def __init__(self, folder: Path, env: dict[str, str], echo=print, max_restarts: int | None = 5):
+        self.folder, self.env, self.echo, self.max_restarts = folder, env, echo, max_restarts
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.started_at: dict[str, float] = {}
+        self.failures: dict[str, int] = {}       # service -> restarts since it last stayed up SETTLED_S
+        self.restarts: dict[str, int] = {}       # service -> restarts in all
+        self.restart_at: dict[str, float] = {}   # service -> not before (monotonic)
+
+    def log_file(self, name: str) -> Path:
+        return self.folder / "logs" / f"{name}.log"
+
+    def metrics_port_file(self, name: str) -> Path:
+        """Where service `name` writes the port of its Prometheus /metrics endpoint."""
+        return self.folder / "metrics" / f"{name}.port"
+
+    def start(self, name: str) -> None:
+        """Starts (or starts again) one service as a process."""
+        self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", f"crucible.services.{name}"]
+        if name == "sandbox_executor" and os.geteuid() != 0:
+            args.append("--allow-weak-isolation")  # not root: results name what is missing
+        env = {**self.env, "CRUCIBLE_METRICS_PORT": "0",  # any free port, written to the port file
+               "CRUCIBLE_METRICS_PORT_FILE": str(self.metrics_port_file(name))}
+        with open(self.log_file(name), "ab") as log:
+            self.processes[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.DEVNULL)
+        self.started_at[name] = time.monotonic()
+        self._record()
+
+    def start_all(self, names: tuple[str, ...] = SERVICES) -> None:
+        for name in names:
+            self.start(name)
+
+    def check(self) -> list[str]:
+        """Starts again every service that exited and whose backoff has passed; returns their names."""
+        now = time.monotonic()
+        started = []
+        for name, proc in list(self.processes.items()):
+            if proc.poll() is None:
+                if now - self.started_at[name] >= SETTLED_S:
+                    self.failures[name] = 0
+                continue
+            failures = self.failures.get(name, 0)
+            if self.max_restarts is not None and failures >= self.max_restarts:
+                tail = self.log_file(name).read_text(errors="replace").splitlines()[-15:]
+                raise ServiceFailed(f"service {name} exited with {proc.returncode} after {failures} restarts:\n"
+                                    + "\n".join(tail))
+            if name not in self.restart_at:
+                self.restart_at[name] = now + min(2.0 ** failures, MAX_BACKOFF_S) - 1  # the first at once
+                self.echo(f"      service {name} exited with {proc.returncode}; starting it again"
+                          + (f" in {self.restart_at[name] - now:.0f}s" if self.restart_at[name] > now else ""))
+            if now < self.restart_at[name]:
+                continue
+            del self.restart_at[name]
+            self.failures[name] = failures + 1
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            self.start(name)
+            started.append(name)
+        return started
+
+    def stop(self, timeout: float = 20.0) -> None:
+        stop_processes(list(self.processes.values()), timeout=timeout)
+        self._record()
+
+    def _record(self) -> None:
+        live = {name: proc.pid for name, proc in self.processes.items() if proc.poll() is None}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "services.json").write_text(json.dumps(live, indent=1))
+
+
+def recorded(folder: Path) -> dict[str, int]:
+    """The services `folder/services.json` names that still run (their command line says so)."""
+    try:
+        named = json.loads((folder / "services.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    alive = {}
+    for name, pid in named.items():
+        try:
+            cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"crucible.services.{name}".encode() in cmdline and pid_alive(int(pid)):
+            alive[name] = int(pid)
+    return alive
+
+
+def stop_recorded(folder: Path, timeout: float = 20.0) -> list[str]:
+    """Stops what an earlier Services in `folder` left running (a `crucible train` that was killed)."""
+    alive = recorded(folder)
+    stop_processes(list(alive.values()), timeout=timeout)
+    return sorted(alive)
