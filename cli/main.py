@@ -71,12 +71,57 @@ def ensure_stack(settings: Settings) -> list:
 
 
 def cmd_up(args, settings: Settings) -> int:
-    from crucible.local.stack import kafka, store
+    """Starts the broker and the store (background processes, unless something already answers at
+    their addresses), then, in the foreground, every service, each started again when it dies,
+    until Ctrl-C or SIGTERM stops them."""
+    import signal
 
-    took = kafka(settings).start(echo=echo)
-    echo(f"Kafka on {settings.kafka_bootstrap} ({took:.1f}s)")
-    took = store(settings).start(echo=echo)
-    echo(f"store on {settings.clickhouse_url} ({took:.1f}s)")
+    from crucible.local.services import SERVICES, Services, stop_recorded
+    from crucible.local.stack import kafka, store
+    from crucible.shared import bus
+    from crucible.shared.procs import answers
+
+    if answers(settings.kafka_bootstrap):
+        echo(f"Kafka answers on {settings.kafka_bootstrap}")
+    else:
+        took = kafka(settings).start(echo=echo)
+        echo(f"Kafka on {settings.kafka_bootstrap} ({took:.1f}s)")
+    if answers(settings.clickhouse_url):
+        echo(f"store answers on {settings.clickhouse_url}")
+    else:
+        took = store(settings).start(echo=echo)
+        echo(f"store on {settings.clickhouse_url} ({took:.1f}s)")
+    names = SERVICES if args.services is None else tuple(n for n in args.services.split(",") if n)
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown:
+        echo(f"unknown service(s) {', '.join(unknown)}: the services are {', '.join(SERVICES)}")
+        return 2
+    if not names:
+        return 0
+    folder = settings.home / "up"
+    left = stop_recorded(folder)
+    if left:
+        echo(f"stopped what an earlier `crucible up` left running: {', '.join(left)}")
+    asyncio.run(bus.ensure_topics(bus.STANDARD_TOPICS, settings=settings))
+    env = {**os.environ, "CRUCIBLE_HOME": str(settings.home), "CRUCIBLE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+           "CRUCIBLE_CLICKHOUSE_URL": settings.clickhouse_url}
+    services = Services(folder, env, echo=echo, max_restarts=None)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        services.start_all(names)
+        echo(f"services up: {', '.join(names)} (logs in {folder / 'logs'}); each is started again when it "
+             "dies; Ctrl-C stops them (the broker and the store stay up: `crucible down`)")
+        while True:
+            services.check()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        echo("stopping the services")
+    finally:
+        services.stop()
     return 0
 
 
@@ -410,7 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("action", choices=["start", "stop", "status"])
         p.set_defaults(func=func)
-    sub.add_parser("up", help="start Kafka and the store").set_defaults(func=cmd_up)
+    p = sub.add_parser("up", help="start Kafka and the store, then run the services in the foreground, each "
+                       "started again when it dies (Ctrl-C stops them)")
+    p.add_argument("--services", metavar="A,B", help="only these services (comma-separated; empty: none, "
+                   "only the broker and the store)")
+    p.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop the store and Kafka").set_defaults(func=cmd_down)
     p = sub.add_parser("demo", help="start the stack, submit a task, show it consumed and stored")
     p.add_argument("--keep", action="store_true", help="leave Kafka and the store running afterwards")

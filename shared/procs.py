@@ -17,6 +17,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at `address` (host:port, or a URL with one)."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(address if "://" in address else f"tcp://{address.split(',')[0]}")
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie child of ours is reaped and counts as gone)."""
     try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -14,7 +16,9 @@ import pytest
 
 from crucible.cli import recipe as recipes
 from crucible.cli.train import resumable, train
-from crucible.shared import store
+from crucible.local.services import SERVICES, recorded
+from crucible.shared import rpc, store
+from crucible.shared.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
 VICTIMS = ("generator", "verifier", "sandbox_executor", "learner", "reward_aggregator")
@@ -137,3 +141,44 @@ async def test_a_stopped_run_resumes_where_it_stopped(stack_settings, tmp_path):
                                            parameters={"r": run_id}).result_rows]
     assert versions == list(range(1, versions[-1] + 1)) and versions[-1] >= 6, versions
     assert_trained_once(client, run_id, 6)
+
+
+@pytest.mark.timeout(300)
+async def test_crucible_up_runs_every_service_and_starts_a_killed_one_again(stack_settings, tmp_path):
+    s = stack_settings
+    ports = {name: free_port() for name in ("control", "sandbox", "verifier", "generator", "learner")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRUCIBLE_")}
+    env.update({
+        "CRUCIBLE_HOME": str(tmp_path), "CRUCIBLE_KAFKA_BOOTSTRAP": s.kafka_bootstrap,
+        "CRUCIBLE_CLICKHOUSE_URL": s.clickhouse_url, "CRUCIBLE_CLICKHOUSE_DATABASE": s.clickhouse_database,
+        "CRUCIBLE_TOPIC_PREFIX": s.topic_prefix, "CRUCIBLE_CONSUMER_GROUP_PREFIX": s.consumer_group_prefix,
+        "CRUCIBLE_SANDBOX_WORKERS": "1", "CRUCIBLE_VERIFIER_SANDBOX_TARGET": f"127.0.0.1:{ports['sandbox']}",
+        "CRUCIBLE_EVALUATOR_VERIFIER_TARGET": f"127.0.0.1:{ports['verifier']}",
+        **{f"CRUCIBLE_{name.upper()}_GRPC_PORT": str(port) for name, port in ports.items()},
+    })
+    up = subprocess.Popen([sys.executable, "-m", "crucible.cli.main", "up"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    serving = {"verifier": "crucible.v1.Verifier", "sandbox": "crucible.v1.Sandbox"}
+    try:
+        for name, service in serving.items():
+            await rpc.wait_serving(f"127.0.0.1:{ports[name]}", service, timeout=120)
+        deadline = time.monotonic() + 60
+        while len(recorded(tmp_path / "up")) < len(SERVICES):
+            assert time.monotonic() < deadline and up.poll() is None, recorded(tmp_path / "up")
+            await asyncio.sleep(0.2)
+        before = recorded(tmp_path / "up")
+        os.kill(before["verifier"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while recorded(tmp_path / "up").get("verifier") in (None, before["verifier"]):
+            assert time.monotonic() - killed_at < 60, "the verifier was not started again"
+            await asyncio.sleep(0.1)
+        await rpc.wait_serving(f"127.0.0.1:{ports['verifier']}", serving["verifier"], timeout=60)
+        print(f"verifier serving again {time.monotonic() - killed_at:.1f}s after SIGKILL")
+        assert {k: v for k, v in recorded(tmp_path / "up").items() if k != "verifier"} == \
+            {k: v for k, v in before.items() if k != "verifier"}  # the others were left alone
+    finally:
+        up.send_signal(signal.SIGTERM)
+        out = up.communicate(timeout=60)[0].decode()
+    assert up.returncode == 0, out[-2000:]
+    assert "starting it again" in out and "stopping the services" in out, out[-2000:]
+    assert recorded(tmp_path / "up") == {}, "services outlived crucible up"
