@@ -9,6 +9,19 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a run id names folders, topics and consumer groups
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why `run_id` cannot name a run (a caller's, in a request), or None."""
+    import re
+
+    if re.fullmatch(RUN_ID_PATTERN[1:-1], run_id):
+        return None
+    return (f"run id {run_id[:80]!r}{'...' if len(run_id) > 80 else ''} is not a run id: letters, digits, '.', '_' "
+            "and '-', at most 128, starting with a letter or digit")
+
+
 class RunConfig(BaseModel):
     """What a training run decides, each with its one default: sampling, the algorithm and its
     hyperparameters, rewards. Every service reads the fields it needs from here (through Settings,
@@ -16,7 +29,8 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run_id: str = Field(default="local", description="Names the training run in stored rows and checkpoints.")
+    run_id: str = Field(default="local", pattern=RUN_ID_PATTERN,
+                        description="Names the training run in stored rows and checkpoints.")
     seed: int = Field(default=0, description="Seeds the initial policy (when no init_checkpoint) and sampling.")
     init_checkpoint: str | None = Field(default=None, description="Starting weights of the policy and the frozen "
                                         "KL reference: a checkpoint folder or file:// URI, the built-in policy's or "

@@ -16,6 +16,14 @@ from crucible.shared.settings import Settings
 
 pytest_plugins = ["tests.fixtures_store", "tests.checkout_guard"]
 
+# Hypothesis keeps its example database and caches in a folder of its own: a temporary one, never
+# the checkout (tests leave it as they found it).
+import tempfile  # noqa: E402
+
+from hypothesis import configuration as _hypothesis_configuration  # noqa: E402
+
+_hypothesis_configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="crucible-hypothesis-"))
+
 
 SASL_USER, SASL_PASSWORD = "crucible-test", "sasl-pw-8c1e"  # the session broker's SASL/PLAIN login
 

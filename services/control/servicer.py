@@ -8,7 +8,7 @@ import grpc
 from crucible.v1 import control_pb2, control_pb2_grpc
 from crucible.services.control.handler import prepare_submission
 from crucible.shared import bus, rpc
-from crucible.shared.settings import Settings
+from crucible.shared.settings import Settings, run_id_problem
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
@@ -39,6 +39,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         newest policy version; NOT_FOUND for a run the store has nothing of."""
         if self.store is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
+        if request.run_id and (problem := run_id_problem(request.run_id)):
+            await rpc.abort_invalid(context, problem)
         run_id = request.run_id or self.settings.run_id
 
         def counts():
@@ -63,6 +65,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
         if request.limit > 10_000:
             await rpc.abort_invalid(context, f"limit {request.limit} is above 10000: page with min_policy_version")
+        for column in ("task_id", "group_id"):
+            if len(getattr(request, column)) > 512:
+                await rpc.abort_invalid(context, f"{column} is {len(getattr(request, column))} characters: at most 512")
         where, params = ["policy_version >= {v:UInt64}"], {"v": request.min_policy_version}
         for column in ("task_id", "group_id"):
             if getattr(request, column):

@@ -68,17 +68,18 @@ class Evaluator:
             return False
         return True
 
-    def take_task(self, task: task_pb2.Task) -> None:
+    def take_task(self, task: task_pb2.Task) -> str | None:
+        """Adds a held-out task to the set it scores; else says why it cannot (the record is dead-lettered)."""
         problems = task_problems(task, self.settings)
         try:
             integrity.check_task(task, self.secret)
         except integrity.IntegrityError as exc:
             problems.append(str(exc))
         if problems or not is_heldout(task):
-            log.warning("ignoring task %r on the held-out topic: %s", task.id,
-                        "; ".join(problems) or f"its split is {task.split!r}, not heldout")
-            return
+            return (f"task {task.id!r} on the held-out topic: "
+                    + ("; ".join(problems) or f"its split is {task.split!r}, not heldout"))
         self.tasks[task.id] = task
+        return None
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -91,7 +92,9 @@ class Evaluator:
                      s.evaluator_verifier_target)
             while not stop.is_set():
                 for incoming in await heldout.fetch(timeout_ms=100):
-                    self.take_task(incoming.message)
+                    problem = self.take_task(incoming.message)
+                    if problem:  # read again from the start after a restart: dead-lettered again then
+                        await heldout.reject(incoming, problem)
                 for incoming in await policy.fetch(timeout_ms=200):
                     if self.wants(incoming.message):
                         self.pending[incoming.message.version] = (incoming.message, incoming.context)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import grpc
 
+from crucible.shared import rpc
+from crucible.shared.settings import run_id_problem
 from crucible.v1 import policy_pb2, policy_pb2_grpc
 
 
@@ -15,6 +17,8 @@ class LearnerServicer(policy_pb2_grpc.LearnerServicer):
         self.current = pv
 
     async def GetPolicy(self, request: policy_pb2.GetPolicyRequest, context):
+        if request.run_id and (problem := run_id_problem(request.run_id)):
+            await rpc.abort_invalid(context, problem)
         if request.run_id and request.run_id != self.run_id:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"this learner trains run {self.run_id!r}, not {request.run_id!r}")
