@@ -484,3 +484,89 @@ def test_k8s_grafana_and_prometheus_mount_what_dashboards_generates_and_scrape_e
         if doc["kind"] == "Deployment" and doc["metadata"]["labels"].get(PART_OF) != "crucible-observability":
             labels = doc["spec"]["template"]["metadata"]["labels"]
             assert labels.get(PART_OF) == keep["regex"], f"{doc['metadata']['name']}: pods not scraped"
+
+
+# --- offline schema validation ---------------------------------------------------------------------
+
+K8S_VERSION = "1.33"  # the oldest Kubernetes the manifests promise to run on
+
+
+def test_k8s_every_manifest_is_valid_against_the_kubernetes_schema():
+    """Each object, strictly (an unknown or misspelt field is an error), against the OpenAPI schema of
+    its kind shipped in kubernetes-validate: no cluster needed. Custom resources (KEDA) have no schema
+    there and are checked for what they point at instead."""
+    kv = pytest.importorskip("kubernetes_validate")
+    deployments = {doc["metadata"]["name"] for _, doc in k8s_docs() if doc["kind"] == "Deployment"}
+    checked, problems = 0, []
+    for name, doc in k8s_docs():
+        if doc["kind"] == "Kustomization":
+            continue
+        if doc["apiVersion"].startswith("keda.sh/"):
+            target = doc["spec"]["scaleTargetRef"]["name"]
+            if target not in deployments:
+                problems.append(f"{name}: ScaledObject scales {target!r}, which no Deployment is")
+            continue
+        try:
+            kv.validate(doc, K8S_VERSION, strict=True)
+            checked += 1
+        except kv.ValidationError as exc:
+            problems.append(f"{name}: {doc['kind']}/{doc['metadata'].get('name')}: {exc.message} "
+                            f"at {'.'.join(str(p) for p in exc.path)}")
+    assert problems == [], "\n".join(problems)
+    assert checked >= 20, checked
+
+
+def test_kubernetes_validation_would_catch_a_misspelt_field():
+    kv = pytest.importorskip("kubernetes_validate")
+    deployment = next(doc for _, doc in k8s_docs() if doc["kind"] == "Deployment")
+    broken = yaml.safe_load(yaml.safe_dump(deployment))
+    broken["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, K8S_VERSION, strict=True)
+
+
+# The keys the Compose specification defines, at the top level and in a service (a misspelt key is
+# silently ignored by some engines and refused by others).
+COMPOSE_TOP = {"version", "name", "services", "networks", "volumes", "configs", "secrets", "include", "models"}
+COMPOSE_SERVICE = {
+    "annotations", "attach", "blkio_config", "build", "cap_add", "cap_drop", "cgroup", "cgroup_parent", "command",
+    "configs", "container_name", "cpu_count", "cpu_percent", "cpu_period", "cpu_quota", "cpu_rt_period",
+    "cpu_rt_runtime", "cpu_shares", "cpus", "cpuset", "credential_spec", "depends_on", "deploy", "develop",
+    "device_cgroup_rules", "devices", "dns", "dns_opt", "dns_search", "domainname", "entrypoint", "env_file",
+    "environment", "expose", "extends", "external_links", "extra_hosts", "gpus", "group_add", "healthcheck",
+    "hostname", "image", "init", "ipc", "isolation", "labels", "label_file", "links", "logging", "mac_address",
+    "mem_limit", "mem_reservation", "mem_swappiness", "memswap_limit", "models", "network_mode", "networks",
+    "oom_kill_disable", "oom_score_adj", "pid", "pids_limit", "platform", "ports", "post_start", "pre_stop",
+    "privileged", "profiles", "provider", "pull_policy", "read_only", "restart", "runtime", "scale", "secrets",
+    "security_opt", "shm_size", "stdin_open", "stop_grace_period", "stop_signal", "storage_opt", "sysctls",
+    "tmpfs", "tty", "ulimits", "use_api_socket", "user", "userns_mode", "uts", "volumes", "volumes_from",
+    "working_dir",
+}
+COMPOSE_HEALTHCHECK = {"test", "interval", "timeout", "retries", "start_period", "start_interval", "disable"}
+COMPOSE_DEPENDS_ON = {"condition", "restart", "required"}
+CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+
+
+def test_compose_uses_only_keys_the_compose_specification_defines():
+    spec = compose()
+    problems = [f"top-level {k!r}" for k in spec if k not in COMPOSE_TOP and not k.startswith("x-")]
+    named_volumes = set(spec.get("volumes") or {})
+    for name, svc in spec["services"].items():
+        problems += [f"{name}: {k!r}" for k in svc if k not in COMPOSE_SERVICE and not k.startswith("x-")]
+        if not ("image" in svc or "build" in svc):
+            problems.append(f"{name}: neither image nor build")
+        problems += [f"{name}: healthcheck {k!r}" for k in (svc.get("healthcheck") or {}) if k not in COMPOSE_HEALTHCHECK]
+        depends = svc.get("depends_on") or {}
+        for other, how in (depends.items() if isinstance(depends, dict) else ((d, {}) for d in depends)):
+            if other not in spec["services"]:
+                problems.append(f"{name}: depends on unknown service {other!r}")
+            problems += [f"{name}: depends_on.{other} {k!r}" for k in how if k not in COMPOSE_DEPENDS_ON]
+            if how.get("condition", "service_started") not in CONDITIONS:
+                problems.append(f"{name}: depends_on.{other} condition {how['condition']!r}")
+        for source in compose_mounts(svc).values():
+            if source and not source.startswith((".", "/", "~", "$")) and source not in named_volumes:
+                problems.append(f"{name}: mounts volume {source!r}, which `volumes:` does not declare")
+        for port in svc.get("ports") or []:
+            if not re.fullmatch(r"(\$\{[^}]+\}:|[\d.]+:)?\d+(:\d+)?(/(tcp|udp))?", str(port)):
+                problems.append(f"{name}: port {port!r}")
+    assert problems == [], problems
