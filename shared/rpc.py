@@ -218,12 +218,34 @@ def _traced(inner, method: str, parent):
     return unary
 
 
+DEPENDENCY_PROBE_S = 1.0
+
+
+async def _answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether `address` (host:port, a bootstrap list's first entry, or a URL) accepts a TCP connection."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(address if "://" in address else f"tcp://{address.split(',')[0].strip()}")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname or "127.0.0.1",
+                                                                   parsed.port or 80), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 class RpcServer:
     """A grpc.aio server exposing `services` plus grpc.health.v1 and reflection."""
 
     def __init__(self, services: Sequence[Service], host: str = "127.0.0.1", port: int = 0,
-                 security: Security | None = None):
+                 security: Security | None = None, depends_on: Sequence[tuple[str, str]] = ()):
+        """`depends_on`: (name, address) of what the service cannot work without (the broker, the
+        store): while one does not answer, every health status here is NOT_SERVING."""
         security = security or Security.of()
+        self.depends_on = list(depends_on)
+        self.unreachable: dict[str, str] = {}  # dependency -> its address, while it does not answer
+        self._probe: asyncio.Task | None = None
         if not security.token and not _loopback(host) and not security.allow_insecure:
             raise PermissionError(f"refusing to serve gRPC on {host} without a token: set CRUCIBLE_RPC_TOKEN (and "
                                   "CRUCIBLE_RPC_TLS_CERT/KEY), or CRUCIBLE_RPC_ALLOW_INSECURE=1 on a trusted network")
@@ -253,12 +275,35 @@ class RpcServer:
 
     async def start(self) -> "RpcServer":
         await self.server.start()
-        for name in ["", *(s.name for s in self.services)]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("gRPC serving %s on %s", [s.name for s in self.services], self.address)
+        if self.depends_on:
+            self._probe = asyncio.create_task(self._watch_dependencies())
         return self
 
+    async def _set_health(self, status) -> None:
+        for name in ["", *(s.name for s in self.services)]:
+            await self.health.set(name, status)
+
+    async def _watch_dependencies(self) -> None:
+        """Readiness: NOT_SERVING while a dependency does not accept connections, SERVING once all do."""
+        while True:
+            down = {}
+            for name, address in self.depends_on:
+                if not await _answers(address):
+                    down[name] = address
+            if down and not self.unreachable:
+                log.warning("not ready: %s not answering", ", ".join(f"{n} at {a}" for n, a in down.items()))
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            elif self.unreachable and not down:
+                log.info("ready again: %s answering", ", ".join(self.unreachable))
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self.unreachable = down
+            await asyncio.sleep(DEPENDENCY_PROBE_S)
+
     async def stop(self, grace: float = 2.0) -> None:
+        if self._probe:
+            self._probe.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 

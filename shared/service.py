@@ -40,3 +40,9 @@ async def run_until(stop: asyncio.Event, *work: Awaitable) -> None:
     for task in [waiter, *tasks]:
         task.cancel()
     await asyncio.gather(waiter, *tasks, return_exceptions=True)
+
+
+def dependencies(settings: Settings, *, store: bool = False) -> list[tuple[str, str]]:
+    """What a service cannot work without, for its readiness (rpc.RpcServer `depends_on`): the broker,
+    and the store for those that write to it."""
+    return [("kafka", settings.kafka_bootstrap)] + ([("store", settings.clickhouse_url)] if store else [])

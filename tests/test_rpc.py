@@ -164,3 +164,47 @@ async def test_run_status_is_of_the_run_asked_for(settings, store_client):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.GetRunStatus(control_pb2.RunStatusRequest(run_id="no-such-run"), timeout=10)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-run" in err.value.details()
+
+
+async def _status_becomes(address: str, want: str, service: str = "", within_s: float = 10.0) -> str:
+    import asyncio
+    import time
+
+    deadline, status = time.monotonic() + within_s, ""
+    while time.monotonic() < deadline:
+        status = await rpc.health_status(address, service)
+        if status == want:
+            return status
+        await asyncio.sleep(0.1)
+    return status
+
+
+async def test_health_is_not_serving_while_a_dependency_does_not_answer_and_serving_again_after():
+    import socket
+
+    def listen(port: int = 0) -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        return sock
+
+    broker, store = listen(), listen()
+    broker_port, store_port = broker.getsockname()[1], store.getsockname()[1]
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Learner", _TraceEchoLearner(),
+                                        policy_pb2_grpc.add_LearnerServicer_to_server)],
+                           depends_on=[("kafka", f"127.0.0.1:{broker_port}"), ("store", f"http://127.0.0.1:{store_port}")])
+    async with server:
+        assert await rpc.health_status(server.address) == "SERVING"
+        store.close()  # the store goes away
+        assert await _status_becomes(server.address, "NOT_SERVING") == "NOT_SERVING"
+        assert await rpc.health_status(server.address, "crucible.v1.Learner") == "NOT_SERVING"
+        assert server.unreachable == {"store": f"http://127.0.0.1:{store_port}"}
+        store = listen(store_port)  # and comes back on its port
+        assert await _status_becomes(server.address, "SERVING") == "SERVING"
+        broker.close()
+        assert await _status_becomes(server.address, "NOT_SERVING", "crucible.v1.Learner") == "NOT_SERVING"
+        broker = listen(broker_port)
+        assert await _status_becomes(server.address, "SERVING", "crucible.v1.Learner") == "SERVING"
+    broker.close()
+    store.close()

@@ -35,6 +35,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             [rpc.Service("crucible.v1.Control", ControlServicer(settings, producer, client),
                          control_pb2_grpc.add_ControlServicer_to_server)],
             host=settings.grpc_host, port=settings.control_grpc_port,
+            depends_on=service.dependencies(settings, store=True),
         )
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
                                         settings=settings, producer=producer, dead_letters=False) as consumer:

@@ -173,7 +173,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     metrics.gauge("crucible.generator.policy", policy_gauges, "the policy version sampled with, and the lag bound")
     server = rpc.RpcServer([rpc.Service("crucible.v1.Generator", GeneratorServicer(settings, batcher, generator_id),
                                         generator_pb2_grpc.add_GeneratorServicer_to_server)],
-                           host=settings.grpc_host, port=settings.generator_grpc_port)
+                           host=settings.grpc_host, port=settings.generator_grpc_port,
+                           depends_on=service.dependencies(settings))
     async with bus.Producer(settings) as producer, server:
         # Sampling is not repeatable: what a task or an observation leads to is published, and the
         # record consumed, in one Kafka transaction (exactly once, across kill -9 and restarts).

@@ -26,7 +26,8 @@ async def main() -> None:
     settings = service.setup("learner")
     servicer = LearnerServicer(settings.run_id)
     server = rpc.RpcServer([rpc.Service("crucible.v1.Learner", servicer, policy_pb2_grpc.add_LearnerServicer_to_server)],
-                           host=settings.grpc_host, port=settings.learner_grpc_port)
+                           host=settings.grpc_host, port=settings.learner_grpc_port,
+                           depends_on=service.dependencies(settings, store=True))
     async with server:
         await run(settings, service.stop_event(), servicer=servicer)
 

@@ -130,7 +130,8 @@ async def main(allow_weak: bool) -> None:
         secret = integrity.key(settings)
         server = rpc.RpcServer([rpc.Service("crucible.v1.Sandbox", SandboxServicer(pool, secret),
                                             execution_pb2_grpc.add_SandboxServicer_to_server)],
-                               host=settings.grpc_host, port=settings.sandbox_grpc_port)
+                               host=settings.grpc_host, port=settings.sandbox_grpc_port,
+                               depends_on=service.dependencies(settings))
         consumer_ref: list = []
         handler = group_handler(pool, consumer_ref, f"{socket.gethostname()}/sandbox", secret)
         consumer = bus.Consumer(["rollouts"], settings.consumer_group_prefix + "sandbox-executor", handler,

@@ -20,7 +20,8 @@ async def main() -> None:
         servicer = VerifierServicer(scorer, settings.verifier_sandbox_target)
         server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", servicer,
                                             verdict_pb2_grpc.add_VerifierServicer_to_server)],
-                               host=settings.grpc_host, port=settings.verifier_grpc_port)
+                               host=settings.grpc_host, port=settings.verifier_grpc_port,
+                               depends_on=service.dependencies(settings))
         # Verdicts and the records they come from move in one transaction: a replay never sends a
         # verdict twice (the aggregator would otherwise open a second, never-complete group for it).
         consumer = bus.Consumer(TOPICS, settings.consumer_group_prefix + "verifier", verdict_handler(scorer),
