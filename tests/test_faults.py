@@ -35,11 +35,46 @@ def service_pid(name: str, home) -> int | None:
     return None
 
 
-@pytest.mark.timeout(900)
-async def test_a_run_survives_its_services_being_killed_one_after_another(stack_settings, tmp_path):
-    settings = stack_settings.model_copy(update={"home": tmp_path})
+@pytest.fixture
+def own_stack(tmp_path, stack_settings):
+    """A broker and a store of this test's own, which it may stop and start again (the session's are shared)."""
+    from crucible.local.kafka import LocalKafka
+    from tests.fixtures_store import StoreProcess, external_clickhouse_url
+
+    if external_clickhouse_url() or os.environ.get("CRUCIBLE_TEST_KAFKA_BOOTSTRAP"):
+        pytest.skip("restarts its own broker and store")
+    broker = LocalKafka(tmp_path / "kafka", port=free_port(), controller_port=free_port(), heap="512m",
+                        settings=stack_settings)
+    broker.start(echo=lambda *_: None)
+    data = tmp_path / "store" / "data"
+    holder = {"store": StoreProcess(data).wait_ready()}
+    port = holder["store"].port
+
+    def restart_broker(down_s: float) -> None:
+        broker.stop()
+        time.sleep(down_s)
+        broker.start(echo=lambda *_: None)
+
+    def restart_store(down_s: float) -> None:
+        holder["store"].stop()
+        time.sleep(down_s)
+        holder["store"] = StoreProcess(data, port=port).wait_ready()
+
+    settings = stack_settings.model_copy(update={"kafka_bootstrap": broker.bootstrap,
+                                                 "clickhouse_url": holder["store"].url, "home": tmp_path / "home"})
+    try:
+        yield settings, restart_broker, restart_store
+    finally:
+        holder["store"].stop()
+        broker.stop()
+
+
+@pytest.mark.timeout(1200)
+async def test_a_run_survives_its_services_being_killed_and_its_broker_and_store_restarted(own_stack):
+    settings, restart_broker, restart_store = own_stack
+    home = settings.home
     recipe = recipes.builtin()
-    recipe.budget.steps, recipe.budget.minutes = 30, 12
+    recipe.budget.steps, recipe.budget.minutes = 40, 16
     lines: list[str] = []
     stamps: list[float] = []  # when each line was printed
     killed: list[tuple[str, int, float]] = []
@@ -55,21 +90,28 @@ async def test_a_run_survives_its_services_being_killed_one_after_another(stack_
         for name in VICTIMS:
             while steps() < 5 * (len(killed) + 1):
                 await asyncio.sleep(0.2)
-            pid = service_pid(name, tmp_path)
+            pid = service_pid(name, home)
             assert pid, f"no {name} process found"
             os.kill(pid, signal.SIGKILL)
             killed.append((name, steps(), time.monotonic()))
+        for name, restart in (("broker", restart_broker), ("store", restart_store)):
+            while steps() < 5 * (len(killed) + 1):
+                await asyncio.sleep(0.2)
+            at = time.monotonic()
+            await asyncio.to_thread(restart, 3.0)
+            killed.append((name, steps(), at))
 
     chaos = asyncio.create_task(killer())
     try:
         report = await train(settings, recipe, echo=echo)
     finally:
         chaos.cancel()
-    assert [name for name, _, _ in killed] == list(VICTIMS), (killed, lines[-20:])
+    assert [name for name, _, _ in killed] == [*VICTIMS, "broker", "store"], (killed, lines[-20:])
     # time to recover: from each kill to the next policy step the run printed
-    recovery = {name: next(t for line, t in zip(lines, stamps) if t > at and line.lstrip().startswith("step ")) - at
-                for name, _, at in killed}
-    print("seconds from SIGKILL to the next policy step:", {k: round(v, 1) for k, v in recovery.items()})
+    recovery = {name: next((t for line, t in zip(lines, stamps) if t > at and line.lstrip().startswith("step ")),
+                           float("nan")) - at for name, _, at in killed}
+    print("seconds from SIGKILL (or the restart's start) to the next policy step:",
+          {k: round(v, 1) for k, v in recovery.items()})
     assert report.steps == recipe.budget.steps, lines[-30:]
     for name in VICTIMS:
         assert any(f"service {name} exited" in line and "starting it again" in line for line in lines), name
