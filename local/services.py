@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -53,7 +54,9 @@ class Services:
         if name == "sandbox_executor" and os.geteuid() != 0:
             args.append("--allow-weak-isolation")  # not root: results name what is missing
         env = {**self.env, "CRUCIBLE_METRICS_PORT": "0",  # any free port, written to the port file
-               "CRUCIBLE_METRICS_PORT_FILE": str(self.metrics_port_file(name))}
+               "CRUCIBLE_METRICS_PORT_FILE": str(self.metrics_port_file(name)),
+               # one instance of each service here, the same across its restarts: static membership
+               "CRUCIBLE_INSTANCE_ID": f"{socket.gethostname()}-{name}"}
         with open(self.log_file(name), "ab") as log:
             self.processes[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                     stdin=subprocess.DEVNULL)

@@ -332,6 +332,10 @@ class Reader:
             auto_offset_reset="earliest",
             isolation_level="read_committed",
         )
+        if group_id is not None and self._start_offsets is None and self.settings.instance_id:
+            # Static membership: restarted under the same instance id, this member takes its
+            # partitions back at once instead of waiting out the dead one's session.
+            options["group_instance_id"] = f"{self.settings.instance_id}/{group_id}"
         options.update(consumer_options)
         self._consumer = (AIOKafkaConsumer(**options) if self._start_offsets is not None
                           else AIOKafkaConsumer(*self.topics, **options))

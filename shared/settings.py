@@ -119,6 +119,10 @@ class Settings(BaseSettings, RunConfig):
     kafka_ssl_cafile: Path | None = Field(default=None, description="PEM CA the brokers' certificates chain to.")
     topic_prefix: str = "crucible."
     consumer_group_prefix: str = "crucible-"
+    instance_id: str = Field(default="", description="A name this service instance keeps across restarts and "
+                             "shares with no other live instance (a StatefulSet pod's name; `crucible train` and "
+                             "`crucible up` set it): its consumer groups then use static membership, so a "
+                             "restarted instance takes its partitions back at once. Empty: dynamic membership.")
 
     # ClickHouse: the embedded chDB store by default, any ClickHouse server otherwise.
     clickhouse_url: str = "http://127.0.0.1:8123"

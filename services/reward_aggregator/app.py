@@ -83,6 +83,8 @@ class Aggregator:
             # A member killed without leaving holds its partitions until its session times out: faust's
             # default (60 s) kept a restarted aggregator idle for about a minute.
             broker_session_timeout=10.0, broker_heartbeat_interval=3.0,
+            # static membership (see Settings.instance_id): a restart rejoins without a rebalance
+            consumer_group_instance_id=f"{settings.instance_id}/{app_id}" if settings.instance_id else None,
             datadir=str(datadir),  # faust creates it at start: never in the working directory
         )
         self.verdicts = self.app.topic(settings.topic("verdicts"), value_serializer="raw", key_serializer="raw")
