@@ -86,6 +86,26 @@ async def test_a_run_survives_its_services_being_killed_and_its_broker_and_store
     def steps() -> int:
         return sum(1 for line in lines if line.lstrip().startswith("step "))
 
+    ready: dict[str, float] = {}  # service -> seconds from SIGKILL until its new process serves
+
+    async def back(name: str, old_pid: int, at: float) -> None:
+        """Waits for the new process: gRPC health SERVING, or (the aggregator) its `ready` log line."""
+        log = next(home.glob(f"runs/*/logs/{name}.log"))
+        readies = log.read_text(errors="replace").count("reward-aggregator ready")
+        while (pid := service_pid(name, home)) in (None, old_pid):
+            await asyncio.sleep(0.05)
+        port_var = {"generator": "GENERATOR", "verifier": "VERIFIER", "sandbox_executor": "SANDBOX",
+                    "learner": "LEARNER"}.get(name)
+        if port_var:
+            port = psutil.Process(pid).environ()[f"CRUCIBLE_{port_var}_GRPC_PORT"]
+            await rpc.wait_serving(f"127.0.0.1:{port}", timeout=120)
+        else:
+            while log.read_text(errors="replace").count("reward-aggregator ready") <= readies:
+                await asyncio.sleep(0.05)
+        ready[name] = time.monotonic() - at
+
+    watchers = []
+
     async def killer():
         for name in VICTIMS:
             while steps() < 5 * (len(killed) + 1):
@@ -94,6 +114,7 @@ async def test_a_run_survives_its_services_being_killed_and_its_broker_and_store
             assert pid, f"no {name} process found"
             os.kill(pid, signal.SIGKILL)
             killed.append((name, steps(), time.monotonic()))
+            watchers.append(asyncio.create_task(back(name, pid, killed[-1][2])))
         for name, restart in (("broker", restart_broker), ("store", restart_store)):
             while steps() < 5 * (len(killed) + 1):
                 await asyncio.sleep(0.2)
@@ -112,6 +133,8 @@ async def test_a_run_survives_its_services_being_killed_and_its_broker_and_store
                            float("nan")) - at for name, _, at in killed}
     print("seconds from SIGKILL (or the restart's start) to the next policy step:",
           {k: round(v, 1) for k, v in recovery.items()})
+    await asyncio.wait_for(asyncio.gather(*watchers), 60)
+    print("seconds from SIGKILL until the new process serves:", {k: round(v, 1) for k, v in ready.items()})
     assert report.steps == recipe.budget.steps, lines[-30:]
     for name in VICTIMS:
         assert any(f"service {name} exited" in line and "starting it again" in line for line in lines), name
