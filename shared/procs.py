@@ -17,13 +17,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def answers(address: str, timeout: float = 1.0) -> bool:
-    """Whether something accepts TCP connections at `address` (host:port, or a URL with one)."""
+def host_port(address: str) -> tuple[str, int]:
+    """(host, port) of `address`: host:port, the first entry of a bootstrap list, or a URL."""
     from urllib.parse import urlparse
 
-    parsed = urlparse(address if "://" in address else f"tcp://{address.split(',')[0]}")
+    parsed = urlparse(address if "://" in address else f"tcp://{address.split(',')[0].strip()}")
+    return parsed.hostname or "127.0.0.1", parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at `address` (see host_port)."""
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80), timeout=timeout):
+        with socket.create_connection(host_port(address), timeout=timeout):
             return True
     except OSError:
         return False

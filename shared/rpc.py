@@ -222,13 +222,11 @@ DEPENDENCY_PROBE_S = 1.0
 
 
 async def _answers(address: str, timeout: float = 1.0) -> bool:
-    """Whether `address` (host:port, a bootstrap list's first entry, or a URL) accepts a TCP connection."""
-    from urllib.parse import urlparse
+    """Whether `address` (procs.host_port) accepts a TCP connection; without blocking the loop."""
+    from crucible.shared.procs import host_port
 
-    parsed = urlparse(address if "://" in address else f"tcp://{address.split(',')[0].strip()}")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname or "127.0.0.1",
-                                                                   parsed.port or 80), timeout)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*host_port(address)), timeout)
     except (OSError, asyncio.TimeoutError):
         return False
     writer.close()

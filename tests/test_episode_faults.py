@@ -26,6 +26,8 @@ from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.sft import warm_start
 from crucible.shared import bus
 
+from tests.bus_helpers import read_all
+
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
 
 GROUP = 4
@@ -42,15 +44,6 @@ def lookup_policy(tmp_path_factory):
     return save_checkpoint(model, tmp_path_factory.mktemp("policy") / "init", {"version": 0})
 
 
-async def read_all(settings, topic: str) -> list:
-    reader = bus.Reader([topic], None, settings=settings, offsets={topic: {}}, dead_letters=False)
-    out = []
-    async with reader:
-        while True:
-            batch = await reader.fetch(timeout_ms=500)
-            out += [i.message for i in batch]
-            if not batch and await reader.at_end():
-                return out
 
 
 @pytest.mark.timeout(400)

@@ -22,6 +22,8 @@ from crucible.shared import bus, messages, rpc
 from crucible.v1 import (alert_pb2, control_pb2, episode_pb2, execution_pb2, generator_pb2, policy_pb2,
                          rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2)
 
+from tests.bus_helpers import read_all
+
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
 
 # Every topic a service acts on (the owner dead-letters what it cannot take).
@@ -177,14 +179,3 @@ async def test_poison_on_every_topic_and_every_rpc_is_refused_and_nothing_restar
         assert all(p.poll() is None for p in run.processes.values())
     finally:
         run.stop_services()
-
-
-async def read_all(settings, topic: str) -> list:
-    reader = bus.Reader([topic], None, settings=settings, offsets={topic: {}}, dead_letters=False)
-    out = []
-    async with reader:
-        while True:
-            batch = await reader.fetch(timeout_ms=500)
-            out += [i.message for i in batch]
-            if not batch and await reader.at_end():
-                return out
