@@ -76,7 +76,7 @@ def cmd_up(args, settings: Settings) -> int:
     until Ctrl-C or SIGTERM stops them."""
     import signal
 
-    from crucible.local.services import SERVICES, Services, stop_recorded
+    from crucible.local.services import SERVICES, ServiceFailed, Services, stop_recorded
     from crucible.local.stack import kafka, store
     from crucible.shared import bus
     from crucible.shared.procs import answers
@@ -99,29 +99,36 @@ def cmd_up(args, settings: Settings) -> int:
     if not names:
         return 0
     folder = settings.home / "up"
+    env = {**os.environ, "CRUCIBLE_HOME": str(settings.home), "CRUCIBLE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+           "CRUCIBLE_CLICKHOUSE_URL": settings.clickhouse_url}
+    services = Services(folder, env, echo=echo, max_restarts=None)
+    try:
+        services.claim()
+    except ServiceFailed as exc:
+        echo(str(exc))
+        return 1
     left = stop_recorded(folder)
     if left:
         echo(f"stopped what an earlier `crucible up` left running: {', '.join(left)}")
     asyncio.run(bus.ensure_topics(bus.STANDARD_TOPICS, settings=settings))
-    env = {**os.environ, "CRUCIBLE_HOME": str(settings.home), "CRUCIBLE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-           "CRUCIBLE_CLICKHOUSE_URL": settings.clickhouse_url}
-    services = Services(folder, env, echo=echo, max_restarts=None)
+    stopping = []  # Ctrl-C and SIGTERM only ask; the loop stops the services between two checks
 
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        stopping.append(signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         services.start_all(names)
         echo(f"services up: {', '.join(names)} (logs in {folder / 'logs'}); each is started again when it "
              "dies; Ctrl-C stops them (the broker and the store stay up: `crucible down`)")
-        while True:
+        while not stopping:
             services.check()
             time.sleep(0.2)
-    except KeyboardInterrupt:
         echo("stopping the services")
     finally:
         services.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -237,6 +244,7 @@ def cmd_train(args, settings: Settings) -> int:
     from crucible.ml.task_sources import TaskFileError
 
     from crucible.cli.train import ResumeError, resumable
+    from crucible.local.services import ServiceFailed
 
     if args.resume and args.recipe:
         echo("give a recipe or --resume RUN, not both: a resumed run keeps its own recipe")
@@ -264,6 +272,9 @@ def cmd_train(args, settings: Settings) -> int:
     except (TaskFileError, ModelError, ValueError) as exc:
         echo(f"cannot run this recipe: {exc}")
         return 2
+    except ServiceFailed as exc:
+        echo(str(exc))
+        return 1
     except KeyboardInterrupt:
         return 130
     finally:

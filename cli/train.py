@@ -11,6 +11,7 @@ here, greedily, and scored by the run's verifier, with the same task kinds as tr
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.shared import bus, integrity, rpc
 from crucible.shared.procs import free_port
-from crucible.shared.settings import Settings
+from crucible.shared.settings import Settings, run_id_problem
 from crucible.v1 import alert_pb2
 
 STALL_S = 20.0  # no new version for this long: the learner is short of samples; feed it more tasks
@@ -146,14 +147,20 @@ RUN_STATE = "run.json"  # in the run's folder: what `--resume` needs (the recipe
 
 def resumable(settings: Settings, run_id: str) -> Recipe:
     """The recipe of the stopped run `run_id`, as it ran."""
+    problem = run_id_problem(run_id)
+    if problem:
+        raise ResumeError(problem)
     state_file = settings.home / "runs" / run_id / RUN_STATE
     if not state_file.exists():
         runs = sorted(p.name for p in (settings.home / "runs").glob("*") if (p / RUN_STATE).exists())
         raise ResumeError(f"no resumable run {run_id!r} under {settings.home / 'runs'}"
                           + (f" (resumable: {', '.join(runs[-5:])})" if runs else " (none is resumable)")
                           + "; a run is resumable once its first held-out evaluation is done")
-    state = json.loads(state_file.read_text())
-    recipe = Recipe.model_validate(state["recipe"])
+    try:
+        state = json.loads(state_file.read_text())
+        recipe = Recipe.model_validate(state["recipe"])
+    except (ValueError, KeyError, TypeError) as exc:  # JSON or validation errors: a damaged file
+        raise ResumeError(f"{state_file} cannot be read back ({type(exc).__name__}: {str(exc)[:300]})") from None
     recipe.source = Path(state["recipe_source"]) if state.get("recipe_source") else None
     return recipe
 
@@ -176,6 +183,7 @@ async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = ""
 
     if resume:
         state = json.loads((run.dir / RUN_STATE).read_text())
+        run.services.claim()  # refused while the run is still going somewhere
         left = stop_recorded(run.dir)
         if left:
             echo(f"      stopped what the interrupted run left running: {', '.join(left)}")
@@ -270,7 +278,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     await evaluations.start()
     alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False)
     await alerts.start()
-    started = time.monotonic()
+    started, began = time.monotonic(), time.time()
     published = run.published
     version = -1
     last_step_ms = []
@@ -298,6 +306,10 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                 for incoming in await follower.fetch(timeout_ms=500):
                     pv = incoming.message
                     if pv.version <= version:
+                        continue
+                    if pv.created_at.ToDatetime(dt.timezone.utc).timestamp() < began:
+                        version = pv.version  # a resumed run's earlier versions: where it stands, not progress
+                        last_progress = time.monotonic()
                         continue
                     intervals.append(time.monotonic() - last_progress)
                     version, last_progress = pv.version, time.monotonic()

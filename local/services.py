@@ -12,6 +12,8 @@ a row raises ServiceFailed with its log's tail.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -39,6 +41,8 @@ class Services:
         self.failures: dict[str, int] = {}       # service -> restarts since it last stayed up SETTLED_S
         self.restarts: dict[str, int] = {}       # service -> restarts in all
         self.restart_at: dict[str, float] = {}   # service -> not before (monotonic)
+        self._held = None  # the folder's lock file, while this runs services
+        self._tag = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]  # this folder, in instance ids
 
     def log_file(self, name: str) -> Path:
         return self.folder / "logs" / f"{name}.log"
@@ -47,16 +51,32 @@ class Services:
         """Where service `name` writes the port of its Prometheus /metrics endpoint."""
         return self.folder / "metrics" / f"{name}.port"
 
+    def claim(self) -> None:
+        """Held while this Services runs anything: a second supervisor of the same folder (a second
+        `crucible up`, a `--resume` of a run still going) would fight this one over every service."""
+        if self._held is not None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        held = open(self.folder / "services.lock", "w")
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
+            raise ServiceFailed(f"another Crucible process runs the services of {self.folder}; stop it first") from None
+        self._held = held
+
     def start(self, name: str) -> None:
         """Starts (or starts again) one service as a process."""
+        self.claim()
+        self.restart_at.pop(name, None)
         self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", f"crucible.services.{name}"]
         if name == "sandbox_executor" and os.geteuid() != 0:
             args.append("--allow-weak-isolation")  # not root: results name what is missing
         env = {**self.env, "CRUCIBLE_METRICS_PORT": "0",  # any free port, written to the port file
                "CRUCIBLE_METRICS_PORT_FILE": str(self.metrics_port_file(name)),
-               # one instance of each service here, the same across its restarts: static membership
-               "CRUCIBLE_INSTANCE_ID": f"{socket.gethostname()}-{name}"}
+               # one instance of each service per folder, the same across its restarts: static membership
+               "CRUCIBLE_INSTANCE_ID": f"{socket.gethostname()}-{self._tag}-{name}"}
         with open(self.log_file(name), "ab") as log:
             self.processes[name] = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                     stdin=subprocess.DEVNULL)
@@ -97,6 +117,9 @@ class Services:
     def stop(self, timeout: float = 20.0) -> None:
         stop_processes(list(self.processes.values()), timeout=timeout)
         self._record()
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def _record(self) -> None:
         live = {name: proc.pid for name, proc in self.processes.items() if proc.poll() is None}
@@ -111,12 +134,14 @@ def recorded(folder: Path) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     alive = {}
+    mine = f"CRUCIBLE_METRICS_PORT_FILE={folder}/".encode()  # set for each service started from `folder`
     for name, pid in named.items():
         try:
             cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+            environ = Path(f"/proc/{int(pid)}/environ").read_bytes()
         except (OSError, ValueError):
             continue
-        if f"crucible.services.{name}".encode() in cmdline and pid_alive(int(pid)):
+        if f"crucible.services.{name}".encode() in cmdline and mine in environ and pid_alive(int(pid)):
             alive[name] = int(pid)
     return alive
 

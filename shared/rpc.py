@@ -222,15 +222,18 @@ DEPENDENCY_PROBE_S = 1.0
 
 
 async def _answers(address: str, timeout: float = 1.0) -> bool:
-    """Whether `address` (procs.host_port) accepts a TCP connection; without blocking the loop."""
+    """Whether `address` accepts a TCP connection (any entry of a comma-separated list: a bootstrap
+    list is up while one broker answers); without blocking the loop."""
     from crucible.shared.procs import host_port
 
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*host_port(address)), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
+    for entry in address.split(",") if "://" not in address else [address]:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(*host_port(entry)), timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            continue
+        writer.close()
+        return True
+    return False
 
 
 class RpcServer:
@@ -288,8 +291,11 @@ class RpcServer:
         while True:
             down = {}
             for name, address in self.depends_on:
-                if not await _answers(address):
-                    down[name] = address
+                try:
+                    if not await _answers(address):
+                        down[name] = address
+                except Exception as exc:  # the probe must not die and freeze readiness where it was
+                    log.warning("readiness probe of %s at %s failed: %s", name, address, exc)
             if down and not self.unreachable:
                 log.warning("not ready: %s not answering", ", ".join(f"{n} at {a}" for n, a in down.items()))
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

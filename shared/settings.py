@@ -158,7 +158,8 @@ class Settings(BaseSettings, RunConfig):
     sandbox_work_mb: int = Field(default=32, ge=1)
     sandbox_output_bytes: int = Field(default=64 * 1024, ge=1024)
     sandbox_processes: int = Field(default=32, ge=1)
-    sandbox_open_files: int = Field(default=64, ge=8)
+    sandbox_open_files: int = Field(default=64, ge=16, description="Descriptors a job may hold (the jail's own "
+                                    "eight and its seccomp listener among them).")
     sandbox_uid_base: int = Field(default=200_000, ge=1000, description="Workers run jobs as uids from this one "
                                   "up, each leased to one sandbox pool on the host (pool.UidLeases).")
 

@@ -422,10 +422,14 @@ def test_k8s_grpc_deployments_have_grpc_readiness_probes():
         probe = container.get("readinessProbe") or {}
         assert probe.get("grpc", {}).get("port") == port, \
             f"k8s container {container['name']}: readinessProbe is not a grpc probe on {port}: {probe}"
-        for kind in ("livenessProbe", "startupProbe"):
-            if kind in container:
-                assert container[kind].get("grpc", {}).get("port") == port, \
-                    f"k8s container {container['name']}: {kind} is not a grpc probe on {port}"
+        if "startupProbe" in container:
+            assert container["startupProbe"].get("grpc", {}).get("port") == port, \
+                f"k8s container {container['name']}: startupProbe is not a grpc probe on {port}"
+        # gRPC health goes NOT_SERVING while the broker or the store is down (readiness): a liveness probe
+        # asking it would restart every pod through an outage, so liveness asks only that the port serves.
+        if "livenessProbe" in container:
+            assert container["livenessProbe"].get("tcpSocket", {}).get("port") == port, \
+                f"k8s container {container['name']}: livenessProbe is not a TCP probe on {port}"
 
 
 def test_k8s_checkpoint_volume_is_mounted_at_the_image_crucible_home():

@@ -177,6 +177,26 @@ async def test_no_process_of_the_job_holds_the_listener_that_names_its_forbidden
     assert result.stdout == b"found []\n" and result.violation == "forbidden_syscall", (result.stdout, result.violation)
 
 
+async def test_a_forbidden_call_after_the_job_closed_its_output_is_still_named(pool):
+    # With every pipe to the supervisor closed, the job is still watched until it exits.
+    quiet = "import os, socket\nfor fd in (0, 1, 2, 3):\n    os.close(fd)\nsocket.socket()\n"
+    result = await pool.execute(Job(code=quiet))
+    assert result.violation == "forbidden_syscall" and "socket" in result.violation_detail, \
+        (result.violation, result.violation_detail)
+    hang = "import os, time\nfor fd in (0, 1, 2, 3):\n    os.close(fd)\ntime.sleep(60)\n"
+    result = await pool.execute(Job(code=hang))
+    assert result.violation == "timeout", (result.violation, result.violation_detail)
+
+
+async def test_a_job_cannot_install_a_seccomp_filter_of_its_own(pool):
+    # Its own filter could answer a forbidden call before the jail's listener hears of it.
+    for call, named in (("libc.prctl(22, 2, 0, 0, 0)", "prctl(PR_SET_SECCOMP)"), ("libc.syscall(317, 1, 0, 0)", ": seccomp")):
+        code = f"import ctypes\nlibc = ctypes.CDLL(None)\nprint({call})\n"
+        result = await pool.execute(Job(code=code))
+        assert result.violation == "forbidden_syscall" and named in result.violation_detail, \
+            (call, result.violation, result.violation_detail, result.stdout)
+
+
 async def test_a_thread_bomb_that_swallows_the_error_is_still_a_process_limit_violation(pool):
     code = ("import threading, time\nn = 0\ntry:\n    while True:\n"
             "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n        n += 1\n"

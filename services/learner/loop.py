@@ -98,7 +98,7 @@ def policy_message(settings: Settings, trainer: Trainer, uri: str, result: StepR
 class RecentIds:
     """The sample ids of the last steps, at least MIN_STEPS of them and otherwise at most MAX_IDS ids."""
 
-    MIN_STEPS, MAX_IDS = 8, 1 << 16
+    MIN_STEPS, MAX_IDS = 4, 8192  # replays come within seconds of a restart; the list rides in every checkpoint
 
     def __init__(self, steps: list[list[str]]):
         self._steps: deque[list[str]] = deque(steps)
@@ -131,10 +131,13 @@ class Learner:
         self.reader = bus.Reader([TOPIC], settings.consumer_group_prefix + "learner", settings=settings,
                                  producer=producer, offsets={TOPIC: saved})
         # Samples trained on that sit past the saved positions (a restart re-reads them): id -> (partition, offset).
-        self.trained_past: dict[str, tuple[int, int]] = {i: (-1, -1) for i in meta.get("trained_ids_past_offsets", [])}
+        self.trained_past: dict[str, tuple[int, int]] = {}
         # The ids each recent step trained on: a sample published again (the aggregator delivers at least
-        # once, and replays what it had not committed when it stopped) is not trained on twice.
+        # once, and replays what it had not committed when it stopped) is not trained on twice...
         self.recent = RecentIds(meta.get("recent_trained_ids", []))
+        # ...and those the checkpoint names without their offsets, until the reader has caught up with
+        # what was published before this start (they are all behind that).
+        self.restored: set[str] = set(meta.get("trained_ids_past_offsets", []))
         # Held-out pass rates from the evaluator, for the health monitor (reward rising, held-out not).
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
                                       offsets={"evaluations": {}}, dead_letters=False)
@@ -164,13 +167,16 @@ class Learner:
                     ev = incoming.message
                     if ev.run_id == self.settings.run_id and ev.tasks:
                         self.monitor.record_heldout(int(ev.policy_version), ev.pass_rate)
-                for incoming in await self.reader.fetch(max_records=500):
+                fetched = await self.reader.fetch(max_records=500)
+                if self.restored and not fetched and await self.reader.at_end():
+                    self.restored.clear()
+                for incoming in fetched:
                     problem = sample_problem(incoming.message)
                     if problem:
                         await self.reader.reject(incoming, problem)
                         continue
                     sample_id = incoming.message.id
-                    if sample_id in self.trained_past or sample_id in self.recent:
+                    if sample_id in self.trained_past or sample_id in self.recent or sample_id in self.restored:
                         self.duplicates += 1  # trained on already: read again after a restart, or published twice
                         continue
                     self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
@@ -204,14 +210,15 @@ class Learner:
             return
         self.trained_past.update({m.sample.id: (m.partition, m.offset) for m in taken})
         self.trained_past = {i: (p, o) for i, (p, o) in self.trained_past.items()
-                             if p < 0 or o >= positions.get((self.topic, p), 0)}
+                             if o >= positions.get((self.topic, p), 0)}
         samples = [m.sample.id for m in taken]
         self.recent.add(samples)
         record = {"metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
                   "skipped": dict(result.skipped), "samples": samples}
         folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
                                          {p: o for (t, p), o in positions.items() if t == self.topic},
-                                         sorted(self.trained_past), self.reference_uri, record, self.recent.steps())
+                                         sorted({*self.trained_past, *self.restored}), self.reference_uri, record,
+                                         self.recent.steps())
         pv = await asyncio.to_thread(policy_message, self.settings, trainer, folder.as_uri(), result)
         await self._publish(pv)
         observe_step(result.metrics)

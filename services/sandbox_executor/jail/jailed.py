@@ -194,6 +194,9 @@ def drop_privileges(cfg: dict, job: dict) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+    # Changing credentials clears the parent-death signal: set it again, so a supervisor that dies
+    # (the worker's backstop) still takes its jail along.
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")
 
 
 def execute(job: dict) -> int:

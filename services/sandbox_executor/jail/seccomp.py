@@ -55,7 +55,12 @@ FORBIDDEN_SYSCALLS_X86_64 = {
     # A tested job's candidate shares a uid with its harness: it must not take the harness's
     # descriptors (the report, the tests) or compare its memory.
     "pidfd_getfd": 438, "process_madvise": 440, "kcmp": 312,
+    # A filter of the job's own could answer a forbidden call first (ERRNO, TRAP and KILL_THREAD
+    # outrank the listener's USER_NOTIF), so it would go unnamed: no filters but the jail's.
+    "seccomp": 317,
 }
+# prctl is needed (Python calls it), but not to install a filter: PR_SET_SECCOMP as its first argument.
+SYS_PRCTL, PR_SET_SECCOMP_ARG = 157, 22
 
 _program = b""  # compiled by prepare(), in the worker, before any job is forked
 NOTIFY = False  # whether it reports forbidden calls to a listener (prepare)
@@ -87,6 +92,13 @@ def compile_filter(notify: bool = False) -> bytes:
         jump(JSET, NAMESPACE_FLAGS, 0, 1),
         stmt(RET, deny),
         stmt(LD_W_ABS, 0),
+    ]
+    prog += [
+        jump(JEQ, SYS_PRCTL, 0, 3),                 # not prctl: skip its three instructions
+        stmt(LD_W_ABS, 16),                         # the option (args[0], low word)
+        jump(JEQ, PR_SET_SECCOMP_ARG, 0, 1),
+        stmt(RET, deny),
+        stmt(LD_W_ABS, 0),                          # back to the syscall number
     ]
     for nr in UNIX_ONLY_X86_64.values():
         prog += [
@@ -174,5 +186,7 @@ def held_call(listener: int) -> str | None:
         return f"an x32 call ({nr - 0x40000000})"
     if nr == SYS_CLONE:
         return "clone into new namespaces"
+    if nr == SYS_PRCTL:
+        return "prctl(PR_SET_SECCOMP)"
     name = _NAMES.get(nr, f"syscall {nr}")
     return f"{name} (address family {family})" if nr in UNIX_ONLY_X86_64.values() else name

@@ -199,6 +199,8 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
             for fd in write_fds + [out_r, err_r, report_r]:
                 os.close(fd)
     else:
+        if not violation:  # its output closed, the jail may still run: the wall clock and the listeners hold
+            violation, detail = wait_for_exit(pid, deadline, calls, limits)
         if violation:
             os.kill(pid, signal.SIGKILL)  # pid 1 of the namespace: its death takes every descendant along
         _, status, usage = os.wait4(pid, 0)
@@ -277,8 +279,11 @@ class ForbiddenCalls:
 
     def read_pending(self) -> bool:
         """Reads whatever is already waiting, without blocking; whether a forbidden call was made."""
-        ready, _, _ = select.select(self.fds(), [], [], 0)
-        return self.read(ready)
+        for _ in range(2):  # again for listeners that arrived on the channel in the first pass
+            ready, _, _ = select.select(self.fds(), [], [], 0)
+            if self.read(ready):
+                return True
+        return False
 
     def detail(self) -> str:
         return f"a process of the job made a forbidden system call: {', '.join(self.named)} (seccomp)"
@@ -313,6 +318,24 @@ class ForbiddenCalls:
         if self.channel:
             self.channel.close()
             self.channel = None
+
+
+def wait_for_exit(pid: int, deadline: float, calls: "ForbiddenCalls", limits: dict) -> tuple[str, str]:
+    """Until the jail's pid 1 exits: ("", "") then; a violation if it makes a forbidden call or
+    outlives the wall clock first (a program that closed its output and went on)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout", f"wall-clock limit of {limits['wall_s']}s reached"
+            readable, _, _ = select.select([pidfd] + calls.fds(), [], [], left)
+            if calls.read(readable):
+                return "forbidden_syscall", calls.detail()
+            if pidfd in readable:
+                return "", ""
+    finally:
+        os.close(pidfd)
 
 
 def drain(fds: list[int], out: dict, truncated: dict, cap: int) -> None:
