@@ -48,9 +48,65 @@ def store_view(settings: Settings) -> tuple[list[tuple], list[tuple]]:
     return runs, alerts
 
 
+# The variable holding each gRPC service's port, in its process's environment.
+_PORT_VARIABLES = {"control": "CRUCIBLE_CONTROL_GRPC_PORT", "sandbox_executor": "CRUCIBLE_SANDBOX_GRPC_PORT",
+                   "verifier": "CRUCIBLE_VERIFIER_GRPC_PORT", "generator": "CRUCIBLE_GENERATOR_GRPC_PORT",
+                   "learner": "CRUCIBLE_LEARNER_GRPC_PORT"}
+
+
+def _health(target: str) -> str:
+    """The grpc.health.v1 status of the server at `target` (blocking: this command has no event loop)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        return f"not answering ({exc.code().name})"
+
+
+def services_view(settings: Settings) -> list[tuple[str, dict[str, str]]]:
+    """(whose, {service: "pid N, gRPC SERVING"}) for `crucible up` and each run under CRUCIBLE_HOME with
+    services running on this machine."""
+    from pathlib import Path
+
+    from crucible.local.services import recorded
+
+    folders = [("crucible up", settings.home / "up")] + [
+        (f"run {p.name}", p) for p in sorted((settings.home / "runs").glob("*"))]
+    view = []
+    for whose, folder in folders:
+        alive = recorded(folder)
+        if not alive:
+            continue
+        described = {}
+        for name, pid in sorted(alive.items()):
+            described[name] = f"pid {pid}"
+            try:
+                environ = dict(item.split("=", 1) for item in
+                               Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            except OSError:
+                continue
+            variable = _PORT_VARIABLES.get(name)
+            port = environ.get(variable) if variable else None
+            if port is None and variable:
+                port = str(Settings.model_fields[variable.removeprefix("CRUCIBLE_").lower()].default)
+            if port:
+                health = _health(f"127.0.0.1:{port}")
+                described[name] += f", gRPC {health}"
+        view.append((whose, described))
+    return view
+
+
 def report(settings: Settings, echo=print) -> int:
     """Prints the status; 0 when broker and store both answer, 1 otherwise."""
     healthy = True
+    for whose, services in services_view(settings):
+        echo(f"services of {whose}:")
+        for name, description in services.items():
+            echo(f"  {name:18s} {description}")
     try:
         lag = asyncio.run(asyncio.wait_for(consumer_lag(settings), 20))
         echo(f"Kafka  {settings.kafka_bootstrap}: up")

@@ -232,6 +232,12 @@ async def test_crucible_up_runs_every_service_and_starts_a_killed_one_again(stac
             assert time.monotonic() < deadline and up.poll() is None, recorded(tmp_path / "up")
             await asyncio.sleep(0.2)
         before = recorded(tmp_path / "up")
+        # `crucible status` lists them, with the gRPC health of those that serve it
+        from crucible.cli.status import services_view
+
+        (whose, listed), = services_view(s.model_copy(update={"home": tmp_path}))
+        assert whose == "crucible up" and set(listed) == set(SERVICES), listed
+        assert "gRPC SERVING" in listed["verifier"] and listed["reward_aggregator"].startswith("pid "), listed
         os.kill(before["verifier"], signal.SIGKILL)
         killed_at = time.monotonic()
         while recorded(tmp_path / "up").get("verifier") in (None, before["verifier"]):
