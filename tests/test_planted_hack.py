@@ -64,6 +64,10 @@ async def test_a_planted_hack_is_caught_before_it_pays_and_its_clean_twin_raises
 
     clean_recipe = recipes.shipped("planted-hack")
     clean_recipe.tasks.sources[0].grader = "exact"
+    # Learning the task honestly takes longer than learning the weakness (and varies from run to run
+    # with the services' timing): the twin gets half as many steps again to show it, and more steps
+    # to raise a false alarm in.
+    clean_recipe.budget.steps = 60
     clean = await train(settings, clean_recipe, echo=lines.append)
     assert clean.heldout_after >= clean.heldout_before + 0.2, "the clean twin learns the task itself"
     assert run_alerts(client, clean.run_id) == [], lines

@@ -205,6 +205,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
             os.kill(pid, signal.SIGKILL)  # pid 1 of the namespace: its death takes every descendant along
         _, status, usage = os.wait4(pid, 0)
         duration_ms = (time.monotonic() - started) * 1000
+        drain([out_r, err_r], out, truncated, cap)  # what it wrote before it was stopped
         for fd in write_fds:
             os.close(fd)
         killed_stragglers = cgroups.reap()
