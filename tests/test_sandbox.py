@@ -238,6 +238,81 @@ async def test_a_worker_killed_from_outside_is_replaced_and_the_pool_keeps_servi
         assert (await small.execute(Job(code="print(6 * 7)"))).stdout == b"42\n"
 
 
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def zygote_of(worker: int) -> int:
+    """The worker's zygote: its child running the same program (jails are the zygote's children)."""
+    command = Path(f"/proc/{worker}/cmdline").read_bytes()
+    [zygote] = [c for c in children_of(worker) if Path(f"/proc/{c}/cmdline").read_bytes() == command]
+    return zygote
+
+
+def memory_holds(pid: int, needles: list[bytes]) -> dict[bytes, bool]:
+    """Whether each needle is anywhere in the readable memory of `pid` (read as root from outside)."""
+    found = dict.fromkeys(needles, False)
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            fields = line.split()
+            if not fields[1].startswith("r") or (len(fields) > 5 and fields[5] in ("[vvar]", "[vsyscall]")):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                chunk = mem.read(end - start)
+            except (OSError, OverflowError, ValueError):
+                continue
+            for needle in needles:
+                found[needle] = found[needle] or needle in chunk
+    return found
+
+
+async def test_no_job_reaches_the_memory_every_jail_is_forked_from():
+    """Jails are forks of the zygote, so a job finding earlier jobs' tests in its own memory would be
+    finding them in the zygote's: the supervisor holds jobs, the zygote never does."""
+    others = set(jail_workers())
+    marker = "zz-" + os.urandom(8).hex()
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        for _ in range(3):
+            r = await small.execute(Job(code=f"def f():\n    return '{marker}-code'\n",
+                                        tests=f"def test_f():\n    assert f() == '{marker}-code'\n"
+                                              f"    assert '{marker}-tests'\n", entry_point="f"))
+            assert r.tests == [{"name": "test_f", "passed": True, "message": ""}]
+        [worker] = set(jail_workers()) - others
+        zygote = zygote_of(worker)
+        code, tests = f"{marker}-code".encode(), f"{marker}-tests".encode()
+        known = b"/crucible/services/sandbox_executor/jail/"  # the neutral module paths every fork holds
+        in_zygote = memory_holds(zygote, [code, tests, known])
+        assert in_zygote[known], "the scan read the zygote's memory"
+        assert not in_zygote[code] and not in_zygote[tests], in_zygote
+
+
+async def test_a_zygote_killed_from_outside_costs_at_most_one_job():
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        assert (await small.execute(Job(code="print(1)"))).stdout == b"1\n"
+        [worker] = set(jail_workers()) - others
+        os.kill(zygote_of(worker), signal.SIGKILL)
+        outcomes = []
+        for i in range(3):
+            try:
+                outcomes.append((await asyncio.wait_for(small.execute(Job(code=f"print({i})")), 30)).stdout)
+            except RuntimeError as exc:
+                outcomes.append(str(exc))
+        failures = [o for o in outcomes if isinstance(o, str)]
+        assert len(failures) <= 1 and all("sandbox failure" in f for f in failures), outcomes
+        assert outcomes[-1] == b"2\n"
+        assert (await small.execute(Job(code="print(6 * 7)"))).stdout == b"42\n"
+
+
 async def test_a_pool_whose_workers_cannot_start_leaves_nothing_behind(monkeypatch, tmp_path):
     broken = tmp_path / "broken_worker.py"
     broken.write_text("raise SystemExit('no worker today')\n")

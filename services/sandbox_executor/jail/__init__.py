@@ -6,9 +6,10 @@ means no site-packages: everything here, and what it imports (harness.py,
 candidate.py, plain.py, crucible.shared.framing), uses the standard library only.
 
     __main__.py    the entry point: makes those modules importable, starts the worker
-    worker.py      the loop: keeps one supervisor prepared, answers for one that dies
-    supervisor.py  one per job: prepares a jail, takes the job, enforces the wall clock
-                   and the output cap, sends the result
+    worker.py      start-up: builds what every jail inherits, forks the zygote, supervises
+    zygote.py      the fork server: forks each jail into fresh namespaces, reaps it; never holds a job
+    supervisor.py  takes each job, runs it in a prepared jail (a thread per job), enforces the wall
+                   clock and the output cap, sends the result
     jailed.py      the jail's pid 1, and a tested job's candidate process beside it
     rootfs.py      the read-only template root, and a job's entry into it
     cgroups.py     a cgroup slot: join it, read its counters, empty it
@@ -18,8 +19,8 @@ candidate.py, plain.py, crucible.shared.framing), uses the standard library only
 
 The protocol on the worker's stdin and stdout (crucible.shared.framing): the
 pool writes a job as two JSON frames, a header (job id, main file, limits) and a
-body (files, tests, stdin). The supervisor waiting for a job reads both itself,
-so job code and tests never enter the long-lived worker's memory (a later job
-cannot dig them out). Exactly one frame comes back per job: its result, or
+body (files, tests, stdin). The supervisor reads both; job code and tests never
+enter the zygote's memory, which every jail inherits (a later job cannot dig
+them out of its own). Exactly one frame comes back per job: its result, or
 {"job_id", "error"} when the job could not be run.
 """

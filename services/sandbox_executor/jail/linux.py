@@ -22,6 +22,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 libc.unshare.argtypes = [ctypes.c_int]
+libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 libc.syscall.restype = ctypes.c_long
 
@@ -41,6 +42,10 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 def unshare(flags: int, what: str = "unshare") -> None:
     check(libc.unshare(flags), what)
+
+
+def setns(fd: int, nstype: int, what: str = "setns") -> None:
+    check(libc.setns(fd, nstype), what)
 
 
 def pivot_root(new_root: bytes, put_old: bytes) -> None:

@@ -1,112 +1,273 @@
-"""One job's supervisor: prepares a jail ahead of time, takes the job, runs it, sends the result.
+"""The supervisor: the worker's own process. It takes each job, runs it in a prepared jail, sends the result.
 
-Forked by the worker while the previous job runs. It forks the jail into fresh
-namespaces and its cgroup slot and waits until the jail has its root and its
-candidate process; then it waits for the next job on the worker's stdin (the
-pool's pipe). It reads the job itself, so job code and tests never enter the
-long-lived worker's memory, where a later job could dig them out. It enforces
-the wall clock and the output cap, and writes exactly one result frame to the
-worker's stdout.
+It asks the zygote (zygote.py, forked from this process before any job
+existed) for a jail in a free cgroup slot, joins the jail to the slot and waits
+until the jail has its root and its candidate process; only then does it read
+the next job from stdin (the pool's pipe). Each job runs in a thread of its
+own, which enforces the wall clock and the output cap, writes exactly one
+result frame to stdout, and tears the jail down after the result has gone. The
+next jail is prepared while a job runs, so a job's latency holds no fork,
+unshare or mount.
+
+Job code, tests and results enter this process, which never forks again: only
+the zygote's memory is inherited by jails, and it never holds a job.
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
+import queue
 import select
 import signal
 import socket
+import threading
 import time
 
-from crucible.services.sandbox_executor.jail import jailed, outcome, seccomp
+from crucible.services.sandbox_executor.jail import outcome, seccomp, zygote
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
-from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,
-                                                           unshare)
 from crucible.shared import framing
 
-# Exit codes the worker reads (worker.serve).
-SHUT_DOWN = 3    # the pool closed the worker's stdin while this supervisor waited for a job
-RESULT_LOST = 2  # the result (or the error frame in its place) could not be written
+EXIT_WAIT_S = 10  # after a jail was killed: how long its exit may take to be reported before the worker gives up
 
 
-def supervise(cfg: dict, cgroups: Cgroups, notify_w: int) -> None:
-    """The supervisor process; tells the worker on `notify_w` when it took its job and when it sent
-    the result. Never returns."""
-    job_id = None
-    try:
-        prepared = prepare_jail(cfg, cgroups)
-        header = framing.read(0)
-        if header is None:
-            os._exit(SHUT_DOWN)
-        header = json.loads(header)
-        job_id = header["job_id"]
-        body = framing.read(0)
-        if body is None:
-            raise EOFError("the pool closed the pipe between a job's header and its body")
-        # The job is off the shared pipe: the worker may start preparing the next supervisor now.
-        os.write(notify_w, (json.dumps({"job_id": job_id, "wall_s": header["limits"]["wall_s"]}) + "\n").encode())
-        result, teardown = run_job(prepared, {**header, **json.loads(body)}, cgroups)
-        _send({"job_id": job_id, **result})
-        os.write(notify_w, b"sent\n")  # from now on the worker must not answer for this job
-    except BaseException as exc:
-        code = 1
+class ZygoteGone(RuntimeError):
+    """The zygote exited or broke its protocol: the worker cannot prepare or reap jails any more."""
+
+
+class Zygote:
+    """The supervisor's side of the zygote's socket: prepared jails, and the exits it reaped."""
+
+    def __init__(self, pid: int, channel: socket.socket):
+        self.pid, self.channel = pid, channel
+        self.prepared: queue.Queue = queue.Queue()
+        self.exits: dict[int, tuple[int, tuple[float, float, int]]] = {}
+        self.forgotten: set[int] = set()  # jails whose end nobody waits for (their exit is dropped)
+        self.changed = threading.Condition()
+        self.gone = False
+        threading.Thread(target=self._listen, name="zygote", daemon=True).start()
+
+    def prepare(self) -> tuple[int, dict[str, int]]:
+        """A new jail: its pid and the descriptors zygote.PASSED names."""
+        self.channel.send(b"prepare")
+        reply = self.prepared.get()
+        if reply is None:
+            raise ZygoteGone("the sandbox zygote is gone")
+        return reply
+
+    def exit_status(self, pid: int, timeout: float) -> tuple[int, tuple[float, float, int]] | None:
+        """(wait status, (user s, system s, peak bytes)) once the zygote has reaped `pid`; None after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while pid not in self.exits:
+                left = deadline - time.monotonic()
+                if self.gone:
+                    raise ZygoteGone("the sandbox zygote is gone")
+                if left <= 0:
+                    return None
+                self.changed.wait(left)
+            return self.exits.pop(pid)
+
+    def forget(self, pid: int) -> None:
+        """Nobody will wait for `pid`'s end: drop its exit, now or when it comes."""
+        with self.changed:
+            if self.exits.pop(pid, None) is None:
+                self.forgotten.add(pid)
+
+    def close(self) -> None:
+        """Ends the zygote (it leaves when its socket has no more requests) and reaps it."""
         try:
-            _send({"job_id": job_id, "error": f"{type(exc).__name__}: {exc}"})
+            self.channel.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        os.waitpid(self.pid, 0)
+        self.channel.close()
+
+    def _listen(self) -> None:
+        try:
+            while True:
+                message, fds, _, _ = socket.recv_fds(self.channel, zygote.MESSAGE_BYTES, len(zygote.PASSED))
+                if not message:
+                    break
+                note = json.loads(message)
+                if "prepared" in note:
+                    self.prepared.put((note["prepared"], dict(zip(zygote.PASSED, fds))))
+                else:
+                    with self.changed:
+                        if note["exit"] in self.forgotten:
+                            self.forgotten.discard(note["exit"])
+                        else:
+                            self.exits[note["exit"]] = (note["status"], tuple(note["usage"]))
+                            self.changed.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self.changed:
+            self.gone = True
+            self.changed.notify_all()
+        self.prepared.put(None)
+
+
+class Jail:
+    """A prepared jail, as its supervisor holds it."""
+
+    def __init__(self, zygote_link: Zygote, pid: int, fds: dict[str, int]):
+        self.zygote, self.pid = zygote_link, pid
+        self.pidfd = fds["pidfd"]
+        self.job_w, self.in_w, self.out_r, self.err_r, self.report_r = (
+            fds["job_w"], fds["in_w"], fds["out_r"], fds["err_r"], fds["report_r"])
+        self.calls = ForbiddenCalls(socket.socket(fileno=fds["calls"]))
+        self.mnt_ns = -1
+        self.reaped = False
+
+    def kill(self) -> None:
+        """SIGKILL to the jail's pid 1: its death takes every process of its pid namespace along."""
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> tuple[int, tuple[float, float, int]]:
+        """Its wait status and usage, once it has exited (kill it first to be sure it will)."""
+        ended = self.zygote.exit_status(self.pid, EXIT_WAIT_S)
+        if ended is None:
+            raise RuntimeError(f"the jail (pid {self.pid}) was not reaped within {EXIT_WAIT_S}s")
+        self.reaped = True
+        return ended
+
+    def finish(self, wall_s: float) -> None:
+        """Waits for a jail that said it is done to exit; kills it if it lingers."""
+        if self.zygote.exit_status(self.pid, min(2.0, wall_s)) is None:
+            self.kill()
+            self.wait()
+        self.reaped = True
+
+    def close_stdin(self) -> None:
+        """The program's stdin ends (all of it was written, or there was none)."""
+        os.close(self.in_w)
+        self.in_w = -1
+
+    def release(self) -> None:
+        """Closes what the supervisor held of it (closing the job pipe of an unused jail ends it)."""
+        if not self.reaped:
+            self.zygote.forget(self.pid)
+            self.reaped = True
+        self.calls.close()
+        for fd in (self.pidfd, self.job_w, self.in_w, self.out_r, self.err_r, self.report_r, self.mnt_ns):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.pidfd = self.job_w = self.in_w = self.out_r = self.err_r = self.report_r = self.mnt_ns = -1
+
+
+class Supervisor:
+    """Jobs from stdin, results to stdout; one prepared jail ahead, each job in a thread."""
+
+    def __init__(self, cfg: dict, slots: list[Cgroups], zygote_link: Zygote):
+        self.cfg, self.slots, self.zygote = cfg, slots, zygote_link
+        self.free = set(range(len(slots)))
+        self.slot_freed = threading.Condition()
+        self.send_lock = threading.Lock()
+        self.running: list[threading.Thread] = []
+
+    def serve(self) -> None:
+        """Until stdin closes: prepare a jail, take a job, run it in a thread, prepare the next."""
+        while True:
+            slot = self._take_slot()
+            jail, problem = None, ""
+            try:
+                jail = self.prepare(self.slots[slot])
+            except ZygoteGone:
+                raise
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            header = framing.read(0)
+            if header is None:
+                if jail is not None:
+                    jail.release()
+                break
+            job_id = None
+            try:
+                header = json.loads(header)
+                job_id = header["job_id"]
+                body = framing.read(0)
+                if body is None:
+                    raise EOFError("the pool closed the pipe between a job's header and its body")
+                job = {**header, **json.loads(body)}
+                if jail is None:
+                    raise RuntimeError(f"the jail could not be prepared: {problem}")
+            except Exception as exc:
+                self.send({"job_id": job_id, "error": f"{type(exc).__name__}: {exc}"})
+                if jail is not None:
+                    jail.kill()
+                    jail.release()
+                self._free_slot(slot)
+                continue
+            thread = threading.Thread(target=self.run, args=(jail, job, slot), name=f"job {job_id}", daemon=True)
+            thread.start()
+            self.running = [t for t in self.running if t.is_alive()] + [thread]
+        for thread in self.running:
+            thread.join()
+
+    def prepare(self, cgroups: Cgroups) -> Jail:
+        """A jail from the zygote, joined to this slot's cgroups, with its root and its candidate process."""
+        pid, fds = self.zygote.prepare()
+        jail = Jail(self.zygote, pid, fds)
+        try:
+            cgroups.attach(pid)
+            os.write(fds["attached_w"], b"a")
+            os.close(fds["attached_w"])
+            ready = os.read(fds["ready_r"], 1)
+            os.close(fds["ready_r"])
+            if ready != b"r":
+                raise RuntimeError("the jail failed while preparing its root")
+            # Holding the jail's mount namespace keeps its teardown (an RCU-synchronised unmount of the
+            # whole tree) out of the job's latency: it happens in the teardown, after the result went.
+            if self.cfg["isolate"]:
+                jail.mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
         except BaseException:
-            code = RESULT_LOST
-        os._exit(code)
-    # After the result, so the next job need not wait for this one's processes to vanish. Nothing
-    # may be written to the pool from here on: it has this job's frame and waits for the next.
-    try:
-        teardown()
-        code = 0
-    except BaseException:
-        code = 4
-    os._exit(code)
+            jail.kill()
+            jail.release()
+            raise
+        return jail
+
+    def run(self, jail: Jail, job: dict, slot: int) -> None:
+        """One job's thread: the result out, then the teardown; the slot is free once it is empty."""
+        cgroups = self.slots[slot]
+        try:
+            try:
+                result, teardown = run_job(jail, job, cgroups)
+            except Exception as exc:
+                jail.kill()
+                result, teardown = {"error": f"{type(exc).__name__}: {exc}"}, cgroups.reap
+            self.send({"job_id": job["job_id"], **result})
+            try:
+                teardown()
+            except Exception:
+                jail.kill()
+                cgroups.reap()
+        finally:
+            jail.release()
+            self._free_slot(slot)
+
+    def send(self, result: dict) -> None:
+        with self.send_lock:
+            framing.write(1, json.dumps(result).encode())
+
+    def _take_slot(self) -> int:
+        with self.slot_freed:
+            while not self.free:
+                self.slot_freed.wait()
+            return self.free.pop()
+
+    def _free_slot(self, slot: int) -> None:
+        with self.slot_freed:
+            self.free.add(slot)
+            self.slot_freed.notify()
 
 
-def _send(result: dict) -> None:
-    framing.write(1, json.dumps(result).encode())
-
-
-def prepare_jail(cfg: dict, cgroups: Cgroups) -> dict:
-    """Forks the jail into fresh namespaces and this slot's cgroups; it enters its root, forks its
-    candidate process and waits for a job."""
-    job_r, job_w = os.pipe()
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    report_r, report_w = os.pipe()
-    ready_r, ready_w = os.pipe()
-    attached_r, attached_w = os.pipe()
-    calls, calls_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # seccomp listeners come in here
-    if cfg["isolate"]:
-        # The mount namespace is the jail's own (it unshares it itself): pivot_root moves every
-        # process of a namespace, and the supervisor must keep seeing the host's cgroups.
-        unshare(CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
-    pid = os.fork()
-    if pid == 0:
-        for fd in (job_w, in_w, out_r, err_r, report_r, ready_r, attached_w):
-            os.close(fd)
-        calls.close()
-        jailed.run(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r, calls_w.detach())
-    for fd in (job_r, in_r, out_w, err_w, report_w, ready_w, attached_r):
-        os.close(fd)
-    calls_w.close()
-    cgroups.attach(pid)
-    os.write(attached_w, b"a")
-    os.close(attached_w)
-    if os.read(ready_r, 1) != b"r":
-        raise RuntimeError("the jail failed while preparing its root")
-    os.close(ready_r)
-    # Holding the jail's mount namespace keeps its teardown (an RCU-synchronised unmount of
-    # the whole tree) out of the job's latency: it happens when this supervisor exits.
-    mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY) if cfg["isolate"] else -1
-    return {"pid": pid, "job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r, "report_r": report_r,
-            "mnt_ns": mnt_ns, "calls": ForbiddenCalls(calls)}
-
-
-def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
+def run_job(jail: Jail, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     """Runs one job in the prepared jail: (the result, what is left to do once it has been sent).
 
     A tested job is over when its harness reports `done` (it has killed the candidate by then):
@@ -114,21 +275,19 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     most of a small job's time; the teardown (wait, empty the cgroup slot) follows.
     """
     limits = job["limits"]
-    pid = prepared["pid"]
-    out_r, err_r, report_r, in_w = prepared["out_r"], prepared["err_r"], prepared["report_r"], prepared["in_w"]
+    out_r, err_r, report_r = jail.out_r, jail.err_r, jail.report_r
     memory_events = cgroups.reset_memory_events()
     pids_events = cgroups.pids_events()
     accounting = cgroups.begin_usage()
-    calls = prepared["calls"]
+    calls = jail.calls
     started = time.monotonic()
     tested = "tests" in job
     program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
     program["has_tests"] = tested
-    framing.write(prepared["job_w"], json.dumps(program).encode())
+    framing.write(jail.job_w, json.dumps(program).encode())
     if tested:  # read by the harness only after the candidate's process is forked
         tests = {"tests": job["tests"], "prelude": job.get("prelude") or ""}
-        framing.write(prepared["job_w"], json.dumps(tests).encode())
-    os.close(prepared["job_w"])
+        framing.write(jail.job_w, json.dumps(tests).encode())
 
     stdin_data = base64.b64decode(job.get("stdin_b64") or "")
     cap = limits["output_bytes"]
@@ -137,9 +296,9 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     violation, detail = "", ""
     deadline = started + limits["wall_s"]
     open_fds = [out_r, err_r, report_r]
-    write_fds = [in_w] if stdin_data else []
+    write_fds = [jail.in_w] if stdin_data else []
     if not stdin_data:
-        os.close(in_w)
+        jail.close_stdin()
     for fd in open_fds + write_fds:
         os.set_blocking(fd, False)
     done = None
@@ -181,7 +340,7 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
                 sent = len(stdin_data)
             stdin_data = stdin_data[sent:]
             if not stdin_data:
-                os.close(fd)
+                jail.close_stdin()
                 write_fds = []
     if not violation and calls.read_pending():  # one made just before the job finished
         violation, detail = "forbidden_syscall", calls.detail()
@@ -193,28 +352,19 @@ def run_job(prepared: dict, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
         killed_stragglers = 0
 
         def teardown():
-            finish_jail(pid, limits["wall_s"])
+            jail.finish(limits["wall_s"])
             cgroups.reap()
-            calls.close()
-            for fd in write_fds + [out_r, err_r, report_r]:
-                os.close(fd)
     else:
         if not violation:  # its output closed, the jail may still run: the wall clock and the listeners hold
-            violation, detail = wait_for_exit(pid, deadline, calls, limits)
+            violation, detail = wait_for_exit(jail.pidfd, deadline, calls, limits)
         if violation:
-            os.kill(pid, signal.SIGKILL)  # pid 1 of the namespace: its death takes every descendant along
-        _, status, usage = os.wait4(pid, 0)
+            jail.kill()
+        status, (user_s, system_s, max_rss) = jail.wait()
         duration_ms = (time.monotonic() - started) * 1000
         drain([out_r, err_r], out, truncated, cap)  # what it wrote before it was stopped
-        for fd in write_fds:
-            os.close(fd)
         killed_stragglers = cgroups.reap()
-        calls.close()
-        for fd in (out_r, err_r, report_r):
-            os.close(fd)
         exit_code = os.waitstatus_to_exitcode(status)
         sig = -exit_code if exit_code < 0 else 0
-        user_s, system_s, max_rss = usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024
 
         def teardown():
             pass
@@ -321,22 +471,18 @@ class ForbiddenCalls:
             self.channel = None
 
 
-def wait_for_exit(pid: int, deadline: float, calls: "ForbiddenCalls", limits: dict) -> tuple[str, str]:
+def wait_for_exit(pidfd: int, deadline: float, calls: "ForbiddenCalls", limits: dict) -> tuple[str, str]:
     """Until the jail's pid 1 exits: ("", "") then; a violation if it makes a forbidden call or
     outlives the wall clock first (a program that closed its output and went on)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return "timeout", f"wall-clock limit of {limits['wall_s']}s reached"
-            readable, _, _ = select.select([pidfd] + calls.fds(), [], [], left)
-            if calls.read(readable):
-                return "forbidden_syscall", calls.detail()
-            if pidfd in readable:
-                return "", ""
-    finally:
-        os.close(pidfd)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout", f"wall-clock limit of {limits['wall_s']}s reached"
+        readable, _, _ = select.select([pidfd] + calls.fds(), [], [], left)
+        if calls.read(readable):
+            return "forbidden_syscall", calls.detail()
+        if pidfd in readable:
+            return "", ""
 
 
 def drain(fds: list[int], out: dict, truncated: dict, cap: int) -> None:
@@ -352,14 +498,3 @@ def drain(fds: list[int], out: dict, truncated: dict, cap: int) -> None:
             room = cap - len(out[fd])
             out[fd] += chunk[:room]
             truncated[fd] = truncated[fd] or len(chunk) > room
-
-
-def finish_jail(pid: int, wall_s: float) -> None:
-    """Waits for a jail that said it is done to exit; kills it if it lingers."""
-    deadline = time.monotonic() + min(2.0, wall_s)
-    while time.monotonic() < deadline:
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            return
-        time.sleep(0.001)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)

@@ -1,0 +1,120 @@
+"""The zygote: the worker's fork server. It forks each jail, and never holds a job.
+
+    supervisor (the worker's own process: reads jobs, runs them, sends results; supervisor.py)
+    zygote     (this module: forked from it before any job existed)
+      └─ jail  (jailed.py; pid 1 of fresh namespaces; for a tested job the harness, with the
+                candidate's process beside it)
+
+Every jail is a fork of this process, so whatever this process's memory holds,
+every job's memory holds too. It therefore never reads a job, a test or a
+result: the supervisor asks it for a jail over a Unix socket, and it answers
+with the jail's pid and the supervisor's ends of the jail's pipes (passed as
+descriptors, keeping none), and later with the jail's exit status and usage
+once it has reaped it. It exits when the supervisor closes the socket, and
+dies with the supervisor (parent-death signal).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+
+from crucible.services.sandbox_executor.jail import jailed
+from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,
+                                                           PR_SET_PDEATHSIG, prctl, setns, unshare)
+
+# The order of the descriptors passed with each prepared jail (the supervisor reads them by name).
+PASSED = ("pidfd", "job_w", "in_w", "out_r", "err_r", "report_r", "ready_r", "attached_w", "calls")
+MESSAGE_BYTES = 4096
+
+
+def start(cfg: dict) -> tuple[int, socket.socket]:
+    """Forks the zygote; returns its pid and the supervisor's end of its socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            ours.close()
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")
+            # Never the pool's pipes: the zygote reads no job and writes no result.
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            os.close(null)
+            serve(cfg, theirs)
+        except BaseException as exc:
+            try:
+                os.write(2, f"sandbox zygote failed: {type(exc).__name__}: {exc}\n".encode())
+            except OSError:
+                pass
+            code = 1
+        finally:
+            os._exit(code)
+    theirs.close()
+    return pid, ours
+
+
+def serve(cfg: dict, channel: socket.socket) -> None:
+    """Prepares a jail per request; reports each jail's end once reaped; returns when the channel closes."""
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if cfg["isolate"] else -1
+    live: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        readable, _, _ = select.select([channel.fileno(), *live], [], [])
+        for pidfd in [fd for fd in readable if fd in live]:
+            pid = live.pop(pidfd)
+            _, status, usage = os.wait4(pid, 0)
+            os.close(pidfd)
+            _send(channel, {"exit": pid, "status": status,
+                            "usage": [usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024]})
+        if channel.fileno() in readable:
+            request = channel.recv(MESSAGE_BYTES)
+            if not request:
+                return
+            pid, passed = fork_jail(cfg, own_pid_ns, [channel.fileno(), *live])
+            live[os.dup(passed["pidfd"])] = pid
+            _send(channel, {"prepared": pid}, [passed[name] for name in PASSED])
+            for fd in passed.values():
+                os.close(fd)
+
+
+def fork_jail(cfg: dict, own_pid_ns: int, close_in_child: list[int]) -> tuple[int, dict]:
+    """Forks a jail as pid 1 of a fresh pid namespace; (its pid, the descriptors for the supervisor)."""
+    job_r, job_w = os.pipe()
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    report_r, report_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    attached_r, attached_w = os.pipe()
+    calls, calls_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # seccomp listeners come in here
+    if cfg["isolate"]:
+        # A process may unshare its children's pid namespace once; joining its own again first
+        # lets it do so for every jail. The other namespaces the jail unshares itself.
+        setns(own_pid_ns, CLONE_NEWPID, "setns(own pid namespace)")
+        unshare(CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        for fd in (job_w, in_w, out_r, err_r, report_r, ready_r, attached_w, *close_in_child):
+            os.close(fd)
+        if own_pid_ns >= 0:
+            os.close(own_pid_ns)
+        calls.close()
+        try:
+            if cfg["isolate"]:
+                unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+        except BaseException as exc:  # never back into the zygote's loop
+            os.write(2, f"sandbox setup failed: {exc}\n".encode())
+            os._exit(121)
+        jailed.run(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r, calls_w.detach())
+    for fd in (job_r, in_r, out_w, err_w, report_w, ready_w, attached_r):
+        os.close(fd)
+    calls_w.close()
+    return pid, {"pidfd": os.pidfd_open(pid), "job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r,
+                 "report_r": report_r, "ready_r": ready_r, "attached_w": attached_w, "calls": calls.detach()}
+
+
+def _send(channel: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    socket.send_fds(channel, [json.dumps(message).encode()], list(fds))
