@@ -33,7 +33,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "eval": ("eval_every",),
     "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "epochs", "clip_eps", "kl_coef",
                   "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",
-                  "micro_batch_size", "gradient_checkpointing", "lora_rank", "lora_alpha", "reward_weights",
+                  "dynamic_sampling", "dynamic_sampling_window", "micro_batch_size", "gradient_checkpointing", "lora_rank", "lora_alpha", "reward_weights",
                   "length_penalty",
                   "length_target", "group_timeout_s"),
 }

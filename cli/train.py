@@ -26,6 +26,8 @@ from crucible.ml.policy.backends import backend_for
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
+from crucible.services.learner.groups import Buffered, GroupBuffer, informative
+from crucible.services.learner.trainer import UNINFORMATIVE
 from crucible.shared import bus, integrity, rpc
 from crucible.shared.procs import free_port
 from crucible.shared.settings import Settings, run_id_problem
@@ -267,6 +269,22 @@ async def _initial_policy(run: Run, settings: Settings) -> Path:
     return save_checkpoint(model, run.dir / "init", {"version": 0, "run_id": run.run_id})
 
 
+class FlatGroups:
+    """Counts the complete groups on the trajectories topic that dynamic sampling filters (rewards all
+    equal, or sampled too many versions ago), so that each one is replaced by another task."""
+
+    def __init__(self, max_policy_lag: int):
+        self.max_lag = max_policy_lag
+        self.buffer = GroupBuffer()
+        self.count = 0
+
+    def add(self, sample, version: int) -> None:
+        self.buffer.add(Buffered(sample, "", 0, 0, None))
+        for members in self.buffer.take(self.buffer.ready()):
+            stale = 0 <= self.max_lag < version - max(m.sample.policy_version for m in members)
+            self.count += stale or not informative(members)
+
+
 async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     """Publishes training tasks a bounded distance ahead of the learner and prints each new version."""
     recipe, s, echo = run.recipe, run.settings, run.echo
@@ -278,6 +296,8 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     await evaluations.start()
     alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False)
     await alerts.start()
+    trajectories = bus.Reader(["trajectories"], None, settings=s, offsets={"trajectories": {}}, dead_letters=False)
+    await trajectories.start()
     started, began = time.monotonic(), time.time()
     published = run.published
     version = -1
@@ -285,6 +305,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     # Steps' worth of tasks fed beyond the lag bound because the learner stalled: samples lost with a
     # killed service, or all dropped as stale (a generator restarted mid-step) leave it short of a step.
     extra, last_progress, intervals = 0, time.monotonic(), []
+    flat = FlatGroups(s.max_policy_lag)
     echo(f"[4/5] training: {s.groups_per_step} tasks x {recipe.sampling.group_size} samples per step, up to "
          f"{budget.steps} steps or {budget.minutes:g} minutes")
     try:
@@ -297,8 +318,9 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     extra += 1
                     last_progress = time.monotonic()
                     echo(f"      no new policy version for {stall_s:.0f}s: feeding another step's tasks")
-                # Keep the generator busy, but never more than max_policy_lag + 1 steps ahead of the learner.
-                allowed = (max(version, 0) + s.max_policy_lag + 1 + extra) * s.groups_per_step
+                # Keep the generator busy, but never more than max_policy_lag + 1 steps ahead of the learner;
+                # each group dynamic sampling filters is replaced by another task.
+                allowed = (max(version, 0) + s.max_policy_lag + 1 + extra) * s.groups_per_step + flat.count
                 while published < allowed:
                     task = next(run.train_tasks)
                     await producer.send("tasks", task, key=task.id)
@@ -325,7 +347,11 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     report.train_pass_last = m.pass_rate
                     report.curve.append(point)
                     echo(f"      step {version:4d}/{budget.steps}  reward {m.reward_mean:5.3f}  pass {m.pass_rate:5.3f}"
-                         f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  {elapsed:6.1f}s")
+                         f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  filtered {m.skipped.get(UNINFORMATIVE, 0):3d}"
+                         f"  {elapsed:6.1f}s")
+                if s.dynamic_sampling:
+                    for incoming in await trajectories.fetch(timeout_ms=0):
+                        flat.add(incoming.message, version)
                 for incoming in await evaluations.fetch(timeout_ms=0):
                     ev = incoming.message
                     report.evaluations.append({"t": round(time.monotonic() - started, 1), "version": ev.policy_version,
@@ -342,6 +368,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
         await follower.stop()
         await evaluations.stop()
         await alerts.stop()
+        await trajectories.stop()
     report.steps = max(version, 0)
     report.seconds = time.monotonic() - started
     report.trajectories_per_s = (report.steps * s.groups_per_step * recipe.sampling.group_size

@@ -170,3 +170,36 @@ def test_a_sample_that_is_not_a_sample_is_refused_with_the_reason():
     }
     for name, sample in broken.items():
         assert sample_problem(sample), name
+
+
+@pytest.mark.kafka
+@pytest.mark.store
+async def test_dynamic_sampling_filters_groups_with_equal_rewards_and_a_solved_set_still_advances(
+        stack_settings, tmp_path):
+    settings = stack_settings.model_copy(update={
+        "groups_per_step": 2, "max_policy_lag": -1, "seed": SEED, "home": tmp_path, "run_id": "dyn-run",
+        "lr": 1e-2, "dynamic_sampling": True, "dynamic_sampling_window": 3})
+    stop = asyncio.Event()
+    learner = asyncio.create_task(run(settings, stop))
+    try:
+        assert (await policies(settings, 1))[0].version == 0
+        # Two groups with no reward spread arrive first: filtered, and the step waits for two that teach.
+        await publish(settings, trajectories_for("all-right", 0, [1, 1, 1, 1]) + trajectories_for("all-wrong", 0, [0, 0])
+                      + trajectories_for("mixed-1", 0, [1, 0]))
+        with pytest.raises(TimeoutError):  # one informative group so far: no step yet
+            await read_raw(settings, "policy", 2, 3)
+        await publish(settings, trajectories_for("mixed-2", 0, [0, 1]))
+        v1 = (await policies(settings, 2))[1]
+        assert v1.version == 1 and dict(v1.metrics.skipped) == {"uninformative": 6}
+        assert v1.metrics.samples == 10 and v1.metrics.pass_rate == pytest.approx(6 / 10)  # every sample counts
+        # A solved set: nothing but equal rewards. Once 3 x 2 groups arrived, a step goes ahead on two of them.
+        await publish(settings, [t for i in range(6) for t in trajectories_for(f"solved-{i}", 1, [1, 1])])
+        v2 = (await policies(settings, 3))[2]
+        assert v2.version == 2 and v2.metrics.samples == 12 and dict(v2.metrics.skipped) == {"uninformative": 8}
+    finally:
+        stop.set()
+        await asyncio.wait_for(learner, 30)
+    client = store.connect(settings)
+    [(filtered,)] = client.query("SELECT metrics['filtered_groups'] FROM policy_versions FINAL "
+                                 "WHERE run_id = 'dyn-run' AND version = 1").result_rows
+    assert filtered == 2

@@ -36,3 +36,21 @@ async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     samples = client.query("SELECT count() FROM trajectories FINAL").result_rows[0][0]
     assert steps >= 80
     assert samples >= 80 * 16 * 8
+
+
+async def test_dynamic_sampling_keeps_the_loop_fed_and_counts_what_it_filtered(stack_settings, tmp_path):
+    """With dynamic sampling the learner waits for informative groups; `crucible train` replaces each
+    filtered group with another task (FlatGroups), so no step waits on the stall timer."""
+    lines = []
+    settings = stack_settings.model_copy(update={"home": tmp_path})
+    recipe = recipes.builtin()
+    recipe.algorithm.dynamic_sampling = True
+    recipe.algorithm.max_policy_lag = 1  # what it pairs with: a group finished after its step still serves the next
+    recipe.budget.steps, recipe.budget.minutes = 12, 4
+    report = await train(settings, recipe, echo=lines.append)
+    assert report.steps >= 12
+    assert not any("no new policy version" in line for line in lines), lines
+    client = store.connect(settings)
+    rows = client.query("SELECT version, metrics['filtered_groups'] FROM policy_versions FINAL "
+                        "WHERE run_id = {r:String} AND version > 0", parameters={"r": report.run_id}).result_rows
+    assert len(rows) >= 12 and sum(f for _, f in rows) > 0, rows  # chance-level groups of 8 are sometimes all equal

@@ -160,7 +160,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     backend = await asyncio.to_thread(build_backend, settings)
     log.info("backend %s ready at policy version %d", backend.name, backend.version)
     batcher = Batcher(backend, max_tasks=settings.generator_batch_tasks, wait_ms=settings.generator_batch_wait_ms,
-                      lag=LagBound(settings.max_policy_lag, settings.groups_per_step))
+                      lag=LagBound(settings.max_policy_lag, settings.groups_a_step_may_take()))
     batcher.start()
 
     def policy_gauges(options):  # the version sampled with, and how many groups wait for a newer one

@@ -31,8 +31,9 @@ class _Request:
 class LagBound:
     """Lets the generator run at most `max_lag` learner steps ahead of the newest policy version.
 
-    The learner consumes `groups_per_step` groups per step; once the groups admitted under the
-    current version would feed more than max_lag + 1 steps, `admit` waits for a new version.
+    A learner step consumes at most `groups_per_step` groups (RunConfig.groups_a_step_may_take: more
+    than the configured groups_per_step with dynamic sampling); once the groups admitted under the
+    current version could feed more than max_lag + 1 steps, `admit` waits for a new version.
     Interactive (gRPC) requests are not counted and never wait.
     """
 

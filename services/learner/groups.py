@@ -40,6 +40,13 @@ def sample_problem(s: trajectory_pb2.Trajectory) -> str | None:
     return None
 
 
+def informative(members: list[Buffered]) -> bool:
+    """Whether a group's rewards differ: with all equal, every group-relative advantage is zero and the
+    group teaches nothing (DAPO's dynamic sampling filters it)."""
+    rewards = [m.sample.reward for m in members]
+    return max(rewards) - min(rewards) > 1e-9
+
+
 class GroupBuffer:
     """Samples by group, in arrival order."""
 

@@ -14,7 +14,7 @@ from collections import Counter, deque
 from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
 from crucible.services.learner import checkpoints
-from crucible.services.learner.groups import Buffered, GroupBuffer, sample_problem
+from crucible.services.learner.groups import Buffered, GroupBuffer, informative, sample_problem
 from crucible.services.learner.monitors import HealthMonitor
 from crucible.services.learner.rows import record_alert, record_step
 from crucible.services.learner.trainer import StepResult, Trainer
@@ -30,7 +30,7 @@ log = logging.getLogger("crucible.learner")
 _last_step: dict[str, float] = {}
 STEP_MS = metrics.histogram("crucible.learner.step.duration", "time of one policy step", "ms")
 GAUGED = ("kl", "entropy", "grad_norm", "loss", "reward_mean", "pass_rate", "mismatch_kl", "response_length",
-          "samples", "learning_rate", "policy_lag", "policy_lag_max")
+          "samples", "learning_rate", "policy_lag", "policy_lag_max", "filtered_groups")
 
 
 def _step_gauges(options):
@@ -142,6 +142,7 @@ class Learner:
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
                                       offsets={"evaluations": {}}, dead_letters=False)
         self.buffer = GroupBuffer()
+        self.uninformative: list[list[Buffered]] = []  # filtered by dynamic sampling, counted with the next step
         self.duplicates = 0  # samples not buffered because they were trained on already
         self.monitor = HealthMonitor(settings.run_id, kl_limit=settings.detect_kl_limit,
                                      entropy_floor=settings.detect_entropy_floor,
@@ -181,19 +182,48 @@ class Learner:
                         continue
                     self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
                                              incoming.offset, incoming.context))
-                ready = self.buffer.ready()
-                per_step = self.settings.groups_per_step
-                while len(ready) >= per_step:
-                    chosen, ready = ready[:per_step], ready[per_step:]
-                    await self._step(self.buffer.take(chosen))
+                while (batch := self._next_batch()) is not None:
+                    await self._step(*batch)
 
-    async def _step(self, groups: list[list[Buffered]]) -> None:
+    def _next_batch(self) -> tuple[list[list[Buffered]], list[list[Buffered]]] | None:
+        """The next step's groups to train on and the uninformative ones it filtered, once there are
+        enough; None until then. Without dynamic sampling every whole group counts.
+
+        With it, uninformative groups (all rewards equal, or all samples too stale to train on) leave
+        the buffer as they complete and wait here; a step takes groups_per_step informative groups
+        (stale ones are counted as such), or, once dynamic_sampling_window times
+        that many groups have arrived since the last step, the informative ones there are (none:
+        groups_per_step uninformative ones, so a solved task set still advances).
+        """
+        per_step = self.settings.groups_per_step
+        ready = self.buffer.ready()
+        if not self.settings.dynamic_sampling:
+            return (self.buffer.take(ready[:per_step]), []) if len(ready) >= per_step else None
+        flat = {g for g in ready if not informative(self.buffer.groups[g])
+                or not any(self.trainer.fresh_enough(m.sample) for m in self.buffer.groups[g])}
+        self.uninformative += self.buffer.take([g for g in ready if g in flat])
+        useful = [g for g in ready if g not in flat]
+        if len(useful) >= per_step:
+            chosen = self.buffer.take(useful[:per_step])
+        elif len(useful) + len(self.uninformative) >= self.settings.dynamic_sampling_window * per_step:
+            chosen = self.buffer.take(useful) if useful else self.uninformative[:per_step]
+            if not useful:
+                self.uninformative = self.uninformative[per_step:]
+        else:
+            return None
+        filtered, self.uninformative = self.uninformative, []
+        return chosen, filtered
+
+    async def _step(self, groups: list[list[Buffered]], filtered: list[list[Buffered]] = ()) -> None:
+        """One optimiser step on `groups`; the `filtered` ones (uninformative) are counted with it."""
         trainer = self.trainer
+        groups = list(groups) + list(filtered)
+        flat = frozenset(g[0].sample.group_id for g in filtered)
         # The step joins the trace of every task it trains on: one span per group, child of that
         # group's consumer span, all covering the same optimiser step.
         spans = [self.tracer.start_span("learner step", context=g[0].context) for g in groups]
         try:
-            result = await asyncio.to_thread(trainer.step, [m.sample for g in groups for m in g])
+            result = await asyncio.to_thread(trainer.step, [m.sample for g in groups for m in g], flat)
             for span in spans:
                 span.set_attribute("crucible.learner.version", trainer.version)
                 span.set_attribute("crucible.learner.stepped", result.stepped)

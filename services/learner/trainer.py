@@ -24,6 +24,7 @@ EMPTY = "empty_completion"           # no completion token carries a gradient
 MISMATCHED = "mismatched_loss_mask"  # a loss mask that does not cover the completion token for token
 NO_PREFERENCE = "no_preference"      # DPO: its group has no reward spread, so no pair
 HELDOUT = "heldout"                  # its task is held out: never trained on, whoever published it
+UNINFORMATIVE = "uninformative"      # its group's rewards are all equal: no learning signal (dynamic sampling)
 
 
 @dataclass
@@ -105,25 +106,28 @@ class Trainer:
         lag = self.version - s.policy_version
         return self.config.max_policy_lag < 0 or lag <= self.config.max_policy_lag
 
-    def skip_reason(self, s: trajectory_pb2.Trajectory) -> str | None:
+    def skip_reason(self, s: trajectory_pb2.Trajectory, uninformative: frozenset = frozenset()) -> str | None:
         if s.heldout:
             return HELDOUT
         if not self.fresh_enough(s):
             return STALE
+        if s.group_id in uninformative:
+            return UNINFORMATIVE
         if len(s.loss_mask) and len(s.loss_mask) != len(s.completion_token_ids):
             return MISMATCHED
         if not model_tokens(s):
             return EMPTY
         return None
 
-    def step(self, samples: list[trajectory_pb2.Trajectory]) -> StepResult:
-        """Drops what cannot be trained on (counted by reason); with anything left, takes one optimiser
-        step and bumps the version."""
+    def step(self, samples: list[trajectory_pb2.Trajectory], uninformative: frozenset = frozenset()) -> StepResult:
+        """Drops what cannot be trained on (counted by reason; samples of the groups named in
+        `uninformative` were filtered by dynamic sampling); with anything left, takes one optimiser
+        step and bumps the version. The batch's reward and pass rate count every sample given."""
         started = time.perf_counter()
         skipped: Counter = Counter()
         usable = []
         for s in samples:
-            reason = self.skip_reason(s)
+            reason = self.skip_reason(s, uninformative)
             if reason:
                 skipped[reason] += 1
             else:
@@ -137,6 +141,7 @@ class Trainer:
             # versions between the policy that sampled and the one trained now (0: on-policy)
             "policy_lag": sum(self.version - s.policy_version for s in samples) / len(samples) if samples else 0.0,
             "policy_lag_max": float(max((self.version - s.policy_version for s in samples), default=0)),
+            "filtered_groups": len(uninformative),
         }
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
