@@ -44,6 +44,8 @@ from crucible.shared.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 DLQ_SUFFIX = ".dlq"
+# How long a transactional consumer waits for more of a batch's records to join a transaction.
+COMMIT_LINGER_S = 0.015
 # The records a transactional consumer's handling of one record produces, sent when that record commits.
 _OUTBOX: contextvars.ContextVar[list | None] = contextvars.ContextVar("crucible_bus_outbox", default=None)
 H_SCHEMA = "schema"
@@ -178,6 +180,10 @@ class Producer:
             linger_ms=5,
             max_request_size=messages.MAX_MESSAGE_BYTES + 64 * 1024,
         )
+        if "transactional_id" in producer_options:
+            # A transaction begun while the last one's markers are still being written is refused
+            # (CONCURRENT_TRANSACTIONS) and retried after this backoff: 100 ms by default, a whole step here.
+            options["retry_backoff_ms"] = 5
         options.update(producer_options)
         self._producer = AIOKafkaProducer(**options)
         self._tracer = telemetry.tracer("crucible.bus")
@@ -569,6 +575,14 @@ class Consumer(Reader):
         finished: dict[int, list[Prepared]] = {}
         committed = 0
         lock = asyncio.Lock()
+        progress = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def finished_prefix() -> int:
+            end = committed
+            while end in finished:
+                end += 1
+            return end
 
         async def one(index: int, record: ConsumerRecord) -> None:
             nonlocal committed
@@ -577,10 +591,16 @@ class Consumer(Reader):
             async with slots:
                 await self._process(record)
             finished[index] = outbox
+            progress.set()
             async with lock:
-                end = committed
-                while end in finished:
-                    end += 1
+                # Back-to-back transactions wait on each other's markers (about 25 ms here): records of
+                # the batch still being handled get a moment to join this one instead.
+                deadline = loop.time() + COMMIT_LINGER_S
+                while (end := finished_prefix()) < len(records) and loop.time() < deadline:
+                    progress.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(progress.wait(), deadline - loop.time())
+                end = finished_prefix()
                 if end == committed:
                     return
                 sends = [p for i in range(committed, end) for p in finished.pop(i)]
