@@ -288,6 +288,9 @@ def cmd_train(args, settings: Settings) -> int:
          f"at step {report.steps}")
     echo(f"held-out pass rate  : {report.heldout_before:.3f} before RL -> {report.heldout_after:.3f} after")
     echo(f"checkpoint          : {report.checkpoint}")
+    if report.step_breakdown:
+        parts = ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {v:.0f}" for k, v in report.step_breakdown.items())
+        echo(f"step time (median ms): {parts}  (`crucible query step-time --run {report.run_id}`)")
     kinds = sorted({a["kind"] for a in report.alerts})
     echo(f"alerts              : {len(report.alerts)}" + (f" ({', '.join(kinds)}; `crucible query alerts`)" if kinds else ""))
     return 0

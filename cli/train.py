@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -28,10 +30,13 @@ from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.services.learner.groups import Buffered, GroupBuffer, informative
 from crucible.services.learner.trainer import UNINFORMATIVE
-from crucible.shared import bus, integrity, rpc
+from crucible.shared import bus, integrity, rpc, store
 from crucible.shared.procs import free_port
 from crucible.shared.settings import Settings, run_id_problem
+from crucible.shared.store import queries
 from crucible.v1 import alert_pb2
+
+log = logging.getLogger("crucible.train")
 
 STALL_S = 20.0  # no new version for this long: the learner is short of samples; feed it more tasks
 
@@ -51,6 +56,19 @@ class TrainReport:
     alerts: list[dict] = field(default_factory=list)  # {t, version (the learner's then), kind, severity, message}
     trajectories_per_s: float = 0.0
     learner_step_ms: float = 0.0
+    step_breakdown: dict = field(default_factory=dict)  # median ms over versions: `crucible query step-time`
+
+
+def step_breakdown(settings: Settings, run_id: str) -> dict[str, float]:
+    """The median over the run's versions of each part of a step (`crucible query step-time`); empty
+    where the spans are not in the store (CRUCIBLE_OTEL_STORE_SPANS=false, a collector elsewhere)."""
+    try:
+        columns, rows = queries.run(store.connect(settings), "step-time", run=run_id)
+    except Exception as exc:  # a report without it is still a report
+        log.warning("no step-time breakdown for %s: %s", run_id, exc)
+        return {}
+    return {c: statistics.median(r[i] for r in rows) for i, c in enumerate(columns)
+            if c.endswith("_ms") and rows}
 
 
 async def heldout_pass_rate(run: "Run", checkpoint: Path, tasks) -> float:
@@ -227,6 +245,7 @@ async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = ""
         raise
     finally:
         run.stop_services()
+    report.step_breakdown = await asyncio.to_thread(step_breakdown, settings, run.run_id)
     echo(f"[5/5] held-out pass rate after RL: {report.heldout_after:.3f} (before: {report.heldout_before:.3f}); "
          f"final checkpoint {report.checkpoint}")
     (run.dir / "report.json").write_text(json.dumps(report.__dict__, indent=1, default=str))

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -46,6 +48,27 @@ def a_real_span():
     return exporter.get_finished_spans()
 
 
+def a_step_trace(start_ns: int) -> list:
+    """One group's trace through the pipeline, each service's span at a known time (ms after start):
+    sampled 0-100, verified 130-140, its last verdict joined at 200, published at 205, trained at 300."""
+    exporter = InMemorySpanExporter()
+    tracers = {}
+    for service in ("generator", "verifier", "reward-aggregator", "learner"):
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracers[service] = provider.get_tracer("crucible.test")
+    at = [start_ns + ms * 1_000_000 for ms in (0, 100, 130, 140, 200, 201, 205, 206, 300, 500)]
+    root = tracers["generator"].start_span("crucible.run-1.tasks process", start_time=at[0])
+    context = trace.set_span_in_context(root)
+    for (service, name), (begin, end) in zip(
+            [("verifier", "crucible.run-1.rollouts process"), ("reward-aggregator", "crucible.run-1.verdicts process"),
+             ("reward-aggregator", "crucible.run-1.trajectories publish"), ("learner", "learner step")],
+            [(at[2], at[3]), (at[4], at[5]), (at[6], at[7]), (at[8], at[9])]):
+        tracers[service].start_span(name, context=context, start_time=begin).end(end_time=end)
+    root.end(end_time=at[1])
+    return exporter.get_finished_spans()
+
+
 @pytest.fixture
 def filled(store_client):
     """One episode group, its turns, the trace of its group, a step, an evaluation and an alert."""
@@ -77,8 +100,14 @@ def filled(store_client):
         execution=execution_pb2.ExecutionResult(exit_code=0, duration_ms=41.5, usage=execution_pb2.ResourceUsage(
             cpu_user_s=0.03, cpu_system_s=0.01, max_rss_bytes=25_000_000)))
     [code] = group_trajectories([ran], RewardConfig("rloo", {}, 0.0, 0), complete=True)
-    store_client.insert("trajectories", [trajectory_row(ran, code, trace_id, "run-1")], column_names=TRAJECTORY_COLUMNS)
-    store_client.insert("otel_traces", [span_row(s) for s in spans], column_names=SPAN_COLUMNS)
+    step_spans = a_step_trace(time.time_ns())
+    store_client.insert("trajectories", [trajectory_row(ran, code, span_row(step_spans[0])[1], "run-1")],
+                        column_names=TRAJECTORY_COLUMNS)
+    store_client.insert("otel_traces", [span_row(s) for s in spans + step_spans], column_names=SPAN_COLUMNS)
+    # the step that trained on it (version 1 samples make version 2), with its hand-over timings
+    trained = policy_pb2.PolicyVersion(run_id="run-1", version=2, step=2, checkpoint_uri="file:///y",
+                                       metrics=policy_pb2.StepMetrics(step_ms=200.0))
+    record_step(store_client, trained, {"step_ms": 200.0, "checkpoint_ms": 12.0, "publish_ms": 3.0}, ["code-1/0"])
     pv = policy_pb2.PolicyVersion(run_id="run-1", version=1, step=1, checkpoint_uri="file:///x",
                                   metrics=policy_pb2.StepMetrics(reward_mean=0.5, kl=0.01, step_ms=12.0))
     record_step(store_client, pv, {"loss": 0.1}, ["t1"])
@@ -100,7 +129,7 @@ def filled(store_client):
 def test_every_saved_query_returns_the_rows_it_is_about(filled):
     client, task, trajectories = filled
     solved = next(t for t in trajectories if t.turns == 2)
-    params = {"task": task.id, "trajectory": solved.id, "rescore": "rescore-1"}
+    params = {"task": task.id, "trajectory": solved.id, "rescore": "rescore-1", "run": "run-1"}
     for name in queries.QUERIES:
         columns, rows = queries.run(client, name, **params)
         assert rows and len(columns) == len(rows[0]), name
@@ -112,6 +141,10 @@ def test_every_saved_query_returns_the_rows_it_is_about(filled):
     assert score[4] == next(r for r in spans if r[1] == "parent")[3]  # its parent, by id
     _, heldout = queries.run(client, "heldout")
     assert ("run-1", 1, "lookup", 4, 3, 0.75) in heldout
+    columns, [row] = queries.run(client, "step-time", run="run-1")
+    assert dict(zip(columns, row)) == {
+        "version": 1, "groups": 1, "sample_ms": 100, "to_verifier_ms": 30, "verify_ms": 10, "to_aggregator_ms": 60,
+        "to_learner_ms": 95, "learner_step_ms": 200, "checkpoint_ms": 12, "publish_ms": 3}
 
 
 def test_a_query_without_its_parameter_or_unknown_says_so(filled):

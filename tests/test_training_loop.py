@@ -29,6 +29,10 @@ async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     assert 0.3 <= report.heldout_before <= 0.7, "the warm-start taught the format, not the answers"
     assert report.heldout_after >= report.heldout_before + 0.25, (report.heldout_before, report.heldout_after)
     assert any("held-out pass rate after RL" in line for line in lines)
+    # Where a step's time went, from the run's spans and the learner's own timings.
+    breakdown = report.step_breakdown
+    assert breakdown["sample_ms"] > 0 and breakdown["learner_step_ms"] > 0 and breakdown["checkpoint_ms"] > 0, breakdown
+    assert {"to_verifier_ms", "verify_ms", "to_aggregator_ms", "to_learner_ms", "publish_ms"} <= breakdown.keys()
     # The run left its trace in the store: every step and every sample.
     client = store.connect(settings)
     steps = client.query("SELECT count() FROM train_steps FINAL WHERE run_id = {r:String}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections import Counter, deque
 
 from crucible.ml.policy import transfer
@@ -30,7 +31,7 @@ log = logging.getLogger("crucible.learner")
 _last_step: dict[str, float] = {}
 STEP_MS = metrics.histogram("crucible.learner.step.duration", "time of one policy step", "ms")
 GAUGED = ("kl", "entropy", "grad_norm", "loss", "reward_mean", "pass_rate", "mismatch_kl", "response_length",
-          "samples", "learning_rate", "policy_lag", "policy_lag_max", "filtered_groups")
+          "samples", "learning_rate", "policy_lag", "policy_lag_max", "filtered_groups", "checkpoint_ms", "publish_ms")
 
 
 def _step_gauges(options):
@@ -245,12 +246,16 @@ class Learner:
         self.recent.add(samples)
         record = {"metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
                   "skipped": dict(result.skipped), "samples": samples}
+        began = time.perf_counter()
         folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
                                          {p: o for (t, p), o in positions.items() if t == self.topic},
                                          sorted({*self.trained_past, *self.restored}), self.reference_uri, record,
                                          self.recent.steps())
+        saved = time.perf_counter()
         pv = await asyncio.to_thread(policy_message, self.settings, trainer, folder.as_uri(), result)
         await self._publish(pv)
+        # The step's own time is step_ms; what it costs to hand the version over comes after it.
+        result.metrics.update(checkpoint_ms=(saved - began) * 1000, publish_ms=(time.perf_counter() - saved) * 1000)
         observe_step(result.metrics)
         await asyncio.to_thread(record_step, self.store, pv, result.metrics, samples)
         for alert in self.monitor.check(trainer.step_count, trainer.version, result.metrics):
