@@ -11,8 +11,8 @@ Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and
     processes over Kafka) with the recipe's max_policy_lag (sync at 0) and with lag 1 (async).
 Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
 from the first step and leaves out the in-process loop's own evaluations (the pipeline's evaluator
-runs beside it). The pipeline's figures come from its report.json. TRL's GRPOTrainer is not run
-here (it needs its own environment, which this machine cannot fetch offline in the bench's run).
+runs beside it). The pipeline's figures come from its report.json. TRL's GRPOTrainer (in a virtual
+environment of its own) is not part of the bench yet.
 Not a test: nothing gates on these numbers.
 """
 from __future__ import annotations

@@ -104,10 +104,10 @@ def filled(store_client):
     store_client.insert("trajectories", [trajectory_row(ran, code, span_row(step_spans[0])[1], "run-1")],
                         column_names=TRAJECTORY_COLUMNS)
     store_client.insert("otel_traces", [span_row(s) for s in spans + step_spans], column_names=SPAN_COLUMNS)
-    # the step that trained on it (version 1 samples make version 2), with its hand-over timings
-    trained = policy_pb2.PolicyVersion(run_id="run-1", version=2, step=2, checkpoint_uri="file:///y",
-                                       metrics=policy_pb2.StepMetrics(step_ms=200.0))
-    record_step(store_client, trained, {"step_ms": 200.0, "checkpoint_ms": 12.0, "publish_ms": 3.0}, ["code-1/0"])
+    # the version made by the step that trained on it (version 1 samples make version 2), with its timings
+    store_client.insert("policy_versions", [["run-1", 2, "file:///y", 2, dt.datetime.now(dt.timezone.utc),
+                                             {"step_ms": 200.0, "checkpoint_ms": 12.0, "publish_ms": 3.0}]],
+                        column_names=["run_id", "version", "checkpoint_uri", "step", "created_at", "metrics"])
     pv = policy_pb2.PolicyVersion(run_id="run-1", version=1, step=1, checkpoint_uri="file:///x",
                                   metrics=policy_pb2.StepMetrics(reward_mean=0.5, kl=0.01, step_ms=12.0))
     record_step(store_client, pv, {"loss": 0.1}, ["t1"])
