@@ -7,7 +7,9 @@ are graded by the strict `exact`. The policy learns to answer with junk within a
 the share of the paid reward that was not earned. The run must raise `canary_passed` on a sample
 of a version whose unearned share is still under half; the same recipe graded by `exact` (the clean
 twin) must raise no alert at all.
-Measured here: canary_passed on a version-2 sample (24% unearned; 55% at version 3, 98% from 10 on).
+Measured here with canaries at 0.125: canary_passed on a version-2 sample (24% unearned; 55% at
+version 3, 98% from 10 on); one CI run had 13% at version 2 and 72% at version 3, and no canary was
+paid at version 2 (probability about 0.11 with 16 canary samples a step), so the recipe has 0.25.
 """
 from __future__ import annotations
 
