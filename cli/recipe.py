@@ -31,6 +31,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("chat_template", "system_prompt"),
     "sampling": ("temperature", "top_p", "max_tokens", "max_episode_tokens"),
     "eval": ("eval_every",),
+    "learner": ("learner_ranks", "learner_sharding"),
     "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "epochs", "clip_eps", "kl_coef",
                   "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",
                   "dynamic_sampling", "dynamic_sampling_window", "micro_batch_size", "gradient_checkpointing", "lora_rank", "lora_alpha", "reward_weights",
@@ -117,6 +118,7 @@ class BudgetSection(BaseModel):
 
 
 EvalSection = _section("eval")
+LearnerSection = _section("learner")
 
 
 class Recipe(BaseModel):
@@ -128,6 +130,7 @@ class Recipe(BaseModel):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     budget: BudgetSection = Field(default_factory=BudgetSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    learner: LearnerSection = Field(default_factory=LearnerSection)
     source: Path | None = Field(default=None, exclude=True, description="The file it came from, if any.")
 
     def run_config(self, **job: Any) -> RunConfig:

@@ -71,6 +71,10 @@ class Services:
         self.restart_at.pop(name, None)
         self.log_file(name).parent.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", f"crucible.services.{name}"]
+        if name == "learner":  # one process, or its ranks under torchrun
+            from crucible.services.learner.ranks import launch_args  # (imports torch: only where it is needed)
+
+            args = launch_args(int(self.env.get("CRUCIBLE_LEARNER_RANKS", "1")))
         if name == "sandbox_executor" and os.geteuid() != 0:
             args.append("--allow-weak-isolation")  # not root: results name what is missing
         env = {**self.env, "CRUCIBLE_METRICS_PORT": "0",  # any free port, written to the port file

@@ -102,6 +102,13 @@ class RunConfig(BaseModel):
                            "Checkpoints hold the merged weights, so generators load plain folders.")
     lora_alpha: float = Field(default=16.0, gt=0, description="LoRA scaling numerator (the update is alpha/rank).")
 
+    # the learner's processes
+    learner_ranks: int = Field(default=1, ge=1, le=1024, description="Learner processes taking each step together "
+                               "(torch.distributed; `crucible train` launches them with torchrun on this machine).")
+    learner_sharding: str = Field(default="ddp", pattern="^(ddp|fsdp)$", description="ddp: every rank holds the "
+                                  "whole model; fsdp: weights, gradients and optimiser state sharded across ranks "
+                                  "(FSDP2), for a model one device cannot hold.")
+
     def environment(self) -> dict[str, str]:
         """These values as CRUCIBLE_* variables, for the services a run starts as processes."""
         out = {}
@@ -202,6 +209,8 @@ class Settings(BaseSettings, RunConfig):
     # learner
     learner_grpc_port: int = 50055
     learner_keep_checkpoints: int = Field(default=5, ge=2)
+    learner_collective_timeout_s: float = Field(default=600.0, gt=0, description="How long a learner rank waits "
+                                                "in a collective for a rank that neither answers nor dies.")
 
     # Checkpoints beyond one filesystem: any fsspec URI (s3://, gs://, ...) besides local folders.
     checkpoint_base_uri: str | None = Field(

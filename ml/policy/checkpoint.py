@@ -32,18 +32,19 @@ def path_from_uri(uri: str) -> Path:
 
 
 def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict | None = None,
-                    tokenizer_from: Path | None = None) -> Path:
+                    tokenizer_from: Path | None = None, weights: dict | None = None) -> Path:
     """Writes the checkpoint into a temporary sibling, then renames it into place (never half-written).
 
     `extra` maps file names to objects saved alongside (e.g. optimizer state) with torch.save.
     A transformers model's tokenizer files are copied from `tokenizer_from` (its initial folder).
+    `weights`: the model's whole state dict, where `model` holds only a shard of it (FSDP).
     """
     folder = Path(folder)
     tmp = files.staging(folder)
     if isinstance(model, Policy):
-        _write_builtin(model, tmp)
+        _write_builtin(model, tmp, weights)
     else:
-        hf.write(model, tmp, tokenizer_from)
+        hf.write(model, tmp, tokenizer_from, weights)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
     (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=1))
@@ -52,8 +53,8 @@ def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict |
     return files.replace_folder(tmp, folder)
 
 
-def _write_builtin(model: Policy, tmp: Path) -> None:
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+def _write_builtin(model: Policy, tmp: Path, weights: dict | None = None) -> None:
+    state = {k: v.detach().contiguous() for k, v in (model.state_dict() if weights is None else weights).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

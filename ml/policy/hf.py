@@ -132,12 +132,13 @@ def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature
     return token_logp, entropy
 
 
-def write(model, tmp: Path, tokenizer_from: Path | None) -> None:
+def write(model, tmp: Path, tokenizer_from: Path | None, weights: dict | None = None) -> None:
     """A transformers model's files into a checkpoint being written (see checkpoint.save_checkpoint):
-    weights and configs, and the tokenizer files of `tokenizer_from`. LoRA adapters are merged in."""
+    weights and configs, and the tokenizer files of `tokenizer_from`. LoRA adapters are merged in.
+    `weights`: the whole state dict where the model holds a shard (FSDP)."""
     if hasattr(model, "merge_and_unload"):  # LoRA: generators load plain weights
         model = _merged_copy(model)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    model.save_pretrained(str(tmp), safe_serialization=True, **({"state_dict": weights} if weights else {}))
     if tokenizer_from is not None:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_from) / name).exists():

@@ -205,7 +205,7 @@ def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor,
     ids/valid: [B, T] (valid marks real tokens; padding may be on either side). Returns two [B, T-1]
     tensors aligned with ids[:, 1:].
     """
-    if not isinstance(model, Policy):  # a transformers model
+    if not isinstance(getattr(model, "module", model), Policy):  # a transformers model (DDP: inside it)
         from crucible.ml.policy import hf
 
         return hf.sequence_logprobs(model, ids, valid, temperature, top_p)

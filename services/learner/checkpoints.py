@@ -41,15 +41,20 @@ def latest(settings: Settings) -> Path | None:
 
 
 def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list[str], reference_uri: str,
-         step_record: dict | None = None, recent_ids: list[list[str]] | None = None) -> Path:
+         step_record: dict | None = None, recent_ids: list[list[str]] | None = None) -> Path | None:
     """`step_record` (the step's metrics, skips and sample ids) lets a learner restarted before the
-    step's rows were written write them; `recent_ids` are the ids the last steps trained on."""
+    step's rows were written write them; `recent_ids` are the ids the last steps trained on.
+
+    Every rank calls it (gathering sharded state is collective); rank 0 writes, the others get None."""
+    weights, optimizer_state = trainer.checkpoint_state()
+    if not trainer.ranks.main:
+        return None
     meta = {"run_id": settings.run_id, "version": trainer.version, "step": trainer.step_count,
             "offsets": {str(p): o for p, o in offsets.items()}, "trained_ids_past_offsets": trained_ids,
             "reference_uri": reference_uri, "step_record": step_record, "recent_trained_ids": recent_ids or []}
     folder = save_checkpoint(trainer.model, version_dir(settings, trainer.version), meta,
-                             extra={OPTIMIZER_FILE: trainer.optimizer.state_dict()},
-                             tokenizer_from=path_from_uri(reference_uri))
+                             extra={OPTIMIZER_FILE: optimizer_state}, tokenizer_from=path_from_uri(reference_uri),
+                             weights=weights)
     prune(settings)
     return folder
 

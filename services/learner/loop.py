@@ -17,6 +17,7 @@ from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_fr
 from crucible.services.learner import checkpoints
 from crucible.services.learner.groups import Buffered, GroupBuffer, informative, sample_problem
 from crucible.services.learner.monitors import HealthMonitor
+from crucible.services.learner.ranks import IDLE_BEAT_S, Ranks
 from crucible.services.learner.rows import record_alert, record_step
 from crucible.services.learner.trainer import StepResult, Trainer
 from opentelemetry.metrics import Observation
@@ -51,15 +52,17 @@ def observe_step(values: dict) -> None:
 TOPIC = "trajectories"
 
 
-def build_trainer(settings: Settings) -> tuple[Trainer, dict]:
-    """Resumes from the run's newest checkpoint, or starts from the initial weights (version 0)."""
+def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Trainer, dict]:
+    """Resumes from the run's newest checkpoint, or starts from the initial weights (version 0).
+    Every rank calls it; rank 0 chooses the checkpoint (and writes version 0's), the others follow."""
+    ranks = ranks or Ranks()
     config = settings.run_config()
-    found = checkpoints.latest(settings)
+    found = ranks.broadcast(checkpoints.latest(settings) if ranks.main else None)
     if found is not None:
         model, meta, optimizer_state = checkpoints.load(found)
         reference, _ = load_checkpoint(path_from_uri(meta["reference_uri"]))
         trainer = Trainer(model, config, reference=reference, version=meta["version"], step=meta["step"],
-                          optimizer_state=optimizer_state)
+                          optimizer_state=optimizer_state, ranks=ranks)
         log.info("resumed run %s at version %d (step %d) from %s", settings.run_id, trainer.version,
                  trainer.step_count, found)
         return trainer, meta
@@ -68,8 +71,9 @@ def build_trainer(settings: Settings) -> tuple[Trainer, dict]:
         reference_uri = path_from_uri(settings.init_checkpoint).resolve().as_uri()
     else:
         model = fresh_policy(settings.seed)
-        reference_uri = save_checkpoint(model, checkpoints.run_dir(settings) / "reference", {"version": 0}).as_uri()
-    trainer = Trainer(model, config)
+        reference_uri = ranks.broadcast(save_checkpoint(model, checkpoints.run_dir(settings) / "reference",
+                                                        {"version": 0}).as_uri() if ranks.main else None)
+    trainer = Trainer(model, config, ranks=ranks)
     meta = {"offsets": {}, "trained_ids_past_offsets": [], "reference_uri": reference_uri}
     checkpoints.save(settings, trainer, {}, [], reference_uri)
     return trainer, meta
@@ -151,8 +155,18 @@ class Learner:
                                      length_factor=settings.detect_length_factor)
         self.on_publish = on_publish or (lambda pv: None)
         self.tracer = telemetry.tracer("crucible.learner")
+        self.beat = time.monotonic()  # when the other ranks last heard from this one
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self._run(stop)
+        # Stopped as asked: the other ranks (if any) stop too. After a failure (a rank died) they learn it from
+        # the broken collective instead.
+        try:
+            await asyncio.to_thread(self.trainer.release)
+        except Exception as exc:  # a rank gone already (its launcher stops them all): nothing to tell it
+            log.warning("could not tell the other learner ranks to stop: %s", exc)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         async with self.reader, self.evaluations:
             start_uri = checkpoints.version_dir(self.settings, self.trainer.version).as_uri()
             # Hashing (and uploading, with a remote checkpoint base) takes a while: off the event loop.
@@ -185,6 +199,10 @@ class Learner:
                                              incoming.offset, incoming.context))
                 while (batch := self._next_batch()) is not None:
                     await self._step(*batch)
+                    self.beat = time.monotonic()
+                if time.monotonic() - self.beat > IDLE_BEAT_S:
+                    await asyncio.to_thread(self.trainer.keepalive)
+                    self.beat = time.monotonic()
 
     def _next_batch(self) -> tuple[list[list[Buffered]], list[list[Buffered]]] | None:
         """The next step's groups to train on and the uninformative ones it filtered, once there are

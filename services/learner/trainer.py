@@ -15,6 +15,7 @@ import torch
 
 from crucible.ml.policy.losses import dpo_loss, grpo_loss, masked_mean, ppo_loss
 from crucible.ml.policy.model import sequence_logprobs
+from crucible.services.learner.ranks import Ranks
 from crucible.shared.settings import RunConfig
 from crucible.v1 import trajectory_pb2
 
@@ -77,22 +78,32 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
 
 
 class Trainer:
+    """Optimiser steps on batches of samples. With several `ranks`, every rank constructs one on the
+    same weights and calls `step` with the same batch (rank 0 reads it; see ranks.py and `follow`)."""
+
     def __init__(self, model, config: RunConfig, *, reference=None,
-                 version: int = 0, step: int = 0, optimizer_state: dict | None = None):
+                 version: int = 0, step: int = 0, optimizer_state: dict | None = None, ranks: Ranks | None = None):
         self.config = config
+        self.ranks = ranks or Ranks()
         if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
         self.reference = (reference or copy.deepcopy(model)).eval()
         if config.lora_rank:
+            if self.ranks.sharding == "fsdp":
+                raise ValueError("lora_rank trains adapters small enough to replicate: use learner_sharding = "
+                                 "'ddp' with it, not 'fsdp'")
             model = with_lora(model, config)
-        self.model = model
+        if self.ranks.device().type == "cuda":
+            model, self.reference = model.cuda(), self.reference.cuda()
+        self.model = model  # what checkpoints are written from (FSDP: sharded in place)
+        self.forward_model = self.ranks.wrap(model)  # what forward and backward run through
         for p in self.reference.parameters():
             p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                            weight_decay=0.0)
         if optimizer_state:
-            self.optimizer.load_state_dict(optimizer_state)
+            load_optimizer_state(self.model, self.optimizer, optimizer_state)
         self.version = version
         self.step_count = step
 
@@ -122,7 +133,11 @@ class Trainer:
     def step(self, samples: list[trajectory_pb2.Trajectory], uninformative: frozenset = frozenset()) -> StepResult:
         """Drops what cannot be trained on (counted by reason; samples of the groups named in
         `uninformative` were filtered by dynamic sampling); with anything left, takes one optimiser
-        step and bumps the version. The batch's reward and pass rate count every sample given."""
+        step and bumps the version. The batch's reward and pass rate count every sample given.
+
+        With several ranks, rank 0's call hands the batch to the others (waiting in `follow`)."""
+        if self.ranks.world > 1 and self.ranks.main:
+            self.ranks.broadcast(("step", [s.SerializeToString() for s in samples], sorted(uninformative)))
         started = time.perf_counter()
         skipped: Counter = Counter()
         usable = []
@@ -161,7 +176,8 @@ class Trainer:
                     stats, entropy = epoch_stats, epoch_entropy
                 if loss is None:
                     break
-                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
                 self.optimizer.step()
                 stepped = True
                 if epoch == 0:
@@ -176,37 +192,59 @@ class Trainer:
         return StepResult(stepped, metrics, skipped)
 
     def _logprobs(self, model, batch: Batch):
-        return sequence_logprobs(model, batch.ids, batch.valid, batch.temperature, batch.top_p)
+        device = self.ranks.device()
+        return sequence_logprobs(model, batch.ids.to(device), batch.valid.to(device), batch.temperature.to(device),
+                                 batch.top_p.to(device))
 
     def micro_batches(self, samples: list) -> list[list]:
         size = self.config.micro_batch_size or len(samples)
         return [samples[i:i + size] for i in range(0, len(samples), size)]
 
+    def _mine(self, units: list) -> tuple[list, float]:
+        """This rank's share of a step's units (samples, or DPO pairs) and the factor its loss is
+        scaled by: ranks' gradients are averaged, so each rank's weighted loss counts `world` times.
+        A rank left with nothing runs one unit at weight 0, so that every rank joins the reduction."""
+        mine = self.ranks.share(units)
+        scale = float(self.ranks.world) if self.ranks.distributed else 1.0
+        return (mine, scale) if mine else (units[:1], 0.0)
+
+    def _gathered(self, loss: float, entropy: float, stats: dict) -> tuple[float, float, dict]:
+        """The step's figures over all ranks: each rank's are already weighted by its share."""
+        keys = sorted(stats)
+        total = self.ranks.sum([loss, entropy, *(stats[k] for k in keys)])
+        return total[0], total[1], dict(zip(keys, total[2:]))
+
     def _policy_gradient(self, samples):
         """Forward and backward over micro-batches; gradients accumulate to those of the whole batch.
 
         Each micro-batch's token-mean loss is weighted by its share of the batch's completion tokens,
-        so the sum is the token mean over the whole batch, as if it had been one pass.
+        so the sum is the token mean over the whole batch, as if it had been one pass (across ranks
+        too: each takes its share of the samples, and the weights use the whole batch's tokens).
         """
         loss_fn = grpo_loss if self.config.objective == "grpo" else ppo_loss
         total = sum(model_tokens(s) for s in samples)
+        mine, scale = self._mine(samples)
         loss_value, entropy_value, stats = 0.0, 0.0, Counter()
-        for chunk in self.micro_batches(samples):
+        chunks = self.micro_batches(mine)
+        for i, chunk in enumerate(chunks):
             batch = completion_batch(chunk)
-            weight = float(batch.mask.sum()) / total
-            logp, entropy = self._logprobs(self.model, batch)
-            with torch.no_grad():
-                ref_logp, _ = self._logprobs(self.reference, batch)
-            loss, chunk_stats = loss_fn(logp, batch.old_logp, ref_logp, batch.advantages, batch.mask,
-                                        clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef,
-                                        entropy_coef=self.config.entropy_coef, entropy=entropy)
-            (loss * weight).backward()
+            mask, old_logp = batch.mask.to(self.ranks.device()), batch.old_logp.to(self.ranks.device())
+            weight = float(batch.mask.sum()) / total * (scale > 0)
+            with self.ranks.accumulating(self.forward_model, last=i == len(chunks) - 1):
+                logp, entropy = self._logprobs(self.forward_model, batch)
+                with torch.no_grad():
+                    ref_logp, _ = self._logprobs(self.reference, batch)
+                loss, chunk_stats = loss_fn(logp, old_logp, ref_logp, batch.advantages.to(mask.device), mask,
+                                            clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef,
+                                            entropy_coef=self.config.entropy_coef, entropy=entropy)
+                (loss * weight * scale).backward()
             loss_value += float(loss.detach()) * weight
-            entropy_value += float(masked_mean(entropy.detach(), batch.mask)) * weight
-            chunk_stats["mismatch_kl"] = mismatch_kl(batch.old_logp, logp.detach(), batch.mask)
+            entropy_value += float(masked_mean(entropy.detach(), mask)) * weight
+            chunk_stats["mismatch_kl"] = mismatch_kl(old_logp, logp.detach(), mask)
             for k, v in chunk_stats.items():
                 stats[k] += v * weight
-        return loss_value, dict(stats), entropy_value
+        loss_value, entropy_value, stats = self._gathered(loss_value, entropy_value, dict(stats))
+        return loss_value, stats, entropy_value
 
     def _dpo(self, samples):
         """Pairs from groups: each group's best sample against its worst. Returns the loss (None without
@@ -214,27 +252,88 @@ class Trainer:
         groups: dict[str, list] = {}
         for s in samples:
             groups.setdefault(s.group_id, []).append(s)
-        chosen, rejected, unpaired = [], [], 0
+        pairs, unpaired = [], 0
         for members in groups.values():
             best = max(members, key=lambda s: s.reward)
             worst = min(members, key=lambda s: s.reward)
             if best.reward > worst.reward:
-                chosen.append(best)
-                rejected.append(worst)
+                pairs.append((best, worst))
             else:
                 unpaired += len(members)
-        if not chosen:
+        if not pairs:
             return None, {"dpo_pairs": 0}, 0.0, unpaired
-        batch = completion_batch(chosen + rejected)
-        logp, entropy = self._logprobs(self.model, batch)
+        tokens = sum(model_tokens(s) for pair in pairs for s in pair)
+        mine, scale = self._mine(pairs)
+        k = len(mine)
+        batch = completion_batch([c for c, _ in mine] + [r for _, r in mine])
+        mask, old_logp = batch.mask.to(self.ranks.device()), batch.old_logp.to(self.ranks.device())
+        logp, entropy = self._logprobs(self.forward_model, batch)
         with torch.no_grad():
             ref_logp, _ = self._logprobs(self.reference, batch)
-        seq, ref_seq = (logp * batch.mask).sum(-1), (ref_logp * batch.mask).sum(-1)
-        k = len(chosen)
+        seq, ref_seq = (logp * mask).sum(-1), (ref_logp * mask).sum(-1)
         loss, stats = dpo_loss(seq[:k], seq[k:], ref_seq[:k], ref_seq[k:], beta=self.config.dpo_beta)
-        loss.backward()
-        stats = {**stats, "dpo_pairs": k, "mismatch_kl": mismatch_kl(batch.old_logp, logp.detach(), batch.mask)}
-        return float(loss.detach()), stats, float(masked_mean(entropy.detach(), batch.mask)), unpaired
+        share = k / len(pairs) * (scale > 0)  # the pair mean over this rank's pairs, as part of all pairs'
+        (loss * share * scale).backward()
+        token_share = float(batch.mask.sum()) / tokens * (scale > 0)
+        stats = {**{name: v * share for name, v in stats.items()},
+                 "mismatch_kl": mismatch_kl(old_logp, logp.detach(), mask) * token_share}
+        loss_value, entropy_value, stats = self._gathered(float(loss.detach()) * share,
+                                                          float(masked_mean(entropy.detach(), mask)) * token_share,
+                                                          stats)
+        return loss_value, {**stats, "dpo_pairs": len(pairs)}, entropy_value, unpaired
+
+    # -- with several ranks ------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Ranks other than 0: take each step rank 0 broadcasts, and join each checkpoint's gather,
+        until rank 0 says stop (or a collective fails because a rank died: that raises)."""
+        while True:
+            command = self.ranks.broadcast()
+            if command[0] == "stop":
+                return
+            if command[0] == "step":
+                samples = [trajectory_pb2.Trajectory.FromString(b) for b in command[1]]
+                if self.step(samples, frozenset(command[2])).stepped:
+                    self.checkpoint_state()
+            elif command[0] == "checkpoint":
+                self.checkpoint_state()
+
+    def checkpoint_state(self) -> tuple[dict | None, dict]:
+        """(the model's whole weights, or None where `self.model` holds them; the optimiser state keyed by
+        parameter name, whole), for rank 0 to write. Collective under FSDP: every rank calls it after
+        each step that stepped, and once at a fresh start (`checkpoint`)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=whole) if self.ranks.sharding == "fsdp" else None
+        return weights, get_optimizer_state_dict(self.model, self.optimizer, options=whole)
+
+    def announce_checkpoint(self) -> None:
+        """Rank 0, before a checkpoint not preceded by a step (a fresh start): the others join it."""
+        if self.ranks.world > 1 and self.ranks.main:
+            self.ranks.broadcast(("checkpoint",))
+
+    def keepalive(self) -> None:
+        """Rank 0, while no step comes: the others learn it is alive (and it learns they are)."""
+        if self.ranks.world > 1 and self.ranks.main:
+            self.ranks.broadcast(("idle",))
+
+    def release(self) -> None:
+        """Rank 0, stopping: the others stop too."""
+        if self.ranks.world > 1 and self.ranks.main:
+            self.ranks.broadcast(("stop",))
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """Optimiser state as `checkpoint_state` saves it (keyed by parameter name, whole: it loads on any
+    number of ranks and either sharding), or as older checkpoints saved it (by parameter index)."""
+    if any(isinstance(i, int) for group in state.get("param_groups", []) for i in group.get("params", [])):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def with_lora(model, config: RunConfig):
