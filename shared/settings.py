@@ -190,6 +190,8 @@ class Settings(BaseSettings, RunConfig):
     generator_backend: str = Field(default="auto", pattern="^(auto|torch|hf|vllm)$", description="auto: the "
                                    "built-in policy in torch, any other checkpoint with transformers.")
     generator_batch_tasks: int = Field(default=16, ge=1, description="Tasks sampled together in one batch.")
+    vllm_tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one vLLM generator shards the "
+                                      "model across (tensor parallelism); the pod requests as many.")
     generator_batch_wait_ms: float = Field(default=20.0, ge=0.0, description="How long a batch waits to fill.")
 
     # verifier

@@ -164,18 +164,19 @@ def k8s_config_maps() -> dict[str, dict]:
 
 
 PART_OF = "app.kubernetes.io/part-of"
+WORKLOADS = ("Deployment", "StatefulSet")
 
 
 def k8s_containers() -> list[tuple[str, dict, dict]]:
-    """(module, container, pod spec) for every container of every Deployment running a Crucible service."""
+    """(module, container, pod spec) for every container of every workload running a Crucible service."""
     out = []
     for _, doc in k8s_docs():
-        if doc["kind"] != "Deployment" or doc["metadata"]["labels"].get(PART_OF) == "crucible-observability":
+        if doc["kind"] not in WORKLOADS or doc["metadata"]["labels"].get(PART_OF) == "crucible-observability":
             continue
         pod = doc["spec"]["template"]["spec"]
         for container in pod["containers"]:
             module = service_module(container.get("command", []) + container.get("args", []))
-            assert module is not None, f"Deployment {doc['metadata']['name']}: no `python -m crucible.services.<name>`"
+            assert module is not None, f"{doc['kind']} {doc['metadata']['name']}: no `python -m crucible.services.<name>`"
             out.append((module, container, pod))
     return out
 
@@ -449,6 +450,34 @@ def test_k8s_checkpoint_volume_is_mounted_at_the_image_crucible_home():
     assert len(claims) == 1, f"learner and generator mount different checkpoint claims: {claims}"
 
 
+def test_k8s_learner_is_a_torchrun_group_whose_pods_find_each_other():
+    """Pod i is node rank i of LEARNER_NODES, with LEARNER_GPUS_PER_NODE ranks and as many GPUs; the
+    rendezvous address is pod 0 under a headless Service that publishes pods before they are ready;
+    the pods start together; the gRPC Service reaches pod 0 (global rank 0) only."""
+    docs = [doc for _, doc in k8s_docs()]
+    learner = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "learner")
+    spec = learner["spec"]
+    container = spec["template"]["spec"]["containers"][0]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"] and service_module(command) == "learner"
+    flags = dict(a[2:].split("=", 1) for a in command if a.startswith("--"))
+    env = {e["name"]: e for e in container["env"]}
+    assert flags["nnodes"] == "$(LEARNER_NODES)" and env["LEARNER_NODES"]["value"] == str(spec["replicas"])
+    assert flags["node-rank"] == "$(POD_INDEX)"
+    assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert flags["nproc-per-node"] == "$(LEARNER_GPUS_PER_NODE)"
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == env["LEARNER_GPUS_PER_NODE"]["value"]
+    assert spec["podManagementPolicy"] == "Parallel"
+    host, port = flags["master-addr"], flags["master-port"]
+    assert host == f"{learner['metadata']['name']}-0.{spec['serviceName']}"
+    headless = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == spec["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert int(port) in {p["containerPort"] for p in container["ports"]}
+    front = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "learner")
+    assert front["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "learner-0"
+
+
 def test_k8s_pods_run_as_the_image_user():
     user = image_user()
     for module, container, pod in k8s_containers():
@@ -485,7 +514,7 @@ def test_k8s_grafana_and_prometheus_mount_what_dashboards_generates_and_scrape_e
     keep = next(r for r in scrape["relabel_configs"] if r.get("action") == "keep")
     assert keep["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_part_of"]
     for _, doc in k8s_docs():
-        if doc["kind"] == "Deployment" and doc["metadata"]["labels"].get(PART_OF) != "crucible-observability":
+        if doc["kind"] in WORKLOADS and doc["metadata"]["labels"].get(PART_OF) != "crucible-observability":
             labels = doc["spec"]["template"]["metadata"]["labels"]
             assert labels.get(PART_OF) == keep["regex"], f"{doc['metadata']['name']}: pods not scraped"
 

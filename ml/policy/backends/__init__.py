@@ -34,6 +34,8 @@ def backend_for(settings, checkpoint: str | None, name: str | None = None, **opt
         return create_backend(name, checkpoint=checkpoint, seed=settings.seed, **options)
     if not checkpoint:
         raise ValueError(f"the {name} backend needs a model: set init_checkpoint (CRUCIBLE_INIT_CHECKPOINT)")
+    if name == "vllm":
+        options.setdefault("tensor_parallel_size", getattr(settings, "vllm_tensor_parallel", 1))
     return create_backend(name, checkpoint=checkpoint, chat_template=settings.chat_template,
                           system_prompt=settings.system_prompt, **options)
 
