@@ -28,6 +28,7 @@ from crucible.services.verifier import handler  # noqa: E402
 from crucible.services.verifier.scorer_pool import ScorerPool  # noqa: E402
 from crucible.ml import kinds  # noqa: E402
 from crucible.ml.kinds import builtin_sets  # noqa: E402
+from crucible.shared import integrity  # noqa: E402
 from crucible.shared.settings import Settings  # noqa: E402
 
 
@@ -50,6 +51,8 @@ def answer_requests(n: int) -> list[verdict_pb2.VerifyRequest]:
 
 
 def _request(task, completion: str) -> verdict_pb2.VerifyRequest:
+    """As a trusted submitter publishes the task (signed with the deployment's key: the verifier checks)."""
+    task = integrity.sign_task(task, integrity.key(Settings()))
     return verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(id=f"{task.id}/0", completion=completion))
 
 
@@ -107,9 +110,11 @@ async def python_tests(problems: int, workers: int) -> tuple[float, float, float
         async def verdict(request):
             async with slots:
                 task, completion = request.task, request.rollout.completion
-                result = await sandbox.execute(job_for_request(kind.execution(task, completion)))
+                job = kind.execution(task, completion)
+                result = await sandbox.execute(job_for_request(job))
+                sealed = integrity.seal(result_message(result), job, integrity.key(Settings()))  # as the sandbox does
                 return await scorer.verify(verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout,
-                                                                     execution=result_message(result)))
+                                                                     execution=sealed))
 
         async def unsafe(request):
             async with slots:

@@ -646,21 +646,32 @@ class Consumer(Reader):
         return []
 
 
+# Topics whose consumers scale out as a consumer group (generators on tasks and observations, sandboxes
+# on rollouts and actions, verifiers on executions and episodes): created with
+# `kafka_topic_partitions` partitions, since a group has at most one active member per partition.
+# The others keep one: the reward-aggregator's table is co-partitioned with verdicts, the learner
+# reads every trajectory in order, every generator reads every policy version.
+SCALED_TOPICS = frozenset({"tasks", "rollouts", "executions", "actions", "observations", "episodes"})
+
+
 async def ensure_topics(
     names: Iterable[str],
     *,
     settings: Settings | None = None,
-    partitions: int = 1,
+    partitions: int | None = None,
     with_dlq: bool = True,
 ) -> list[str]:
-    """Creates the topics (and their DLQs) that do not exist yet; returns the ones created."""
+    """Creates the topics (and their DLQs) that do not exist yet; returns the ones created.
+    `partitions`: for every one of them; None: SCALED_TOPICS get `kafka_topic_partitions`, others 1."""
     settings = settings or get_settings()
-    wanted = []
+    wanted, counts = [], {}
     for name in names:
         full = settings.topic(name)
         wanted.append(full)
+        counts[full] = partitions or (settings.kafka_topic_partitions if name in SCALED_TOPICS else 1)
         if with_dlq and not full.endswith(DLQ_SUFFIX):
             wanted.append(full + DLQ_SUFFIX)
+            counts[full + DLQ_SUFFIX] = 1
     admin = AIOKafkaAdminClient(**connection(settings))
     await admin.start()
     try:
@@ -669,7 +680,7 @@ async def ensure_topics(
         if missing:
             try:
                 await admin.create_topics(
-                    [NewTopic(t, num_partitions=partitions, replication_factor=1) for t in missing]
+                    [NewTopic(t, num_partitions=counts[t], replication_factor=1) for t in missing]
                 )
             except TopicAlreadyExistsError:
                 pass  # another service created it first

@@ -133,6 +133,9 @@ class Settings(BaseSettings, RunConfig):
     kafka_bootstrap: str = "127.0.0.1:9092"
     kafka_version: str = "4.4.0"
     kafka_controller_port: int = 9093
+    kafka_topic_partitions: int = Field(default=1, ge=1, le=10000, description="Partitions of each topic whose "
+                                        "consumers scale out (bus.SCALED_TOPICS), when a service creates it: at "
+                                        "least the most replicas any consumer group of it will run.")
     # Passed to every Kafka client (shared/bus.py, connection options; the aggregator's faust app too).
     kafka_security_protocol: str = Field(default="PLAINTEXT", pattern="^(PLAINTEXT|SSL|SASL_PLAINTEXT|SASL_SSL)$")
     kafka_sasl_mechanism: str = Field(default="PLAIN", pattern="^(PLAIN|SCRAM-SHA-256|SCRAM-SHA-512)$")

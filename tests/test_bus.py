@@ -263,3 +263,36 @@ async def test_sasl_settings_reach_every_client(kafka_broker, settings):
         async with bus.Producer(wrong) as producer:
             await asyncio.wait_for(producer.send_and_wait("tasks", task_pb2.Task(id="x", kind="exact", prompt="p")), 20)
     assert SASL_PASSWORD not in repr(sasl) and SASL_PASSWORD not in str(sasl.model_dump())
+
+
+async def test_topics_whose_consumers_scale_out_get_the_configured_partitions(settings):
+    """A consumer group has at most one active member per partition: the work topics get
+    kafka_topic_partitions, so several generators or sandboxes share them; the rest keep one."""
+    settings = settings.model_copy(update={"kafka_topic_partitions": 3})
+    await bus.ensure_topics(["tasks", "rollouts", "verdicts", "policy"], settings=settings)
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(**bus.connection(settings))
+    await admin.start()
+    names = ("tasks", "rollouts", "verdicts", "policy", "tasks" + bus.DLQ_SUFFIX)
+    try:
+        described = await admin.describe_topics([settings.topic(n) for n in names])
+    finally:
+        await admin.close()
+    by_topic = {d["topic"]: len(d["partitions"]) for d in described}
+    counts = {name: by_topic[settings.topic(name)] for name in names}
+    assert counts == {"tasks": 3, "rollouts": 3, "verdicts": 1, "policy": 1, "tasks" + bus.DLQ_SUFFIX: 1}
+    # Two members of one group on the tasks topic: each is given partitions, so both get work.
+    members = [AIOKafkaConsumer(settings.topic("tasks"), group_id=settings.consumer_group_prefix + "gen",
+                                **bus.connection(settings)) for _ in range(2)]
+    for m in members:
+        await m.start()
+    try:
+        for _ in range(100):
+            if all(m.assignment() for m in members):
+                break
+            await asyncio.gather(*(m.getmany(timeout_ms=100) for m in members))
+        assert all(m.assignment() for m in members), [m.assignment() for m in members]
+    finally:
+        for m in members:
+            await m.stop()
