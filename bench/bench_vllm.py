@@ -1,6 +1,6 @@
 """The vLLM backend on a machine with an NVIDIA GPU: sampling throughput and a weight reload.
 
-    python bench/bench_vllm.py [--prompts 256] [--group 8] [--max-tokens 64] [--model FOLDER]
+    python bench/bench_vllm.py [--prompts 256] [--group 8] [--max-tokens 64] [--model FOLDER] [--tensor-parallel N]
 
 Serves a checkpoint folder with vLLM (a fresh built-in policy, or --model: any Hugging Face
 folder, e.g. `crucible models add smollm2-135m`'s), samples groups at temperature 0.7 and top_p
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", type=Path, help="a Hugging Face folder (default: a fresh built-in policy)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs to shard the model across (as "
+                        "CRUCIBLE_VLLM_TENSOR_PARALLEL does for a generator)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark is for a machine with an NVIDIA GPU")
@@ -59,7 +61,7 @@ def main() -> None:
             first = fresh_policy(0)
             v0 = save_checkpoint(first, Path(tmp) / "v0", {"version": 0})
             v1 = save_checkpoint(fresh_policy(1), Path(tmp) / "v1", {"version": 1})
-        vllm = create_backend("vllm", checkpoint=str(v0))
+        vllm = create_backend("vllm", checkpoint=str(v0), tensor_parallel_size=args.tensor_parallel)
         vllm.sample(prompts[:4], 2, params)  # compile/warm-up
         vllm_rate, groups = rate(vllm, prompts, args.group, params)
         worst = 0.0
@@ -74,7 +76,8 @@ def main() -> None:
         after = vllm.sample(prompts[:4], 2, params)
         torch_backend = create_backend("hf" if args.model else "torch", checkpoint=str(v0))
         torch_rate, _ = rate(torch_backend, prompts[:32], args.group, params)
-    print(f"vLLM   : {vllm_rate:10.0f} tokens/s ({args.prompts} prompts x {args.group}, up to {args.max_tokens} tokens)")
+    print(f"vLLM   : {vllm_rate:10.0f} tokens/s ({args.prompts} prompts x {args.group}, up to {args.max_tokens} tokens, "
+          f"tensor parallel {args.tensor_parallel})")
     print(f"torch  : {torch_rate:10.0f} tokens/s (CPU/GPU torch backend, 32 prompts)")
     print(f"max |logprob(vLLM) - logprob(torch)| over 32 samples: {worst:.2e}")
     print(f"weight reload (version 0 -> 1): {reload_ms:.0f} ms; version now {vllm.version}; "

@@ -13,3 +13,9 @@ if [ -f "$MODEL_DIR/config.json" ]; then
 else
   echo "no $MODEL_DIR: skipping the SmolLM2 run"
 fi
+GPUS=$(python -c 'import torch; print(torch.cuda.device_count())')
+if [ "$GPUS" -ge 2 ]; then  # the generator's tensor parallelism (CRUCIBLE_VLLM_TENSOR_PARALLEL)
+  timeout 150 python bench/bench_vllm.py --prompts 64 --group 4 --max-tokens 32 --tensor-parallel 2
+else
+  echo "one GPU: skipping the tensor-parallel run"
+fi
