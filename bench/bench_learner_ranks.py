@@ -65,7 +65,7 @@ def rank_main(args) -> None:
     vocab = int(getattr(model.config, "vocab_size", 256))
     trainer = Trainer(model, RunConfig(lr=1e-5, kl_coef=0.05, micro_batch_size=args.micro_batch, max_policy_lag=-1), ranks=ranks)
     if not ranks.main:
-        trainer.follow()
+        trainer.follow(trainer.checkpoint_state)
         ranks.close()
         return
     samples = batch(args, vocab)

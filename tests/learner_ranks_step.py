@@ -17,6 +17,14 @@ from crucible.shared.settings import RunConfig
 from tests.test_learner import SEED, trajectories_for
 
 
+def whole(trainer: Trainer) -> dict:
+    """The whole optimiser state keyed by parameter name (gathered from every rank under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def main(out: str, sharding: str, objective: str, micro_batch: int, groups: int) -> None:
     ranks = Ranks.from_env(sharding)
     rewards = [[1, 0, 0, 1, 1], [0, 1, 1, 1], [0.5, 0.5, 0, 1, 0.25], [1, 1, 0]]
@@ -25,14 +33,16 @@ def main(out: str, sharding: str, objective: str, micro_batch: int, groups: int)
                        epochs=2)
     trainer = Trainer(fresh_policy(SEED), config, ranks=ranks)
     if not ranks.main:  # as in the service: the other ranks take the steps rank 0 hands them
-        trainer.follow()
+        trainer.follow(trainer.checkpoint_state)
+        whole(trainer)
         ranks.close()
         return
     results = []
     for _ in range(2):  # two steps: the optimiser state matters in the second
         results.append(trainer.step(samples))
-        weights, optimizer = trainer.checkpoint_state()  # the learner checkpoints after each step
+        weights, _ = trainer.checkpoint_state()  # the learner checkpoints after each step
     trainer.release()
+    optimizer = whole(trainer)
     if ranks.main:
         weights = weights if weights is not None else trainer.model.state_dict()
         torch.save({"weights": weights, "optimizer": optimizer}, f"{out}/state.pt")

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from crucible.cli.train import service_env
+from crucible.local.services import Services
 from crucible.services.learner import checkpoints
 from crucible.services.learner.__main__ import run
 from crucible.services.learner.ranks import launch_args
@@ -130,8 +131,9 @@ def service_settings(stack_settings, tmp_path):
 
 @pytest.mark.kafka
 @pytest.mark.store
-async def test_a_two_rank_learner_checkpoints_and_one_rank_resumes(stack_settings, tmp_path):
-    settings = service_settings(stack_settings, tmp_path)
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+async def test_a_two_rank_learner_checkpoints_and_one_rank_resumes(stack_settings, tmp_path, sharding):
+    settings = service_settings(stack_settings, tmp_path).model_copy(update={"learner_sharding": sharding})
     launcher = start_learner(settings, 2, tmp_path / "learner.log")
     try:
         await wait_for_version(settings, 1, 0)
@@ -146,6 +148,13 @@ async def test_a_two_rank_learner_checkpoints_and_one_rank_resumes(stack_setting
     assert "rank 1 stopped with rank 0 at version 2" in log, log[-3000:]
     folder = checkpoints.latest(settings)
     assert folder.name == "v000002"
+    if sharding == "fsdp":  # one optimiser shard per rank, and no whole copy
+        shards = sorted(p.name for p in (folder / checkpoints.OPTIMIZER_SHARDS).iterdir())
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+        assert not (folder / checkpoints.OPTIMIZER_FILE).exists()
+    else:
+        assert (folder / checkpoints.OPTIMIZER_FILE).exists()
+    assert not list(folder.parent.glob(".*"))  # nothing left beside the checkpoints
 
     # One process now: it resumes at version 2, from the weights and optimiser state the two wrote.
     stop = asyncio.Event()
@@ -158,7 +167,8 @@ async def test_a_two_rank_learner_checkpoints_and_one_rank_resumes(stack_setting
     finally:
         stop.set()
         trainer = await asyncio.wait_for(learner, 60)
-    assert trainer.optimizer.state  # the two ranks' optimiser state was loaded, and stepped on
+    # The two ranks' optimiser state was loaded (AdamW had taken 2 steps there) and stepped on once more.
+    assert {int(state["step"]) for state in trainer.optimizer.state.values()} == {3}
     steps = trained(settings)
     assert [v for v, _ in steps] == [1, 2, 3]
     ids = [i for _, samples in steps for i in samples]
@@ -168,8 +178,18 @@ async def test_a_two_rank_learner_checkpoints_and_one_rank_resumes(stack_setting
 @pytest.mark.kafka
 @pytest.mark.store
 async def test_a_rank_killed_mid_run_loses_and_repeats_nothing(stack_settings, tmp_path):
+    """The learner under the supervisor `crucible train` runs it with (local/services.py): torchrun
+    exits when a rank dies, and the supervisor starts the group again."""
     settings = service_settings(stack_settings, tmp_path)
-    launcher = start_learner(settings, 2, tmp_path / "learner.log", max_restarts=1)
+    services = Services(tmp_path / "run", learner_env(settings, 2), echo=lambda *_: None, max_restarts=2)
+    services.start("learner")
+
+    async def supervise():
+        while True:
+            services.check()
+            await asyncio.sleep(0.2)
+
+    supervisor = asyncio.create_task(supervise())
     published = []
 
     async def send(*groups):
@@ -181,20 +201,23 @@ async def test_a_rank_killed_mid_run_loses_and_repeats_nothing(stack_settings, t
         await wait_for_version(settings, 1, 0)
         await send(trajectories_for("k1", 0, [1, 0, 0, 1]), trajectories_for("k2", 0, [0, 1, 1, 1]))
         await wait_for_version(settings, 2, 1)
-        before = rank_pids(launcher)
+        first = services.processes["learner"]
+        before = rank_pids(first)
         # Rank 1 dies while the next step's samples arrive: that step cannot be taken.
         await send(trajectories_for("k3", 1, [1, 0]))
         os.kill(before[1], signal.SIGKILL)
         await send(trajectories_for("k4", 1, [0, 1]))
-        # torchrun starts the group again; it announces the last checkpoint's version, then takes the step.
+        # The group is started again; it announces the last checkpoint's version, then takes the step.
         got = await policies(settings, 4)
         assert [p.version for p in got] == [0, 1, 1, 2], [p.version for p in got]
-        after = rank_pids(launcher)
+        assert first.returncode not in (None, 0) and services.restarts == {"learner": 1}
+        after = rank_pids(services.processes["learner"])
         assert sorted(after) == [0, 1] and not set(after.values()) & set(before.values())
         await send(trajectories_for("k5", 2, [1, 0]), trajectories_for("k6", 2, [0, 1]))
         await wait_for_version(settings, 5, 3)
     finally:
-        stop_processes([launcher], timeout=30)
+        supervisor.cancel()
+        services.stop(timeout=30)
     steps = trained(settings)
     assert [v for v, _ in steps] == [1, 2, 3]
     ids = [i for _, samples in steps for i in samples]

@@ -32,12 +32,14 @@ def path_from_uri(uri: str) -> Path:
 
 
 def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict | None = None,
-                    tokenizer_from: Path | None = None, weights: dict | None = None) -> Path:
+                    tokenizer_from: Path | None = None, weights: dict | None = None,
+                    folders: dict[str, Path] | None = None) -> Path:
     """Writes the checkpoint into a temporary sibling, then renames it into place (never half-written).
 
     `extra` maps file names to objects saved alongside (e.g. optimizer state) with torch.save.
     A transformers model's tokenizer files are copied from `tokenizer_from` (its initial folder).
     `weights`: the model's whole state dict, where `model` holds only a shard of it (FSDP).
+    `folders` maps names to finished folders moved into the checkpoint (e.g. optimiser shards).
     """
     folder = Path(folder)
     tmp = files.staging(folder)
@@ -47,6 +49,8 @@ def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict |
         hf.write(model, tmp, tokenizer_from, weights)
     for name, obj in (extra or {}).items():
         torch.save(obj, tmp / name)
+    for name, source in (folders or {}).items():
+        Path(source).rename(tmp / name)
     (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=1))
     with open(tmp / META_FILE) as f:  # make the files durable before the rename publishes them
         os.fsync(f.fileno())

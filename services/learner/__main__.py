@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 
+from crucible.services.learner import checkpoints
 from crucible.services.learner.loop import Learner, build_trainer
 from crucible.services.learner.ranks import Ranks
 from crucible.services.learner.servicer import LearnerServicer
@@ -35,8 +36,9 @@ def follow(settings: Settings, ranks: Ranks) -> None:
     stops when rank 0 says so (a SIGTERM from the launcher goes to rank 0 too, which tells it)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s learner[{ranks.rank}] %(levelname)s %(message)s")
-    trainer, _ = build_trainer(settings, ranks)
-    trainer.follow()
+    trainer, meta = build_trainer(settings, ranks)
+    # After each step, this rank's part in the checkpoint rank 0 writes (a gather, its optimiser shard).
+    trainer.follow(lambda: checkpoints.save(settings, trainer, {}, [], meta["reference_uri"]))
     logging.getLogger("crucible.learner").info("rank %d stopped with rank 0 at version %d", ranks.rank,
                                                trainer.version)
 

@@ -15,7 +15,8 @@ import torch
 from crucible.ml.policy.checkpoint import load_checkpoint, path_from_uri, save_checkpoint
 from crucible.shared.settings import Settings
 
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_FILE = "optimizer.pt"   # the whole optimiser state (one process, or DDP: every rank holds it)
+OPTIMIZER_SHARDS = "optimizer"     # FSDP: one file per rank (torch.distributed.checkpoint), reshardable
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -45,7 +46,13 @@ def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list
     """`step_record` (the step's metrics, skips and sample ids) lets a learner restarted before the
     step's rows were written write them; `recent_ids` are the ids the last steps trained on.
 
-    Every rank calls it (gathering sharded state is collective); rank 0 writes, the others get None."""
+    Every rank calls it, in the same order (gathering sharded weights and writing optimiser shards are
+    collective); rank 0 writes the folder and renames it into place, the others get None."""
+    shards = None
+    if trainer.ranks.sharding == "fsdp":  # each rank writes its shard beside the folder; rank 0 moves them in
+        shards = checkpoints_dir(settings) / f".v{trainer.version:06d}.{OPTIMIZER_SHARDS}"
+        if not trainer.save_optimizer_shards(shards):
+            shards = None
     weights, optimizer_state = trainer.checkpoint_state()
     if not trainer.ranks.main:
         return None
@@ -53,14 +60,19 @@ def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list
             "offsets": {str(p): o for p, o in offsets.items()}, "trained_ids_past_offsets": trained_ids,
             "reference_uri": reference_uri, "step_record": step_record, "recent_trained_ids": recent_ids or []}
     folder = save_checkpoint(trainer.model, version_dir(settings, trainer.version), meta,
-                             extra={OPTIMIZER_FILE: optimizer_state}, tokenizer_from=path_from_uri(reference_uri),
-                             weights=weights)
+                             extra={OPTIMIZER_FILE: optimizer_state} if optimizer_state is not None else {},
+                             tokenizer_from=path_from_uri(reference_uri), weights=weights,
+                             folders={OPTIMIZER_SHARDS: shards} if shards else {})
     prune(settings)
     return folder
 
 
 def load(folder: Path):
+    """(model, meta, optimiser state): the whole state dict, or for shards the folder they are in
+    (Trainer loads either, on any number of ranks), or None."""
     model, meta = load_checkpoint(folder)
+    if (folder / OPTIMIZER_SHARDS).is_dir():
+        return model, meta, folder / OPTIMIZER_SHARDS
     optimizer_state = torch.load(folder / OPTIMIZER_FILE) if (folder / OPTIMIZER_FILE).exists() else None
     return model, meta, optimizer_state
 

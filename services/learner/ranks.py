@@ -81,6 +81,10 @@ class Ranks:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def barrier(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
     def sum(self, values: list[float]) -> list[float]:
         """The sum over ranks of each value."""
         if self.world == 1:

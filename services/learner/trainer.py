@@ -7,6 +7,7 @@ importance ratio starts at 1; `mismatch_kl` reports how far from that the batch 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -284,9 +285,10 @@ class Trainer:
 
     # -- with several ranks ------------------------------------------------------------------------
 
-    def follow(self) -> None:
-        """Ranks other than 0: take each step rank 0 broadcasts, and join each checkpoint's gather,
-        until rank 0 says stop (or a collective fails because a rank died: that raises)."""
+    def follow(self, after_step) -> None:
+        """Ranks other than 0: take each step rank 0 broadcasts, and after each that stepped call
+        `after_step` (its part in writing the checkpoint, as rank 0 does then: checkpoints.save), until
+        rank 0 says stop (or a collective fails because a rank died: that raises)."""
         while True:
             command = self.ranks.broadcast()
             if command[0] == "stop":
@@ -294,25 +296,41 @@ class Trainer:
             if command[0] == "step":
                 samples = [trajectory_pb2.Trajectory.FromString(b) for b in command[1]]
                 if self.step(samples, frozenset(command[2])).stepped:
-                    self.checkpoint_state()
-            elif command[0] == "checkpoint":
-                self.checkpoint_state()
+                    after_step()
 
-    def checkpoint_state(self) -> tuple[dict | None, dict]:
+    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
         """(the model's whole weights, or None where `self.model` holds them; the optimiser state keyed by
-        parameter name, whole), for rank 0 to write. Collective under FSDP: every rank calls it after
-        each step that stepped, and once at a fresh start (`checkpoint`)."""
+        parameter name, whole, or None under FSDP once there is state: its ranks write shards,
+        `save_optimizer_shards`), for rank 0 to write. Collective under FSDP (the weights are gathered)."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
         whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=whole) if self.ranks.sharding == "fsdp" else None
-        return weights, get_optimizer_state_dict(self.model, self.optimizer, options=whole)
+        if not self.optimizer.state:
+            # Nothing learnt yet: the plain (empty) state. The name-keyed helpers would first create the state
+            # by an optimiser step on zero gradients, which counts as a step in AdamW's bias correction.
+            return weights, self.optimizer.state_dict()
+        if self.ranks.sharding == "fsdp":
+            return weights, None
+        return None, get_optimizer_state_dict(self.model, self.optimizer, options=whole)
 
-    def announce_checkpoint(self) -> None:
-        """Rank 0, before a checkpoint not preceded by a step (a fresh start): the others join it."""
-        if self.ranks.world > 1 and self.ranks.main:
-            self.ranks.broadcast(("checkpoint",))
+    def save_optimizer_shards(self, folder) -> bool:
+        """FSDP: every rank writes its shard of the optimiser state into `folder` (a path all ranks see:
+        a shared volume across machines). torch.distributed.checkpoint reshards on load, so any number
+        of ranks, or one process without FSDP, resumes from it."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if not self.optimizer.state:  # nothing learnt yet: checkpoint_state gives the empty state whole
+            return False
+        if self.ranks.main and os.path.exists(folder):
+            shutil.rmtree(folder)  # a save of this version cut short before
+        self.ranks.barrier()
+        dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(folder))
+        return True
 
     def keepalive(self) -> None:
         """Rank 0, while no step comes: the others learn it is alive (and it learns they are)."""
@@ -325,14 +343,25 @@ class Trainer:
             self.ranks.broadcast(("stop",))
 
 
-def load_optimizer_state(model, optimizer, state: dict) -> None:
-    """Optimiser state as `checkpoint_state` saves it (keyed by parameter name, whole: it loads on any
-    number of ranks and either sharding), or as older checkpoints saved it (by parameter index)."""
+def load_optimizer_state(model, optimizer, state) -> None:
+    """Optimiser state as `checkpoint_state` saves it (keyed by parameter name, whole), or the folder of
+    shards FSDP ranks wrote (`save_optimizer_shards`), or as older checkpoints saved it (by parameter
+    index). The first two load on any number of ranks and either sharding."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    if isinstance(state, (str, os.PathLike)):
+        import torch.distributed.checkpoint as dcp
+
+        # The template has this process's layout (sharded or whole); DCP fills it from whatever layout
+        # the shards were written in.
+        template = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(template, checkpoint_id=str(state))
+        set_optimizer_state_dict(model, optimizer, template["optimizer"])
+        return
     if any(isinstance(i, int) for group in state.get("param_groups", []) for i in group.get("params", [])):
         optimizer.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
