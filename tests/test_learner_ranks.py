@@ -27,7 +27,7 @@ from crucible.local.services import Services
 from crucible.services.learner import checkpoints
 from crucible.services.learner.__main__ import run
 from crucible.services.learner.ranks import launch_args
-from crucible.shared import store
+from crucible.shared import rpc, store
 from crucible.shared.procs import free_port, stop_processes
 from tests.test_learner import SEED, policies, publish, trajectories_for
 
@@ -223,3 +223,31 @@ async def test_a_rank_killed_mid_run_loses_and_repeats_nothing(stack_settings, t
     ids = [i for _, samples in steps for i in samples]
     assert len(ids) == len(set(ids))  # nothing trained twice
     assert sorted(ids) == sorted(published)  # nothing lost
+
+
+@pytest.mark.kafka
+@pytest.mark.store
+async def test_a_learner_across_two_machines_steps_together_and_each_pod_is_ready(stack_settings, tmp_path):
+    """The k8s layout (k8s/services.yaml): one torchrun per machine, node rank = pod index, rendezvous at
+    node 0. Here two "machines" of one rank each on this host: node 1's rank answers gRPC health on its
+    own learner port (its pod's readiness) and takes each step with rank 0."""
+    settings = service_settings(stack_settings, tmp_path)
+    master, ports = free_port(), [free_port(), free_port()]
+    launchers = []
+    for node in (0, 1):
+        env = {**learner_env(settings, 1), "CRUCIBLE_LEARNER_GRPC_PORT": str(ports[node])}
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={master}", "--max-restarts=0",
+                "-m", "crucible.services.learner"]
+        with open(tmp_path / f"node{node}.log", "ab") as out:
+            launchers.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+    try:
+        await wait_for_version(settings, 1, 0)
+        assert await rpc.health_status(f"127.0.0.1:{ports[1]}") == "SERVING"
+        await publish(settings, trajectories_for("m1", 0, [1, 0, 0, 1]) + trajectories_for("m2", 0, [0, 1, 1, 1]))
+        await wait_for_version(settings, 2, 1)
+    finally:
+        stop_processes(launchers, timeout=30)
+    log = (tmp_path / "node1.log").read_text()
+    assert "rank 1 stopped with rank 0 at version 1" in log, log[-3000:]

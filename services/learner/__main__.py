@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from crucible.services.learner import checkpoints
@@ -32,10 +33,7 @@ async def run(settings: Settings, stop: asyncio.Event, *, servicer: LearnerServi
 
 
 def follow(settings: Settings, ranks: Ranks) -> None:
-    """A rank other than 0: no bus, no store, no server; the same steps as rank 0, on its share. It
-    stops when rank 0 says so (a SIGTERM from the launcher goes to rank 0 too, which tells it)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s learner[{ranks.rank}] %(levelname)s %(message)s")
+    """A rank other than 0: no bus, no store, no server; the same steps as rank 0, on its share."""
     trainer, meta = build_trainer(settings, ranks)
     # After each step, this rank's part in the checkpoint rank 0 writes (a gather, its optimiser shard).
     trainer.follow(lambda: checkpoints.save(settings, trainer, {}, [], meta["reference_uri"]))
@@ -43,12 +41,26 @@ def follow(settings: Settings, ranks: Ranks) -> None:
                                                trainer.version)
 
 
+async def follow_on_another_machine(settings: Settings, ranks: Ranks) -> None:
+    """The first rank of a machine other than rank 0's also answers gRPC health on the learner's port,
+    so its pod is ready while its ranks run (k8s: the learner StatefulSet's readiness probe)."""
+    async with rpc.RpcServer([], host=settings.grpc_host, port=settings.learner_grpc_port):
+        await asyncio.to_thread(follow, settings, ranks)
+
+
 async def main() -> None:
     settings = get_settings()
     ranks = Ranks.from_env(settings.learner_sharding, settings.learner_collective_timeout_s)
     try:
         if not ranks.main:
-            follow(settings, ranks)
+            # It stops when rank 0 says so (a SIGTERM from the launcher reaches rank 0 too, which tells it).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            logging.basicConfig(level=settings.log_level,
+                                format=f"%(asctime)s learner[{ranks.rank}] %(levelname)s %(message)s")
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                await follow_on_another_machine(settings, ranks)
+            else:
+                follow(settings, ranks)
             return
         settings = service.setup("learner")
         servicer = LearnerServicer(settings.run_id)
