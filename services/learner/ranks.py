@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -131,8 +131,7 @@ class Ranks:
             finally:
                 module.set_requires_gradient_sync(True)
         else:
-            with nullcontext():
-                yield
+            yield
 
     def close(self) -> None:
         if torch.distributed.is_initialized():

@@ -305,6 +305,8 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
+        if not self.ranks.main and self.ranks.sharding != "fsdp":
+            return None, None  # replicated state: nothing to gather, and only rank 0 writes
         whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=whole) if self.ranks.sharding == "fsdp" else None
         if not self.optimizer.state:
