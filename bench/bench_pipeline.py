@@ -1,6 +1,7 @@
-"""Step time and wall time to a held-out target: the five-service pipeline against a loop in one process.
+"""Step time and wall time to a held-out target: the five-service pipeline, a loop in one process, and TRL.
 
     python bench/bench_pipeline.py [--steps 30] [--seeds 0] [--target 0.85] [--recipe recipes/digits.toml]
+                                   [--runs in-process sync async trl]
 
 Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and reward for both:
   - in-process: the project's own pieces with no bus and no services: the torch backend samples a
@@ -11,42 +12,60 @@ Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and
     processes over Kafka) with the recipe's max_policy_lag (sync at 0) and with lag 1 (async).
 Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
 from the first step and leaves out the in-process loop's own evaluations (the pipeline's evaluator
-runs beside it). The pipeline's figures come from its report.json. TRL's GRPOTrainer (in a virtual
-environment of its own) is not part of the bench yet.
+runs beside it). The pipeline's figures come from its report.json.
+  - trl: TRL's GRPOTrainer (bench/trl_grpo.py) from the same starting checkpoint on the same task
+    stream, reward, batch, tokens and hyperparameters, in a virtual environment of its own that
+    the bench makes once under CRUCIBLE_HOME (TRL is never a dependency of the project); the
+    held-out rate is our evaluator's on its weights.
+Any recipe: `--recipe recipes/smollm2-arithmetic.toml` runs SmolLM2-135M (`crucible models add
+smollm2-135m` once) in every setting.
 Not a test: nothing gates on these numbers.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 from crucible.cli import recipe as recipes
 from crucible.cli.train import format_only_examples
-from crucible.ml import evaluation, task_sources
+from crucible.ml import evaluation, models, task_sources
 from crucible.ml.kinds import registry
-from crucible.ml.policy.backends.torch_backend import TorchBackend
+from crucible.ml.policy.backends import backend_for
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.sampling import SamplingParams
 from crucible.ml.policy.sft import warm_start
 from crucible.services.generator.handler import rollout_group
 from crucible.services.learner.trainer import Trainer
 from crucible.services.reward_aggregator.handler import RewardConfig, group_trajectories
+from crucible.services.sandbox_executor.isolation import base_python
 from crucible.services.verifier import handler as verifier
+from crucible.shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_EVERY = 10
+TRL_VERSION = "1.16.0"
+# The project's packages TRL uses or would otherwise upgrade: the TRL environment keeps the project's versions.
+SHARED_WITH_TRL = ("torch", "transformers", "accelerate", "tokenizers", "safetensors", "huggingface-hub", "numpy",
+                   "click", "protobuf")
+RUNS = {"in-process": "in-process", "sync": "pipeline sync", "async": "pipeline async (lag 1)", "trl": "TRL GRPOTrainer"}
 
 
 def initial_checkpoint(recipe: recipes.Recipe, seed: int, folder: Path) -> Path:
-    """The recipe's built-in policy, warm-started on the answer format as `crucible train` does it."""
+    """The recipe's model as `crucible train` starts it: a Hugging Face model's folder as it is, or the
+    built-in policy warm-started on the answer format."""
+    if recipe.model.name != "builtin":
+        return models.resolve(recipe.model.name, Settings())
     model = fresh_policy(seed)
     warm_start(model, format_only_examples(recipe, seed), steps=recipe.model.warm_start_steps, batch_size=32,
                lr=3e-3, seed=seed)
@@ -57,7 +76,8 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
     """The loop in one process; its step times and the wall time (evaluations left out) to the target."""
     config = recipe.run_config(run_id="bench").model_copy(update={"seed": seed})
     init = initial_checkpoint(recipe, seed, folder)
-    backend = TorchBackend(init.as_uri(), seed=seed)
+    backend = backend_for(Settings(seed=seed, chat_template=recipe.model.chat_template,
+                                   system_prompt=recipe.model.system_prompt), init.as_uri())
     trainer = Trainer(backend.model, config)  # one model: sampled from and trained
     train_tasks, heldout = task_sources.streams(
         recipe.tasks.sources, seed=seed, group_size=recipe.sampling.group_size,
@@ -81,7 +101,7 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
         samples = []
         for i, (task, group) in enumerate(zip(tasks, completions)):
             message = rollout_group(task, f"s{step}-g{i}", group, params, policy_version=trainer.version,
-                                    backend="torch", generator_id="bench", sample_ms=0.0)
+                                    backend=backend.name, generator_id="bench", sample_ms=0.0)
             verdicts = [verifier.in_group(verifier.verify(r), message) for r in verifier.requests_for(message)]
             samples += group_trajectories(verdicts, rewards, complete=True)
         trainer.step(samples)
@@ -93,13 +113,22 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
             "heldout_after": heldout_rate(), "to_target_s": reached}
 
 
+def with_setting(text: str, section: str, key: str, value) -> str:
+    """The recipe's TOML text with `key = value` in `[section]`, replaced where it is set."""
+    line = f"{key} = {value}"
+    pattern = re.compile(rf"^{key}\s*=.*$", re.M)
+    if pattern.search(text):
+        return pattern.sub(line, text, count=1)
+    if f"[{section}]" in text:
+        return text.replace(f"[{section}]", f"[{section}]\n{line}", 1)
+    return f"{text}\n[{section}]\n{line}\n"
+
+
 def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, folder: Path) -> dict:
     """`crucible train` on the recipe with this lag; figures from its report.json."""
-    text = recipe_path.read_text()
-    text = text.replace("max_policy_lag = 0", f"max_policy_lag = {lag}").replace(
-        "eval_every = 20", f"eval_every = {EVAL_EVERY}")
+    text = with_setting(recipe_path.read_text(), "algorithm", "max_policy_lag", lag)
     variant = folder / f"lag{lag}.toml"
-    variant.write_text(text)
+    variant.write_text(with_setting(text, "eval", "eval_every", EVAL_EVERY))
     out = subprocess.run([str(ROOT / "crucible"), "train", str(variant), "--steps", str(steps), "--seed", str(seed)],
                          capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
     if out.returncode != 0:
@@ -115,36 +144,86 @@ def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, 
             "to_target_s": reached, "breakdown": report.get("step_breakdown", {})}
 
 
+def trl_python() -> Path:
+    """The interpreter of the bench's TRL environment, made once under CRUCIBLE_HOME: TRL and what it
+    needs beyond the project's own packages, which it sees (the same torch and transformers)."""
+    venv = Settings().home / "bench" / f"trl-{TRL_VERSION}"
+    python = venv / "bin" / "python"
+    if (venv / "ready").exists():
+        return python
+    print(f"making TRL {TRL_VERSION}'s environment in {venv} (once)", flush=True)
+    subprocess.run([base_python(), "-m", "venv", "--clear", str(venv)], check=True)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    # A site directory (not a plain path), so that the project's own .pth files (its editable install) apply.
+    Path(site, "crucible-project.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    # Pinned to what the project has, so TRL runs on the very torch and transformers the other settings use.
+    pins = venv / "constraints.txt"
+    pins.write_text("".join(f"{name}=={importlib.metadata.version(name)}\n" for name in SHARED_WITH_TRL))
+    # pip warns that the project's own fsspec pin differs from the one datasets takes here: only this
+    # environment has that fsspec, so its output is shown only when the install fails.
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(pins),
+                           f"trl=={TRL_VERSION}"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"installing TRL {TRL_VERSION} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    (venv / "ready").touch()
+    return python
+
+
+def trl(recipe_path: Path, recipe: recipes.Recipe, seed: int, steps: int, target: float, folder: Path) -> dict:
+    """TRL's GRPOTrainer on the same work from the same starting checkpoint (bench/trl_grpo.py)."""
+    init = initial_checkpoint(recipe, seed, folder)
+    out = folder / "trl.json"
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX",
+                                                                str(Settings().home / "pycache"))}
+    done = subprocess.run([str(trl_python()), str(ROOT / "bench" / "trl_grpo.py"), "--init", str(init),
+                           "--recipe", str(recipe_path), "--seed", str(seed), "--steps", str(steps),
+                           "--target", str(target), "--eval-every", str(EVAL_EVERY), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--target", type=float, default=0.85, help="held-out pass rate to reach")
     parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "digits.toml")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which settings to run")
     args = parser.parse_args()
     recipe = recipes.load(args.recipe)
     print(f"{args.recipe.name}: {recipe.algorithm.groups_per_step} tasks x {recipe.sampling.group_size} samples, "
           f"{recipe.sampling.max_tokens} tokens, {args.steps} steps, held-out target {args.target}; "
           f"{os.cpu_count()} cores")
-    rows: dict[str, list[dict]] = {"in-process": [], "pipeline sync": [], "pipeline async (lag 1)": []}
+    rows: dict[str, list[dict]] = {RUNS[run]: [] for run in args.runs}
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
-            rows["in-process"].append(in_process(recipe, seed, args.steps, args.target, folder))
-            rows["pipeline sync"].append(pipeline(args.recipe, seed, args.steps, 0, args.target, folder))
-            rows["pipeline async (lag 1)"].append(pipeline(args.recipe, seed, args.steps, 1, args.target, folder))
+            for run in args.runs:
+                if run == "in-process":
+                    result = in_process(recipe, seed, args.steps, args.target, folder)
+                elif run == "trl":
+                    result = trl(args.recipe, recipe, seed, args.steps, args.target, folder)
+                else:
+                    result = pipeline(args.recipe, seed, args.steps, int(run == "async"), args.target, folder)
+                rows[RUNS[run]].append(result)
         for name, results in rows.items():
             r = results[-1]
             print(f"  seed {seed} {name:<24}: {r['step_s'] * 1000:6.0f} ms/step  held-out {r['heldout_before']:.3f}"
                   f" -> {r['heldout_after']:.3f}  to target "
                   f"{'%.1f s' % r['to_target_s'] if r['to_target_s'] is not None else 'not reached'}", flush=True)
-    base = statistics.median(r["step_s"] for r in rows["in-process"])
-    print("\nmedian over seeds           step time   vs in-process   reached target")
+    baseline = next(iter(rows))
+    base = statistics.median(r["step_s"] for r in rows[baseline])
+    print(f"\nmedian over seeds           step time   vs {baseline:<14} reached target   time to target (median of those)")
     for name, results in rows.items():
         s = statistics.median(r["step_s"] for r in results)
-        reached = sum(r["to_target_s"] is not None for r in results)
-        print(f"  {name:<24}: {s * 1000:6.0f} ms   {s / base:5.2f}x          {reached}/{len(results)} seeds")
-    for r in rows["pipeline sync"][-1:]:
+        times = [r["to_target_s"] for r in results if r["to_target_s"] is not None]
+        print(f"  {name:<24}: {s * 1000:6.0f} ms   {s / base:5.2f}x             {len(times)}/{len(results)} seeds"
+              f"      {'%.1f s' % statistics.median(times) if times else '-'}")
+    for r in rows.get("pipeline sync", [])[-1:]:
         if r["breakdown"]:
             print("  pipeline sync breakdown (median ms): "
                   + ", ".join(f"{k.removesuffix('_ms')} {v:.0f}" for k, v in r["breakdown"].items()))

@@ -32,13 +32,16 @@ class TorchBackend(PolicyBackend):
         self.model.eval()
 
     def prompt_tokens(self, prompt: str | list[int]) -> int | None:
-        return len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+        return len(self.encode(prompt))
 
     def max_context(self) -> int | None:
         return self.model.config.max_position_embeddings
 
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
     def sample(self, prompts: list[str | list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        encoded = [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        encoded = [self.encode(p) for p in prompts]
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(n)]
         out: list[list[Completion]] = [[] for _ in prompts]
         with self._lock:
