@@ -473,3 +473,48 @@ def test_a_write_waits_out_a_store_restart_and_lands_once(tmp_path):
         restart.cancel()
         for store in second:
             store.stop()
+
+
+def test_rows_added_together_share_one_insert_and_column_types_are_described_once(store_client):
+    import asyncio
+    import inspect
+
+    from crucible.shared.store import writes
+
+    migrate(store_client)
+    inserts, describes = [], []
+    real_insert, real_context = store_client.insert, store_client.create_insert_context
+    store_client.insert = lambda *a, **k: (inserts.append(len(a[1])), real_insert(*a, **k))[1]
+    signature = inspect.signature(real_context)
+
+    def context(*a, **k):  # an insert context built without column types asks the store to describe the table
+        bound = signature.bind(*a, **k).arguments
+        if bound.get("column_types") is None and bound.get("column_type_names") is None:
+            describes.append(bound["table"])
+        return real_context(*a, **k)
+
+    store_client.create_insert_context = context
+    columns = ["run_id", "step", "policy_version", "loss", "kl", "entropy", "grad_norm", "reward_mean",
+               "pass_rate", "lr", "step_time_ms", "ts"]
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def row(step):
+        return ["batched", step, step, 0.1, 0.0, 1.0, 0.5, 0.5, 0.5, 1e-4, 10.0, now]
+
+    async def main():
+        rows = writes.BatchedRows(store_client, "train_steps", columns, linger_s=0.05)
+        await asyncio.gather(*(rows.add(row(i)) for i in range(7)))
+        # every add has returned: the rows are in the store
+        assert store_client.query("SELECT count() FROM train_steps FINAL WHERE run_id = 'batched'"
+                                  ).result_rows == [(7,)]
+        await rows.add(row(7))
+        broken = writes.BatchedRows(store_client, "no_such_table", ["x"], linger_s=0.05)
+        results = await asyncio.gather(*(broken.add([i]) for i in range(3)), return_exceptions=True)
+        assert all(isinstance(r, Exception) and "table" in str(r).lower() for r in results), results
+
+    try:
+        asyncio.run(main())
+    finally:
+        store_client.insert, store_client.create_insert_context = real_insert, real_context
+    assert inserts[:2] == [7, 1]  # seven concurrent rows in one insert, then the lone one in its own
+    assert describes.count("train_steps") == 1  # the column types were asked for once

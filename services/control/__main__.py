@@ -12,6 +12,7 @@ from crucible.shared.settings import Settings
 from crucible.shared.store import writes
 
 log = logging.getLogger("crucible.control")
+CONCURRENT_TASKS = 100  # records of a fetched batch recorded together (one insert)
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
@@ -21,13 +22,15 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     if applied:
         log.info("applied migrations %s", applied)
 
+    # The records of a fetched batch are handled together and their rows go to the store in one insert.
+    rows = writes.BatchedRows(client, "tasks", TASK_COLUMNS)
+
     async def record(incoming: bus.Incoming):
         task = incoming.message
         # The log records what was published; whether a task is acceptable is decided once, by the
         # generator, which dead-letters the bad ones. A replayed record rewrites the same row
         # (`tasks` is a ReplacingMergeTree on task_id).
-        row = task_row(task, telemetry.current_trace_id(), settings.run_id)
-        await asyncio.to_thread(writes.insert, client, "tasks", [row], TASK_COLUMNS)
+        await rows.add(task_row(task, telemetry.current_trace_id(), settings.run_id))
         log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)
 
     async with bus.Producer(settings) as producer:
@@ -38,7 +41,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             depends_on=service.dependencies(settings, store=True),
         )
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
-                                        settings=settings, producer=producer, dead_letters=False) as consumer:
+                                        settings=settings, producer=producer, dead_letters=False,
+                                        concurrency=CONCURRENT_TASKS) as consumer:
             log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
             await service.run_until(stop, consumer.run())
 
