@@ -291,6 +291,9 @@ def cmd_train(args, settings: Settings) -> int:
     if report.step_breakdown:
         parts = ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {v:.0f}" for k, v in report.step_breakdown.items())
         echo(f"step time (median ms): {parts}  (`crucible query step-time --run {report.run_id}`)")
+    if report.cpu_ms_per_step:
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in report.cpu_ms_per_step.items() if v >= 1)
+        echo(f"CPU per step (ms)   : {parts}; total {sum(report.cpu_ms_per_step.values()):.0f}")
     kinds = sorted({a["kind"] for a in report.alerts})
     echo(f"alerts              : {len(report.alerts)}" + (f" ({', '.join(kinds)}; `crucible query alerts`)" if kinds else ""))
     return 0

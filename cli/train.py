@@ -57,6 +57,31 @@ class TrainReport:
     trajectories_per_s: float = 0.0
     learner_step_ms: float = 0.0
     step_breakdown: dict = field(default_factory=dict)  # median ms over versions: `crucible query step-time`
+    cpu_ms_per_step: dict = field(default_factory=dict)  # CPU of each process (and its children) per version
+
+
+def cpu_snapshot(run: "Run") -> dict[str, float]:
+    """CPU seconds used so far by each service of the run, this process, and the broker and the store
+    where they run on this machine (whoever started them)."""
+    from crucible.local.services import cpu_seconds, listener_pid
+
+    if run.stack_pids is None:
+        run.stack_pids = {"broker": listener_pid(run.settings.kafka_bootstrap),
+                          "store": listener_pid(run.settings.clickhouse_url)}
+    used = run.services.cpu_seconds()
+    used.update(cpu_seconds(run.stack_pids))
+    mine = os.times()
+    used["train (this process)"] = mine.user + mine.system
+    return used
+
+
+def cpu_per_step(first: tuple[int, dict], last: tuple[int, dict]) -> dict[str, float]:
+    """CPU milliseconds per policy version of each process between two snapshots, largest first."""
+    steps = last[0] - first[0]
+    if steps <= 0:
+        return {}
+    per = {name: (used - first[1].get(name, 0.0)) * 1000 / steps for name, used in last[1].items()}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def step_breakdown(settings: Settings, run_id: str) -> dict[str, float]:
@@ -109,6 +134,7 @@ class Run:
         self.echo = echo
         self.verifier_address = ""
         self.sandbox_address = ""
+        self.stack_pids: dict[str, int | None] | None = None  # the broker's and the store's, where local
 
     def start_services(self, init_uri: str, names: tuple[str, ...] = SERVICES) -> None:
         s = self.settings
@@ -325,6 +351,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     # killed service, or all dropped as stale (a generator restarted mid-step) leave it short of a step.
     extra, last_progress, intervals = 0, time.monotonic(), []
     flat = FlatGroups(s.max_policy_lag)
+    cpu_first = cpu_last = None  # (version, CPU seconds by process) at the first and the latest version
     echo(f"[4/5] training: {s.groups_per_step} tasks x {recipe.sampling.group_size} samples per step, up to "
          f"{budget.steps} steps or {budget.minutes:g} minutes")
     try:
@@ -356,6 +383,10 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     version, last_progress = pv.version, time.monotonic()
                     if version == 0:
                         continue
+                    # Between the first version and the latest: the run in its stride, start-up left out.
+                    cpu_last = (version, await asyncio.to_thread(cpu_snapshot, run))
+                    cpu_first = cpu_first or cpu_last
+                    report.cpu_ms_per_step = cpu_per_step(cpu_first, cpu_last)
                     m = pv.metrics
                     elapsed = time.monotonic() - started
                     point = {"t": round(elapsed, 1), "version": version, "reward_mean": m.reward_mean,

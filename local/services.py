@@ -118,6 +118,10 @@ class Services:
             started.append(name)
         return started
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time each running service (with its child processes) has used so far."""
+        return cpu_seconds({name: proc.pid for name, proc in self.processes.items() if proc.poll() is None})
+
     def stop(self, timeout: float = 20.0) -> None:
         stop_processes(list(self.processes.values()), timeout=timeout)
         self._record()
@@ -129,6 +133,46 @@ class Services:
         live = {name: proc.pid for name, proc in self.processes.items() if proc.poll() is None}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "services.json").write_text(json.dumps(live, indent=1))
+
+
+def cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
+    """User plus system CPU seconds used so far by each named process and all its descendants (those
+    still running and those already reaped); a process that is gone counts nothing."""
+    import psutil
+
+    used = {}
+    for name, pid in pids.items():
+        if pid is None:
+            continue
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        total = 0.0
+        for proc in tree:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue  # ended between the listing and now
+            total += t.user + t.system + t.children_user + t.children_system
+        used[name] = total
+    return used
+
+
+def listener_pid(address: str) -> int | None:
+    """The pid of the process on this machine that listens on `address`'s port (host:port or a URL), if any."""
+    import psutil
+    from urllib.parse import urlsplit
+
+    port = urlsplit(address if "://" in address else f"//{address.split(',')[0]}").port
+    if port is None:
+        return None
+    try:
+        return next((c.pid for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid), None)
+    except psutil.Error:
+        return None
 
 
 def recorded(folder: Path) -> dict[str, int]:

@@ -7,6 +7,8 @@ OTLP when CRUCIBLE_OTEL_ENDPOINT (or the standard OTEL_EXPORTER_OTLP_ENDPOINT) i
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from collections.abc import Iterable, Sequence
 
@@ -59,7 +61,10 @@ def _otlp_span_exporter(endpoint: str, protocol: str):
     return OTLPSpanExporter(endpoint=endpoint, insecure=True)
 
 
+@functools.cache
 def tracer(name: str = "crucible") -> trace.Tracer:
+    """One tracer per name for the process (the API's proxy until setup_telemetry sets the provider, then
+    the provider's): making one per call cost more than the span it made."""
     return trace.get_tracer(name)
 
 

@@ -33,6 +33,10 @@ async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     breakdown = report.step_breakdown
     assert breakdown["sample_ms"] > 0 and breakdown["learner_step_ms"] > 0 and breakdown["checkpoint_ms"] > 0, breakdown
     assert {"to_verifier_ms", "verify_ms", "to_aggregator_ms", "to_learner_ms", "publish_ms"} <= breakdown.keys()
+    # What each process spent per step: the services, the broker and the store all do work every step.
+    cpu = report.cpu_ms_per_step
+    for name in ("learner", "generator", "verifier", "reward_aggregator", "broker", "store"):
+        assert cpu.get(name, 0) > 0, cpu
     # The run left its trace in the store: every step and every sample.
     client = store.connect(settings)
     steps = client.query("SELECT count() FROM train_steps FINAL WHERE run_id = {r:String}",
