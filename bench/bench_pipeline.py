@@ -93,9 +93,9 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
         return asyncio.run(evaluation.evaluate(backend, heldout, verify, max_tokens=config.max_tokens)).pass_rate
 
     before = heldout_rate()
-    step_s, reached, working = [], None, 0.0
+    step_s, reached, working, cpu_s = [], None, 0.0, 0.0
     for step in range(1, steps + 1):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), process_cpu_s()
         tasks = [next(train_tasks) for _ in range(config.groups_per_step)]
         completions = backend.sample([registry.render_prompt(t) for t in tasks], recipe.sampling.group_size, params)
         samples = []
@@ -106,11 +106,18 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
             samples += group_trajectories(verdicts, rewards, complete=True)
         trainer.step(samples)
         step_s.append(time.perf_counter() - started)
+        cpu_s += process_cpu_s() - cpu_started
         working += step_s[-1]
         if step % EVAL_EVERY == 0 and reached is None and heldout_rate() >= target:
             reached = working
     return {"step_s": statistics.median(step_s), "steps": steps, "heldout_before": before,
-            "heldout_after": heldout_rate(), "to_target_s": reached}
+            "heldout_after": heldout_rate(), "to_target_s": reached,
+            "cpu_ms_per_step": {"in-process loop": cpu_s * 1000 / steps}}
+
+
+def process_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def with_setting(text: str, section: str, key: str, value) -> str:
@@ -141,7 +148,8 @@ def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, 
                    None)
     return {"step_s": report["seconds"] / max(report["steps"], 1), "steps": report["steps"],
             "heldout_before": report["heldout_before"], "heldout_after": report["heldout_after"],
-            "to_target_s": reached, "breakdown": report.get("step_breakdown", {})}
+            "to_target_s": reached, "breakdown": report.get("step_breakdown", {}),
+            "cpu_ms_per_step": report.get("cpu_ms_per_step", {})}
 
 
 def trl_python() -> Path:
@@ -223,10 +231,15 @@ def main() -> None:
         times = [r["to_target_s"] for r in results if r["to_target_s"] is not None]
         print(f"  {name:<24}: {s * 1000:6.0f} ms   {s / base:5.2f}x             {len(times)}/{len(results)} seeds"
               f"      {'%.1f s' % statistics.median(times) if times else '-'}")
-    for r in rows.get("pipeline sync", [])[-1:]:
-        if r["breakdown"]:
-            print("  pipeline sync breakdown (median ms): "
-                  + ", ".join(f"{k.removesuffix('_ms')} {v:.0f}" for k, v in r["breakdown"].items()))
+    for name in ("in-process", "pipeline sync", "pipeline async (lag 1)"):
+        for r in rows.get(name, [])[-1:]:
+            if r.get("breakdown"):
+                print(f"  {name} breakdown (median ms): "
+                      + ", ".join(f"{k.removesuffix('_ms')} {v:.0f}" for k, v in r["breakdown"].items()))
+            if r.get("cpu_ms_per_step"):
+                print(f"  {name} CPU per step (ms): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_ms_per_step"].items() if v >= 1)
+                      + f"; total {sum(r['cpu_ms_per_step'].values()):.0f}")
 
 
 if __name__ == "__main__":
