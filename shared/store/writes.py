@@ -70,6 +70,7 @@ class BatchedRows:
         self.linger_s, self.max_rows = linger_s, max_rows
         self._pending: list[tuple[list, asyncio.Future]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._writing: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
 
     async def add(self, row: list) -> None:
         done = asyncio.get_running_loop().create_future()
@@ -86,7 +87,9 @@ class BatchedRows:
             self._timer = None
         batch, self._pending = self._pending, []
         if batch:
-            asyncio.ensure_future(self._write(batch))
+            task = asyncio.ensure_future(self._write(batch))
+            self._writing.add(task)
+            task.add_done_callback(self._writing.discard)
 
     async def _write(self, batch: list[tuple[list, asyncio.Future]]) -> None:
         try:
