@@ -417,6 +417,30 @@ def test_folders_left_by_a_pool_that_died_are_swept_and_live_ones_kept(tmp_path)
     assert not any(f.parent.exists() for f in left[1:])
 
 
+async def test_a_job_reaches_no_socket_of_another_job_running_beside_it_or_gone_before(pool):
+    """Abstract Unix socket names live in a network namespace, and jobs may make Unix sockets. A job
+    binding one is unreachable from the jobs running beside it (other slots, other workers) and from
+    every later job in any slot, its own included, even when it left a child holding the name."""
+    name = f"crucible-{os.urandom(4).hex()}"
+    bind = ("import os, socket, time\ns = socket.socket(socket.AF_UNIX)\n"
+            f"s.bind('\\0{name}')\ns.listen()\nprint('bound', flush=True)\n")
+    probe = ("import socket\nc = socket.socket(socket.AF_UNIX)\n"
+             f"try:\n    c.connect('\\0{name}')\n    print('reached')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    # The probe does find a bound name where there is one: in the same job.
+    own = await pool.execute(Job(code=bind + probe.replace("import socket", "")))
+    assert own.stdout == b"bound\nreached\n", (own.stdout, own.stderr[-300:])
+
+    holder = asyncio.ensure_future(pool.execute(Job(code=bind + "time.sleep(1.5)\n")))
+    await asyncio.sleep(0.5)
+    beside = await asyncio.gather(*(pool.execute(Job(code=probe)) for _ in range(4)))
+    assert (await holder).stdout == b"bound\n"
+    left = await pool.execute(Job(code=bind + "if os.fork() == 0:\n    time.sleep(30)\n"))
+    assert left.stdout == b"bound\n", left.stderr[-300:]
+    after = [await pool.execute(Job(code=probe)) for _ in range(8)]  # every slot of both workers, in turn
+    for r in beside + after:
+        assert r.stdout == b"refused 111\n", (r.stdout, r.stderr[-300:])
+
+
 async def test_unix_sockets_work_and_network_sockets_kill(pool):
     # honest code: multiprocessing's duplex pipes are AF_UNIX socket pairs
     r = await run(pool, "import socket\na, b = socket.socketpair()\na.sendall(b'hi')\nprint(b.recv(2))\n"

@@ -25,7 +25,7 @@ import sys
 from crucible.services.sandbox_executor import candidate, harness
 from crucible.services.sandbox_executor.jail import rootfs, seccomp
 from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS
-from crucible.services.sandbox_executor.jail.linux import PR_SET_DUMPABLE, PR_SET_PDEATHSIG, prctl, set_hostname
+from crucible.services.sandbox_executor.jail.linux import PR_SET_DUMPABLE, PR_SET_PDEATHSIG, prctl
 from crucible.shared import framing
 
 # Signals the worker ignores or handles that a jailed program must feel: exceeding a file limit
@@ -49,7 +49,6 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         # this process, its harness, and must not read its memory or take its descriptors.
         prctl(PR_SET_DUMPABLE, 0, "prctl(DUMPABLE)")
         os.setsid()
-        set_hostname(b"sandbox")
         if cfg["isolate"]:
             rootfs.enter(cfg)
         else:

@@ -47,9 +47,9 @@ class Zygote:
         self.gone = False
         threading.Thread(target=self._listen, name="zygote", daemon=True).start()
 
-    def prepare(self) -> tuple[int, dict[str, int]]:
-        """A new jail: its pid and the descriptors zygote.PASSED names."""
-        self.channel.send(b"prepare")
+    def prepare(self, slot: int) -> tuple[int, dict[str, int]]:
+        """A new jail for cgroup slot `slot`: its pid and the descriptors zygote.PASSED names."""
+        self.channel.send(b"prepare %d" % slot)
         reply = self.prepared.get()
         if reply is None:
             raise ZygoteGone("the sandbox zygote is gone")
@@ -177,7 +177,7 @@ class Supervisor:
             slot = self._take_slot()
             jail, problem = None, ""
             try:
-                jail = self.prepare(self.slots[slot])
+                jail = self.prepare(slot)
             except ZygoteGone:
                 raise
             except Exception as exc:
@@ -210,9 +210,10 @@ class Supervisor:
         for thread in self.running:
             thread.join()
 
-    def prepare(self, cgroups: Cgroups) -> Jail:
+    def prepare(self, slot: int) -> Jail:
         """A jail from the zygote, joined to this slot's cgroups, with its root and its candidate process."""
-        pid, fds = self.zygote.prepare()
+        cgroups = self.slots[slot]
+        pid, fds = self.zygote.prepare(slot)
         jail = Jail(self.zygote, pid, fds)
         try:
             cgroups.attach(pid)

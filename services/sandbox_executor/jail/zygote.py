@@ -12,6 +12,14 @@ with the jail's pid and the supervisor's ends of the jail's pipes (passed as
 descriptors, keeping none), and later with the jail's exit status and usage
 once it has reaped it. It exits when the supervisor closes the socket, and
 dies with the supervisor (parent-death signal).
+
+Each cgroup slot has a network and a UTS namespace of its own, made here once: a jail joins its
+slot's instead of making two (making and destroying a network namespace was about a twentieth
+of a job's CPU). They hold nothing a job could leave behind: the network namespace has only its
+loopback device, down, which no job may configure (no capabilities), and the sockets a job can
+make (AF_UNIX only, seccomp.py) end with its processes, which all end before the slot takes
+another job (supervisor.py). Jobs in other slots, running at the same time, are in other
+namespaces. The IPC namespace is made fresh per jail: System V objects outlive their makers.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import socket
 
 from crucible.services.sandbox_executor.jail import jailed
 from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,
-                                                           PR_SET_PDEATHSIG, prctl, setns, unshare)
+                                                           PR_SET_PDEATHSIG, prctl, set_hostname, setns, unshare)
 
 # The order of the descriptors passed with each prepared jail (the supervisor reads them by name).
 PASSED = ("pidfd", "job_w", "in_w", "out_r", "err_r", "report_r", "ready_r", "attached_w", "calls")
@@ -58,8 +66,12 @@ def start(cfg: dict) -> tuple[int, socket.socket]:
 
 
 def serve(cfg: dict, channel: socket.socket) -> None:
-    """Prepares a jail per request; reports each jail's end once reaped; returns when the channel closes."""
+    """Prepares a jail per request (`prepare <slot>`); reports each jail's end once reaped; returns when
+    the channel closes."""
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if cfg["isolate"] else -1
+    slots = len(cfg.get("cgroups") or [{}, {}, {}])
+    shared = slot_namespaces(slots) if cfg["isolate"] else [()] * slots
+    kept = [fd for fds in shared for fd in fds]
     live: dict[int, int] = {}  # pidfd -> pid
     while True:
         readable, _, _ = select.select([channel.fileno(), *live], [], [])
@@ -73,15 +85,35 @@ def serve(cfg: dict, channel: socket.socket) -> None:
             request = channel.recv(MESSAGE_BYTES)
             if not request:
                 return
-            pid, passed = fork_jail(cfg, own_pid_ns, [channel.fileno(), *live])
+            slot = int(request.split()[1])
+            pid, passed = fork_jail(cfg, own_pid_ns, shared[slot], [channel.fileno(), *live, *kept])
             live[os.dup(passed["pidfd"])] = pid
             _send(channel, {"prepared": pid}, [passed[name] for name in PASSED])
             for fd in passed.values():
                 os.close(fd)
 
 
-def fork_jail(cfg: dict, own_pid_ns: int, close_in_child: list[int]) -> tuple[int, dict]:
-    """Forks a jail as pid 1 of a fresh pid namespace; (its pid, the descriptors for the supervisor)."""
+def slot_namespaces(count: int) -> list[tuple[int, int]]:
+    """(network, UTS) namespace descriptors for each of `count` slots, the hostname set; this process
+    stays in its own."""
+    own = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("net", "uts")]
+    made = []
+    try:
+        for _ in range(count):
+            unshare(CLONE_NEWNET | CLONE_NEWUTS, "unshare(slot net, uts)")
+            set_hostname(b"sandbox")
+            made.append(tuple(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("net", "uts")))
+    finally:
+        setns(own[0], CLONE_NEWNET, "setns(own net namespace)")
+        setns(own[1], CLONE_NEWUTS, "setns(own uts namespace)")
+        for fd in own:
+            os.close(fd)
+    return made
+
+
+def fork_jail(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int]) -> tuple[int, dict]:
+    """Forks a jail as pid 1 of a fresh pid namespace, in its slot's network and UTS namespaces
+    (`slot_ns`) and a fresh IPC one; (its pid, the descriptors for the supervisor)."""
     job_r, job_w = os.pipe()
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -97,17 +129,20 @@ def fork_jail(cfg: dict, own_pid_ns: int, close_in_child: list[int]) -> tuple[in
         unshare(CLONE_NEWPID)
     pid = os.fork()
     if pid == 0:
+        try:
+            if cfg["isolate"]:
+                net, uts = slot_ns
+                setns(net, CLONE_NEWNET, "setns(slot net namespace)")
+                setns(uts, CLONE_NEWUTS, "setns(slot uts namespace)")
+                unshare(CLONE_NEWIPC, "unshare(CLONE_NEWIPC)")
+        except BaseException as exc:  # never back into the zygote's loop
+            os.write(2, f"sandbox setup failed: {exc}\n".encode())
+            os._exit(121)
         for fd in (job_w, in_w, out_r, err_r, report_r, ready_r, attached_w, *close_in_child):
             os.close(fd)
         if own_pid_ns >= 0:
             os.close(own_pid_ns)
         calls.close()
-        try:
-            if cfg["isolate"]:
-                unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
-        except BaseException as exc:  # never back into the zygote's loop
-            os.write(2, f"sandbox setup failed: {exc}\n".encode())
-            os._exit(121)
         jailed.run(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r, calls_w.detach())
     for fd in (job_r, in_r, out_w, err_w, report_w, ready_w, attached_r):
         os.close(fd)
