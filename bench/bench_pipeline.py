@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -46,6 +47,7 @@ from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.sampling import SamplingParams
 from crucible.ml.policy.sft import warm_start
 from crucible.services.generator.handler import rollout_group
+from crucible.services.learner.groups import informative
 from crucible.services.learner.trainer import Trainer
 from crucible.services.reward_aggregator.handler import RewardConfig, group_trajectories
 from crucible.services.sandbox_executor.isolation import base_python
@@ -92,19 +94,42 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
     def heldout_rate() -> float:
         return asyncio.run(evaluation.evaluate(backend, heldout, verify, max_tokens=config.max_tokens)).pass_rate
 
+    def sampled_groups(step: int, count: int) -> list[list]:
+        """`count` new tasks sampled, scored and turned into trajectories with advantages, by group."""
+        tasks = [next(train_tasks) for _ in range(count)]
+        completions = backend.sample([registry.render_prompt(t) for t in tasks], recipe.sampling.group_size, params)
+        groups = []
+        for task, group in zip(tasks, completions):
+            message = rollout_group(task, f"s{step}-g{next(group_ids)}", group, params, policy_version=trainer.version,
+                                    backend=backend.name, generator_id="bench", sample_ms=0.0)
+            verdicts = [verifier.in_group(verifier.verify(r), message) for r in verifier.requests_for(message)]
+            groups.append(group_trajectories(verdicts, rewards, complete=True))
+        return groups
+
+    def batch(step: int) -> tuple[list, frozenset]:
+        """A step's samples and the groups dynamic sampling filtered, as the learner chooses them: each
+        filtered group is replaced by a new task (as `crucible train` does) until groups_per_step
+        informative ones are in, or dynamic_sampling_window times that many were drawn (then the
+        informative ones there are; none: groups_per_step uninformative ones)."""
+        per_step = config.groups_per_step
+        if not config.dynamic_sampling:
+            return [s for g in sampled_groups(step, per_step) for s in g], frozenset()
+        useful, flat, drawn = [], [], 0
+        while len(useful) < per_step and drawn < config.dynamic_sampling_window * per_step:
+            count = min(per_step - len(useful), config.dynamic_sampling_window * per_step - drawn)
+            for group in sampled_groups(step, count):
+                (useful if informative(group) else flat).append(group)
+            drawn += count
+        if not useful:
+            useful, flat = flat[:per_step], flat[per_step:]
+        return [s for g in useful + flat for s in g], frozenset(g[0].group_id for g in flat)
+
+    group_ids = itertools.count()
     before = heldout_rate()
     step_s, reached, working, cpu_s = [], None, 0.0, 0.0
     for step in range(1, steps + 1):
         started, cpu_started = time.perf_counter(), process_cpu_s()
-        tasks = [next(train_tasks) for _ in range(config.groups_per_step)]
-        completions = backend.sample([registry.render_prompt(t) for t in tasks], recipe.sampling.group_size, params)
-        samples = []
-        for i, (task, group) in enumerate(zip(tasks, completions)):
-            message = rollout_group(task, f"s{step}-g{i}", group, params, policy_version=trainer.version,
-                                    backend=backend.name, generator_id="bench", sample_ms=0.0)
-            verdicts = [verifier.in_group(verifier.verify(r), message) for r in verifier.requests_for(message)]
-            samples += group_trajectories(verdicts, rewards, complete=True)
-        trainer.step(samples)
+        trainer.step(*batch(step))
         step_s.append(time.perf_counter() - started)
         cpu_s += process_cpu_s() - cpu_started
         working += step_s[-1]

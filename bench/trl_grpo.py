@@ -10,10 +10,10 @@ evaluation are the very ones the in-process loop and the pipeline use:
   - reward: the verifier's handler on each completion (the scalar the aggregator uses by default);
   - held-out: TRL's model weights copied into the project's torch backend, then the evaluator's
     greedy pass rate, every `--eval-every` steps, its time left out of the wall time to the target.
-Hyperparameters follow the recipe: lr (constant), KL coefficient (k3, like ours), clip epsilon,
-grad-norm clip, temperature, top_p, tokens, token-mean loss over the batch (TRL's "dapo", our
-masked mean), mean-centred advantages for rloo/reinforce (scale_rewards "none") and std-scaled
-for grpo. Writes {"step_s", "steps", "heldout_before", "heldout_after", "to_target_s"} to --out.
+Hyperparameters follow the recipe: lr and its schedule (AdamW stepped on the learner's own
+`scheduled_lr`), KL coefficient (k3, like ours), clip epsilon, grad-norm clip, temperature, top_p,
+tokens, token-mean loss over the batch (TRL's "dapo", our masked mean), mean-centred advantages for
+rloo/reinforce (scale_rewards "none") and std-scaled for grpo. Writes {"step_s", "steps", "heldout_before", "heldout_after", "to_target_s"} to --out.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from crucible.ml.policy import hf
 from crucible.ml.policy.backends import backend_for
 from crucible.ml.policy.model import causal_mask
 from crucible.v1 import rollout_pb2, verdict_pb2
+from crucible.services.learner.trainer import scheduled_lr
 from crucible.services.verifier import handler as verifier
 from crucible.shared.settings import Settings
 
@@ -155,9 +156,15 @@ def main() -> None:
         dataset = Dataset.from_dict({"prompt": prompts, "index": list(range(len(prompts)))})
         before = heldout_rate()
         clock = Clock(heldout_rate, args.eval_every, args.target)
+        # AdamW as the learner makes it, stepped on the learner's schedule.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: scheduled_lr(config, step) / config.lr)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[clock])
+                              processing_class=tokenizer, callbacks=[clock], optimizers=(optimizer, schedule))
         trainer.train()
+        # TRL took the steps on the learner's schedule (its trainer steps the scheduler after each).
+        taken = optimizer.state_dict()["state"][0]["step"]
+        assert schedule.get_last_lr()[0] == scheduled_lr(config, int(taken)), (schedule.get_last_lr(), taken)
     result = {"step_s": statistics.median(clock.step_s), "steps": len(clock.step_s), "heldout_before": before,
               "heldout_after": heldout_rate(), "to_target_s": clock.reached}
     args.out.write_text(json.dumps(result))

@@ -328,7 +328,7 @@ class FlatGroups:
         self.buffer.add(Buffered(sample, "", 0, 0, None))
         for members in self.buffer.take(self.buffer.ready()):
             stale = 0 <= self.max_lag < version - max(m.sample.policy_version for m in members)
-            self.count += stale or not informative(members)
+            self.count += stale or not informative([m.sample for m in members])
 
 
 async def _feed_and_follow(run: Run, report: TrainReport) -> None:

@@ -70,6 +70,7 @@ async def test_a_planted_hack_is_caught_before_it_pays_and_its_clean_twin_raises
     # with the services' timing): the twin gets half as many steps again to show it, and more steps
     # to raise a false alarm in.
     clean_recipe.budget.steps = 60
+    clean_recipe.algorithm.lr_decay_steps = 60  # the rate falls over the run, however long
     clean = await train(settings, clean_recipe, echo=lines.append)
     assert clean.heldout_after >= clean.heldout_before + 0.2, "the clean twin learns the task itself"
     assert run_alerts(client, clean.run_id) == [], lines

@@ -40,10 +40,10 @@ def sample_problem(s: trajectory_pb2.Trajectory) -> str | None:
     return None
 
 
-def informative(members: list[Buffered]) -> bool:
+def informative(samples: list[trajectory_pb2.Trajectory]) -> bool:
     """Whether a group's rewards differ: with all equal, every group-relative advantage is zero and the
     group teaches nothing (DAPO's dynamic sampling filters it)."""
-    rewards = [m.sample.reward for m in members]
+    rewards = [s.reward for s in samples]
     return max(rewards) - min(rewards) > 1e-9
 
 

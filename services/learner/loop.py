@@ -218,7 +218,7 @@ class Learner:
         ready = self.buffer.ready()
         if not self.settings.dynamic_sampling:
             return (self.buffer.take(ready[:per_step]), []) if len(ready) >= per_step else None
-        flat = {g for g in ready if not informative(self.buffer.groups[g])
+        flat = {g for g in ready if not informative([m.sample for m in self.buffer.groups[g]])
                 or not any(self.trainer.fresh_enough(m.sample) for m in self.buffer.groups[g])}
         self.uninformative += self.buffer.take([g for g in ready if g in flat])
         useful = [g for g in ready if g not in flat]

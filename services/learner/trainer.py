@@ -78,6 +78,14 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
                  top_p=torch.tensor([s.top_p for s in samples], dtype=torch.float32))
 
 
+
+def scheduled_lr(config: RunConfig, step: int) -> float:
+    """The learning rate of optimiser step `step` (from 0): lr, or with lr_decay_steps = T,
+    lr * max(0.1, 1 - 0.9 step / T): a late policy takes small steps and stays where it got to."""
+    if not config.lr_decay_steps:
+        return config.lr
+    return config.lr * max(0.1, 1.0 - 0.9 * step / config.lr_decay_steps)
+
 class Trainer:
     """Optimiser steps on batches of samples. With several `ranks`, every rank constructs one on the
     same weights and calls `step` with the same batch (rank 0 reads it; see ranks.py and `follow`)."""
@@ -109,10 +117,7 @@ class Trainer:
         self.step_count = step
 
     def learning_rate(self) -> float:
-        """lr_t = lr * max(0.1, 1 - 0.9 t / T): a late policy takes small steps and stays where it got to."""
-        if not self.config.lr_decay_steps:
-            return self.config.lr
-        return self.config.lr * max(0.1, 1.0 - 0.9 * self.step_count / self.config.lr_decay_steps)
+        return scheduled_lr(self.config, self.step_count)
 
     def fresh_enough(self, s: trajectory_pb2.Trajectory) -> bool:
         lag = self.version - s.policy_version
