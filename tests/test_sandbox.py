@@ -441,6 +441,17 @@ async def test_a_job_reaches_no_socket_of_another_job_running_beside_it_or_gone_
         assert r.stdout == b"refused 111\n", (r.stdout, r.stderr[-300:])
 
 
+async def test_a_job_finds_no_file_of_an_earlier_job(pool):
+    """Each slot keeps its mount namespace; every job gets a fresh, empty /work (and /tmp, its link)."""
+    marker = f"left-{os.urandom(4).hex()}"
+    left = await pool.execute(Job(code=f"import os\nos.mkdir('/work/{marker}')\nopen('/tmp/{marker}.txt', 'w').write('x')\n"
+                                       "print(sorted(os.listdir('/work')))"))
+    assert left.stdout == f"['{marker}', '{marker}.txt', 'main.py']\n".encode(), (left.stdout, left.stderr[-300:])
+    for _ in range(8):  # every slot of both workers, in turn
+        r = await pool.execute(Job(code="import os\nprint(sorted(os.listdir('/work')), os.listdir('/tmp'))"))
+        assert r.stdout == b"['main.py'] ['main.py']\n", (r.stdout, r.stderr[-300:])
+
+
 async def test_unix_sockets_work_and_network_sockets_kill(pool):
     # honest code: multiprocessing's duplex pipes are AF_UNIX socket pairs
     r = await run(pool, "import socket\na, b = socket.socketpair()\na.sendall(b'hi')\nprint(b.recv(2))\n"

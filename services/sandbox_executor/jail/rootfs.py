@@ -3,11 +3,15 @@
 The template holds only read-only binds of the interpreter's standard library
 and the shared libraries it loads, a few device nodes and empty mount points;
 no /etc, /home, /usr/bin, /proc, and the interpreter's site-packages hidden.
-Each job's mount namespace is a copy of the worker's, so a job costs one tmpfs
-mount and a pivot_root, not a dozen mounts.
+Each cgroup slot has a mount namespace whose root is the template, made once
+(`slot_root`); a jail joins its slot's and mounts a fresh tmpfs on /work, so a job
+costs one mount, not a copy of the worker's mount tree, a pivot_root and the
+detaching of the host's tree. Nothing else in it can change: the template is
+read-only, and no job may mount or unmount (seccomp, and no capabilities).
 """
 from __future__ import annotations
 
+import errno
 import os
 
 from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWNS, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID,
@@ -50,15 +54,24 @@ def build_template(cfg: dict) -> None:
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def enter(cfg: dict) -> None:
-    """In the job's fresh mount namespace: a private size-capped tmpfs /work, then pivot into the
-    template; the host's tree is detached for good."""
-    root = cfg["root_dir"]
-    unshare(CLONE_NEWNS, "unshare(CLONE_NEWNS)")
-    mount("work", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-          f"size={cfg['work_bytes']},nr_inodes=4096,mode=0700,uid={cfg['uid']},gid={cfg['uid']}")
-    os.chdir(root)
+def slot_root(cfg: dict) -> None:
+    """Moves this process into a new mount namespace whose root is the template (pivot_root, the
+    host's tree detached for good): a slot's, made once. The caller holds it by a descriptor opened
+    before this (the template has no /proc) and returns to its own namespace with setns."""
+    os.chdir(cfg["root_dir"])
     pivot_root(b".", b".old")
     os.chdir("/")
     umount_detached(b"/.old")
+
+
+def enter(cfg: dict) -> None:
+    """In the slot's mount namespace (already joined): a fresh private size-capped tmpfs on /work, in
+    place of the one the slot's last job had (its processes are gone: the slot was emptied)."""
+    try:
+        umount_detached(b"/work")
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # EINVAL: nothing mounted there yet (the slot's first job)
+            raise
+    mount("work", "/work", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={cfg['work_bytes']},nr_inodes=4096,mode=0700,uid={cfg['uid']},gid={cfg['uid']}")
     os.chdir("/work")

@@ -116,7 +116,6 @@ class Jail:
         self.job_w, self.in_w, self.out_r, self.err_r, self.report_r = (
             fds["job_w"], fds["in_w"], fds["out_r"], fds["err_r"], fds["report_r"])
         self.calls = ForbiddenCalls(socket.socket(fileno=fds["calls"]))
-        self.mnt_ns = -1
         self.reaped = False
 
     def kill(self) -> None:
@@ -152,13 +151,13 @@ class Jail:
             self.zygote.forget(self.pid)
             self.reaped = True
         self.calls.close()
-        for fd in (self.pidfd, self.job_w, self.in_w, self.out_r, self.err_r, self.report_r, self.mnt_ns):
+        for fd in (self.pidfd, self.job_w, self.in_w, self.out_r, self.err_r, self.report_r):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.pidfd = self.job_w = self.in_w = self.out_r = self.err_r = self.report_r = self.mnt_ns = -1
+        self.pidfd = self.job_w = self.in_w = self.out_r = self.err_r = self.report_r = -1
 
 
 class Supervisor:
@@ -223,10 +222,6 @@ class Supervisor:
             os.close(fds["ready_r"])
             if ready != b"r":
                 raise RuntimeError("the jail failed while preparing its root")
-            # Holding the jail's mount namespace keeps its teardown (an RCU-synchronised unmount of the
-            # whole tree) out of the job's latency: it happens in the teardown, after the result went.
-            if self.cfg["isolate"]:
-                jail.mnt_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
         except BaseException:
             jail.kill()
             jail.release()

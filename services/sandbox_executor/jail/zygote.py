@@ -13,13 +13,15 @@ descriptors, keeping none), and later with the jail's exit status and usage
 once it has reaped it. It exits when the supervisor closes the socket, and
 dies with the supervisor (parent-death signal).
 
-Each cgroup slot has a network and a UTS namespace of its own, made here once: a jail joins its
-slot's instead of making two (making and destroying a network namespace was about a twentieth
-of a job's CPU). They hold nothing a job could leave behind: the network namespace has only its
-loopback device, down, which no job may configure (no capabilities), and the sockets a job can
-make (AF_UNIX only, seccomp.py) end with its processes, which all end before the slot takes
-another job (supervisor.py). Jobs in other slots, running at the same time, are in other
-namespaces. The IPC namespace is made fresh per jail: System V objects outlive their makers.
+Each cgroup slot has a network, a UTS and a mount namespace of its own, made here once: a jail
+joins its slot's instead of making three and destroying them (a network namespace alone was about
+a twentieth of a job's CPU). They hold nothing a job could leave behind: the network namespace has
+only its loopback device, down, which no job may configure (no capabilities), and the sockets a
+job can make (AF_UNIX only, seccomp.py) end with its processes, which all end before the slot takes
+another job (supervisor.py); the mount namespace's root is the read-only template, and each jail
+mounts a fresh /work over its predecessor's (rootfs.py). Jobs in other slots, running at the same
+time, are in other namespaces. The IPC namespace is made fresh per jail: System V objects outlive
+their makers.
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ import select
 import signal
 import socket
 
-from crucible.services.sandbox_executor.jail import jailed
-from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUTS,
-                                                           PR_SET_PDEATHSIG, prctl, set_hostname, setns, unshare)
+from crucible.services.sandbox_executor.jail import jailed, rootfs
+from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID,
+                                                           CLONE_NEWUTS, PR_SET_PDEATHSIG, prctl, set_hostname, setns,
+                                                           unshare)
 
 # The order of the descriptors passed with each prepared jail (the supervisor reads them by name).
 PASSED = ("pidfd", "job_w", "in_w", "out_r", "err_r", "report_r", "ready_r", "attached_w", "calls")
@@ -70,7 +73,7 @@ def serve(cfg: dict, channel: socket.socket) -> None:
     the channel closes."""
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if cfg["isolate"] else -1
     slots = len(cfg.get("cgroups") or [{}, {}, {}])
-    shared = slot_namespaces(slots) if cfg["isolate"] else [()] * slots
+    shared = slot_namespaces(cfg, slots) if cfg["isolate"] else [()] * slots
     kept = [fd for fds in shared for fd in fds]
     live: dict[int, int] = {}  # pidfd -> pid
     while True:
@@ -93,26 +96,31 @@ def serve(cfg: dict, channel: socket.socket) -> None:
                 os.close(fd)
 
 
-def slot_namespaces(count: int) -> list[tuple[int, int]]:
-    """(network, UTS) namespace descriptors for each of `count` slots, the hostname set; this process
-    stays in its own."""
-    own = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("net", "uts")]
+SLOT_NAMESPACES = (("net", CLONE_NEWNET), ("uts", CLONE_NEWUTS), ("mnt", CLONE_NEWNS))
+
+
+def slot_namespaces(cfg: dict, count: int) -> list[tuple[int, ...]]:
+    """Descriptors of each of `count` slots' namespaces (SLOT_NAMESPACES' order): the hostname set,
+    the root the template; this process stays in its own."""
+    own = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind, _ in SLOT_NAMESPACES]
     made = []
     try:
         for _ in range(count):
-            unshare(CLONE_NEWNET | CLONE_NEWUTS, "unshare(slot net, uts)")
+            unshare(CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWNS, "unshare(slot net, uts, mnt)")
             set_hostname(b"sandbox")
-            made.append(tuple(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("net", "uts")))
+            made.append(tuple(os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind, _ in SLOT_NAMESPACES))
+            rootfs.slot_root(cfg)
+            for fd, (kind, flag) in zip(own, SLOT_NAMESPACES):  # back, for the next slot's copy
+                setns(fd, flag, f"setns(own {kind} namespace)")
     finally:
-        setns(own[0], CLONE_NEWNET, "setns(own net namespace)")
-        setns(own[1], CLONE_NEWUTS, "setns(own uts namespace)")
-        for fd in own:
+        for fd, (kind, flag) in zip(own, SLOT_NAMESPACES):
+            setns(fd, flag, f"setns(own {kind} namespace)")
             os.close(fd)
     return made
 
 
 def fork_jail(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int]) -> tuple[int, dict]:
-    """Forks a jail as pid 1 of a fresh pid namespace, in its slot's network and UTS namespaces
+    """Forks a jail as pid 1 of a fresh pid namespace, in its slot's network, UTS and mount namespaces
     (`slot_ns`) and a fresh IPC one; (its pid, the descriptors for the supervisor)."""
     job_r, job_w = os.pipe()
     in_r, in_w = os.pipe()
@@ -131,9 +139,8 @@ def fork_jail(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[i
     if pid == 0:
         try:
             if cfg["isolate"]:
-                net, uts = slot_ns
-                setns(net, CLONE_NEWNET, "setns(slot net namespace)")
-                setns(uts, CLONE_NEWUTS, "setns(slot uts namespace)")
+                for fd, (kind, flag) in zip(slot_ns, SLOT_NAMESPACES):
+                    setns(fd, flag, f"setns(slot {kind} namespace)")
                 unshare(CLONE_NEWIPC, "unshare(CLONE_NEWIPC)")
         except BaseException as exc:  # never back into the zygote's loop
             os.write(2, f"sandbox setup failed: {exc}\n".encode())
