@@ -1,6 +1,6 @@
 """The processes inside a jail: its pid 1, and for a tested job the candidate's process beside it.
 
-    jail (pid 1 of fresh pid/net/ipc/uts namespaces and a mount namespace of its own: tmpfs root,
+    jail (pid 1 of fresh pid and ipc namespaces, in its slot's net, uts and mount ones: fresh /work,
       │   rlimits, a non-root uid, seccomp; runs an untested program in the already-loaded
       │   interpreter, or, for a tested job, is the test harness)
       └─ candidate  (a tested job's program, answering the harness's calls; idle otherwise)

@@ -132,7 +132,7 @@ def fork_jail(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[i
     calls, calls_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # seccomp listeners come in here
     if cfg["isolate"]:
         # A process may unshare its children's pid namespace once; joining its own again first
-        # lets it do so for every jail. The other namespaces the jail unshares itself.
+        # lets it do so for every jail. The other namespaces the jail joins or makes itself.
         setns(own_pid_ns, CLONE_NEWPID, "setns(own pid namespace)")
         unshare(CLONE_NEWPID)
     pid = os.fork()
