@@ -141,8 +141,11 @@ def task(task_id: str) -> task_pb2.Task:
 
 
 def generator_settings(settings):
+    # top_p 1, as every per-token log-prob comparison samples (see tests/test_hf_policy.py): under a
+    # nucleus cut, a token on its edge can fall on the other side of it when the log-probs are
+    # recomputed, and that position's log-prob jumps. What these tests compare is which weights sampled.
     return settings.model_copy(update={"generator_grpc_port": free_port(), "seed": 11, "max_tokens": 8,
-                                       "temperature": 0.7, "top_p": 0.9, "generator_batch_wait_ms": 5.0,
+                                       "temperature": 0.7, "top_p": 1.0, "generator_batch_wait_ms": 5.0,
                                        "run_id": "run-a", "max_policy_lag": -1})
 
 
