@@ -9,7 +9,9 @@ HumanEval solution with its tests:
              a thread pool when N workers are compared;
   - sandbox: the jail pool (namespaces, tmpfs root, seccomp, rlimits, cgroups), each check a
              tested job: the tamper-proof harness runs the tests in a process of its own and
-             calls the candidate's process over a pipe (harness.py).
+             calls the candidate's process over a pipe (harness.py); and, as a second row, each
+             check as one plain program (the very file the bare runs execute: an untested job,
+             one process).
 Prints executions/s (sandbox with two jobs outstanding per worker), p50/p99
 latency (one job per worker, like the bare runs) and the throughput ratio.
 Not a test: nothing gates on these numbers.
@@ -57,7 +59,7 @@ def bare(problems: list[dict], workers: int, tmp: Path, command: list[str]) -> t
     def one(i_problem):
         i, p = i_problem
         path = tmp / f"p{i}.py"
-        path.write_text(p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n")
+        path.write_text(plain_program(p))
         started = time.perf_counter()
         proc = subprocess.run([*command, str(path)], capture_output=True, timeout=30)
         took = (time.perf_counter() - started) * 1000
@@ -70,8 +72,14 @@ def bare(problems: list[dict], workers: int, tmp: Path, command: list[str]) -> t
     return len(problems) / (time.perf_counter() - started), latencies
 
 
-async def sandboxed(problems: list[dict], workers: int, in_flight: int) -> tuple[float, list[float], str]:
-    """Throughput with `in_flight` jobs outstanding; latency is the time each job took from submission."""
+def plain_program(p: dict) -> str:
+    return p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n"
+
+
+async def sandboxed(problems: list[dict], workers: int, in_flight: int, tested: bool = True
+                    ) -> tuple[float, list[float], str]:
+    """Throughput with `in_flight` jobs outstanding; latency is the time each job took from submission.
+    Tested: the harness and the candidate's process; untested: the plain program, exit code 0 passes."""
     async with SandboxPool(Settings(sandbox_workers=workers, sandbox_queue_size=4 * workers)) as pool:
         await pool.execute(Job(code="pass"))  # warm every code path once
         slots = asyncio.Semaphore(in_flight)
@@ -81,7 +89,7 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int) -> tuple
             async with slots:
                 started = time.perf_counter()
                 r = await pool.execute(Job(code=p["prompt"] + p["canonical_solution"], tests=p["test"],
-                                           entry_point=p["entry_point"]))
+                                           entry_point=p["entry_point"]) if tested else Job(code=plain_program(p)))
                 latencies.append((time.perf_counter() - started) * 1000)
                 results.append((p, r))
 
@@ -91,6 +99,9 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int) -> tuple
         # Scored after the clock stops, as the bare runs check only an exit code: grading is the
         # verifier's work, not the sandbox's.
         for p, r in results:
+            if not tested:
+                assert r.exit_code == 0 and not r.violation, (p["task_id"], r.violation, r.stderr[-300:])
+                continue
             score = PYTHON_TESTS.score(TASKS[p["task_id"]], p["canonical_solution"], result_message(r))
             assert score.passed, (p["task_id"], score.detail[:300])
         return rate, latencies, pool.report.describe()
@@ -109,7 +120,7 @@ def main() -> None:
         for workers in sorted({1, cores}):
             bare_rates = {name: [] for name in BASELINES}
             bare_lat = {name: [] for name in BASELINES}
-            sb_rates, sb_lat = [], []
+            sb_rates, sb_lat, plain_rates, plain_lat = [], [], [], []
             for _ in range(args.rounds):
                 for name, command in BASELINES.items():
                     rate, lat = bare(problems, workers, Path(tmp), command)
@@ -120,14 +131,19 @@ def main() -> None:
                 rate, _, isolation = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers))
                 sb_rates.append(rate)
                 sb_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers))[1]
-            s = statistics.median(sb_rates)
+                plain_rates.append(asyncio.run(sandboxed(problems, workers, in_flight=2 * workers, tested=False))[0])
+                plain_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers, tested=False))[1]
+            s, plain = statistics.median(sb_rates), statistics.median(plain_rates)
             print(f"\n{workers} worker(s)   [{isolation}]")
-            print(f"  sandbox               : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
+            print(f"  sandbox, tested       : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
                   f"p99 {percentile(sb_lat, .99):6.1f} ms")
+            print(f"  sandbox, plain program: {plain:7.1f} exec/s  p50 {percentile(plain_lat, .5):6.1f} ms  "
+                  f"p99 {percentile(plain_lat, .99):6.1f} ms")
             for name in BASELINES:
                 b = statistics.median(bare_rates[name])
                 print(f"  bare {name:<17}: {b:7.1f} exec/s  p50 {percentile(bare_lat[name], .5):6.1f} ms  "
-                      f"p99 {percentile(bare_lat[name], .99):6.1f} ms   sandbox/bare {s / b:.2f}x")
+                      f"p99 {percentile(bare_lat[name], .99):6.1f} ms   sandbox/bare tested {s / b:.2f}x, "
+                      f"plain {plain / b:.2f}x")
 
 
 if __name__ == "__main__":

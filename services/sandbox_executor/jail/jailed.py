@@ -6,7 +6,9 @@
       └─ candidate  (a tested job's program, answering the harness's calls; idle otherwise)
 
 Both are set up before any job exists (the supervisor forks the jail while the
-previous job runs); only then do they wait for the job. The job arrives as two
+previous job runs); only then do they wait for the job. The candidate's process is
+forked ahead when the supervisor expects a tested job (the last one was); otherwise
+it is forked once a job turns out to be tested, still before its tests are read. The job arrives as two
 frames on one pipe: the program, then (for a tested job) the tests. The jail
 reads only the first and passes it to the candidate's process, which never held
 the job pipe; the harness reads the tests after that (harness.py), so the
@@ -41,8 +43,10 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
     code = 120
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")  # the supervisor's death ends the jail
-        # Wait until the supervisor has put us in our cgroups: the candidate forked below inherits them.
-        if os.read(attached_r, 1) != b"a":
+        # Wait until the supervisor has put us in our cgroups: the candidate forked below inherits
+        # them. The byte says whether it expects a tested job ("t"), or an untested one ("u").
+        expected = os.read(attached_r, 1)
+        if expected not in (b"t", b"u"):
             os._exit(0)
         os.close(attached_r)
         # Not dumpable (nor after the uid drop): a tested job's candidate runs under the same uid as
@@ -53,17 +57,9 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
             rootfs.enter(cfg)
         else:
             os.chdir(cfg["root_dir"])
-        # The candidate's process, ready for a tested job: forked now, off the job's latency. It
-        # holds neither the job pipe nor the report pipe, ever.
-        call_r, call_w = os.pipe()
-        reply_r, reply_w = os.pipe()
-        candidate_pid = os.fork()
-        if candidate_pid == 0:
-            for fd in (job_r, report_w, ready_w, call_w, reply_r):
-                os.close(fd)
-            run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w, calls_w)
-        os.close(call_r)
-        os.close(reply_w)
+        # The candidate's process, when a tested job is expected: forked now, off the job's latency.
+        candidate = fork_candidate(cfg, job_r, stdin_r, out_w, err_w, report_w, ready_w, calls_w) \
+            if expected == b"t" else None
         os.write(ready_w, b"r")
         os.close(ready_w)
         # Blocks until the supervisor has a job for us. Only the program's frame is read here; a
@@ -74,6 +70,9 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         job = json.loads(program)
         write_files(cfg, job)
         tested = bool(job.get("has_tests"))
+        if tested and candidate is None:  # not expected: forked now, before the tests leave the pipe
+            candidate = fork_candidate(cfg, job_r, stdin_r, out_w, err_w, report_w, -1, calls_w)
+        candidate_pid, call_w, reply_r = candidate or (0, -1, -1)
         if tested:
             framing.write(call_w, program)  # the program (no tests in this frame) to the candidate's process
         # Final places: 0-2 stdio, 3 report, and for a tested job 4 the rest of the job pipe (the
@@ -84,8 +83,8 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         if tested:
             keep += [(job_r, 4), (call_w, 5), (reply_r, 6)]
         place_fds(keep)
-        if not tested:  # its channel is closed: it leaves, and the program has no child it did not make
-            os.waitpid(candidate_pid, 0)
+        if not tested and candidate_pid:  # its channel is closed: it leaves, and the program has no
+            os.waitpid(candidate_pid, 0)    # child it did not make
         confine(cfg, job)
         code = harness.run(job, 3, 4, candidate_pid, 5, 6) if tested else execute(job)
     except BaseException as exc:  # setup failures must surface, not hang
@@ -96,6 +95,23 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         code = 121
     finally:
         os._exit(code)
+
+
+def fork_candidate(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int, ready_w: int,
+                   calls_w: int) -> tuple[int, int, int]:
+    """Forks a tested job's candidate process; (its pid, the call pipe's write end, the reply pipe's
+    read end). It holds neither the job pipe nor the report pipe, ever (nor `ready_w`, where open)."""
+    call_r, call_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        for fd in (job_r, report_w, ready_w, call_w, reply_r):
+            if fd >= 0:
+                os.close(fd)
+        run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w, calls_w)
+    os.close(call_r)
+    os.close(reply_w)
+    return pid, call_w, reply_r
 
 
 def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int, err_w: int, calls_w: int) -> None:

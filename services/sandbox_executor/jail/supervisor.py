@@ -169,6 +169,9 @@ class Supervisor:
         self.slot_freed = threading.Condition()
         self.send_lock = threading.Lock()
         self.running: list[threading.Thread] = []
+        # Whether the next job will have tests, guessed from the last one (jobs come in runs of one
+        # kind): the jail forks the candidate's process ahead only then (jailed.py).
+        self.expect_tested = True
 
     def serve(self) -> None:
         """Until stdin closes: prepare a jail, take a job, run it in a thread, prepare the next."""
@@ -194,6 +197,7 @@ class Supervisor:
                 if body is None:
                     raise EOFError("the pool closed the pipe between a job's header and its body")
                 job = {**header, **json.loads(body)}
+                self.expect_tested = "tests" in job
                 if jail is None:
                     raise RuntimeError(f"the jail could not be prepared: {problem}")
             except Exception as exc:
@@ -216,7 +220,7 @@ class Supervisor:
         jail = Jail(self.zygote, pid, fds)
         try:
             cgroups.attach(pid)
-            os.write(fds["attached_w"], b"a")
+            os.write(fds["attached_w"], b"t" if self.expect_tested else b"u")
             os.close(fds["attached_w"])
             ready = os.read(fds["ready_r"], 1)
             os.close(fds["ready_r"])
