@@ -89,6 +89,7 @@ class Aggregator:
         self.dead_lettered = 0
         self.alerts_raised = 0
         self.tracer = telemetry.tracer("crucible.aggregator")
+        self._open: dict[bytes, tuple[dict | None, object]] = {}  # the joining batch's groups: entry (None: done), last event
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
         datadir.parent.mkdir(parents=True, exist_ok=True)
@@ -121,25 +122,45 @@ class Aggregator:
     async def _join(self, stream):
         # Verdicts in small batches: the groups a batch completes are written to the store in one
         # insert and published together (one insert per group cost ~10 ms each, a quarter of a step).
+        # The table is written once per batch, for the groups the batch leaves open: a group whose
+        # verdicts arrive together (the verifier publishes a group's at once) never touches it, where
+        # every verdict used to rewrite its group's entry and send it to the changelog. Offsets are
+        # committed only after the batch, so a crash replays it against the table as it was.
         async for events in stream.take_events(JOIN_BATCH, within=JOIN_LINGER_S):
             completed: list[Emission] = []
-            for event in events:
-                m = event.message
-                headers = _headers(event.headers)
-                # The table's changelog partition follows the event being handled, as in plain iteration.
-                current = faust_streams._current_event.set(weakref.ref(event))
-                try:
+            self._open = {}
+            try:
+                for event in events:
+                    m = event.message
+                    headers = _headers(event.headers)
                     with bus.consume_span(m.topic, m.partition, m.offset, headers):
                         done = await self._join_one(event, headers)
-                finally:
-                    faust_streams._current_event.reset(current)
-                if done is not None:
-                    completed.append(done)
+                    if done is not None:
+                        completed.append(done)
+                self._store_open()
+            finally:
+                self._open = {}
             if completed:
                 await self._write(completed)
 
+    def _store_open(self) -> None:
+        """The batch's changes to the table: open groups' entries written, completed ones removed. Each
+        change is made as its last event (faust sends it to that event's changelog partition)."""
+        for key, (entry, event) in self._open.items():
+            if entry is None and key not in self.groups:
+                continue  # completed within the batch: it never reached the table
+            current = faust_streams._current_event.set(weakref.ref(event))
+            try:
+                if entry is None:
+                    self.groups.pop(key, None)
+                else:
+                    self.groups[key] = json.dumps(entry).encode()
+            finally:
+                faust_streams._current_event.reset(current)
+
     async def _join_one(self, event, headers) -> "Emission | None":
-        """Joins one verdict into its group; the group's emission once it is complete (else None)."""
+        """Joins one verdict into its group (in the batch's open entries); the group's emission once it
+        is complete (else None)."""
         m = event.message
         try:
             verdict = bus.decode_record(event.value, headers, verdict_pb2.Verdict)
@@ -150,23 +171,24 @@ class Aggregator:
             return await self._dead_letter(event, headers, f"rejected: {problem}")
         group_id = verdict.sample.group_id
         await self._raise_alerts(verdict)
-        entry = self._entry(group_id.encode()) or {
+        key = group_id.encode()
+        entry = self._entry(key) or {
             "first_seen": time.time(), "group_size": verdict.sample.group_size, "verdicts": {},
             "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
         # A replayed verdict overwrites its own slot: the join is idempotent per sample index.
         entry["verdicts"][str(verdict.sample.sample_index)] = base64.b64encode(event.value).decode()
         log.debug("verdict %s joined group %s at %s@%d", verdict.id, group_id, m.topic, m.offset)
         if len(entry["verdicts"]) >= entry["group_size"]:
-            self.groups.pop(group_id.encode(), None)
+            self._open[key] = (None, event)
             return self._emission(group_id, entry, complete=True)
-        self.groups[group_id.encode()] = json.dumps(entry).encode()
+        self._open[key] = (entry, event)
         return None
 
     async def _expire(self, stream):
         async for key, _ in stream.items():
-            entry = self._entry(key)
+            entry = None if key in self._open else self._entry(key)
             if entry is None:
-                continue  # completed meanwhile
+                continue  # completed meanwhile, or being joined right now (not stale, then)
             if time.time() - entry["first_seen"] >= self.settings.group_timeout_s:
                 parent = telemetry.extract_context(list(entry.get("trace", {}).items()))
                 with self.tracer.start_as_current_span("aggregate group (timed out)", context=parent):
@@ -182,6 +204,10 @@ class Aggregator:
                 await self.expire_topic.send(key=key, value=b"")
 
     def _entry(self, key: bytes) -> dict | None:
+        """A group's entry as the batch being joined has left it, else as the table holds it; None once
+        complete (or never seen)."""
+        if key in self._open:
+            return self._open[key][0]
         raw = self.groups.get(key)
         return json.loads(raw) if raw else None
 
