@@ -20,6 +20,11 @@ from pathlib import Path
 from crucible.shared.procs import read_pid, terminate
 from crucible.shared.settings import Settings, get_settings
 
+# The local broker's JVM: the client compiler only (tiered compilation's second compiler was still
+# compiling a minute into a run, a third of the broker's CPU), and the serial collector (one thread,
+# which is plenty for a heap this size).
+JVM_OPTIONS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
+
 POM_TEMPLATE = """<project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
   <groupId>dev.crucible</groupId>
@@ -176,7 +181,7 @@ class LocalKafka:
         cmd = [java_binary()]
         if heap:
             cmd += [f"-Xms{min(256, _megabytes(heap))}m", f"-Xmx{heap}"]
-        return cmd + ["-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+        return cmd + [*JVM_OPTIONS, "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
                       "-Dorg.slf4j.simpleLogger.log.kafka.server.KafkaRaftServer=info",
                       "-cp", f"{libs}/*", *args]
 
