@@ -58,6 +58,27 @@ def decode_length(header: bytes, limit: int = DEFAULT_LIMIT) -> int:
     return size
 
 
+def join(items: list[bytes], limit: int = DEFAULT_LIMIT) -> bytes:
+    """Several payloads as the bytes of one frame (each framed inside it): one write, one wake-up of
+    the reader, where a frame each would cost a round trip each."""
+    return b"".join(encode(item, limit) for item in items)
+
+
+def split(data: bytes, limit: int = DEFAULT_LIMIT) -> list[bytes]:
+    """The payloads `join` put in `data`; TruncatedFrame if the last one is cut short."""
+    items, at = [], 0
+    while at < len(data):
+        if len(data) - at < HEADER_SIZE:
+            raise TruncatedFrame(len(data) - at, HEADER_SIZE)
+        size = decode_length(data[at:at + HEADER_SIZE], limit)
+        at += HEADER_SIZE
+        if len(data) - at < size:
+            raise TruncatedFrame(len(data) - at, size)
+        items.append(data[at:at + size])
+        at += size
+    return items
+
+
 # --- blocking file descriptors (the jail's processes, the scoring processes) ---------------------
 
 def read_exact(fd: int, n: int) -> bytes:

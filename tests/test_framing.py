@@ -43,6 +43,17 @@ def test_encode_is_a_big_endian_length_then_the_bytes():
     assert framing.decode_length(b"\x00\x00\x01\x00") == 256
 
 
+def test_joined_payloads_split_back_and_a_cut_one_is_refused():
+    items = [b"", b"a", bytes(range(256)) * 3, b"\x00\x00\x00\x09"]  # the last looks like a header
+    joined = framing.join(items)
+    assert framing.split(joined) == items and framing.split(b"") == []
+    for cut in (2, 6, 8, 100, len(joined) - 1):  # inside a header, inside a payload, one byte short
+        with pytest.raises(framing.TruncatedFrame):
+            framing.split(joined[:cut])
+    with pytest.raises(framing.FrameTooLarge):
+        framing.split(framing.join([b"x" * 100]), limit=10)
+
+
 def test_stream_closed_inside_a_frame_is_truncated(pipe):
     r, w = pipe
     os.write(w, framing.encode(b"0123456789")[:-3])

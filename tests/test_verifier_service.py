@@ -229,6 +229,24 @@ async def test_a_completion_that_hangs_its_scorer_gets_a_failed_verdict():
         assert after.reward == 1.0 and pool.failures == 1
 
 
+async def test_a_group_scored_together_fails_only_the_completion_that_hangs():
+    """A group travels to one scoring process in one frame; when one of its completions hangs that
+    process, the others are still scored (each alone) and only the one at fault pays nothing."""
+    evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
+    async with ScorerPool(Settings(verifier_workers=2, integrity_key=KEY.hex()), timeout_s=1.0) as pool:
+        fine = await pool.verify_group([request(f"f{i}", evil, "Answer: " + "a" * i) for i in range(1, 6)])
+        assert [v.reward for v in fine] == [1.0] * 5 and [v.id for v in fine] == [f"f{i}/verdict" for i in range(1, 6)]
+        mixed = await pool.verify_group([request("a", evil, "Answer: aa"), request("s", evil, "Answer: " + "a" * 40 + "!"),
+                                         request("b", evil, "Answer: b")])
+        assert [v.id for v in mixed] == ["a/verdict", "s/verdict", "b/verdict"]
+        assert [v.reward for v in mixed] == [1.0, 0.0, 0.0]
+        assert mixed[1].components["scoring_failed"] == 1.0 and "scoring_failed" not in mixed[2].components
+        assert pool.failures == 1
+        with pytest.raises(handler.Unverifiable):  # one completion of a forged task: the group is refused
+            await pool.verify_group([request("c", evil, "Answer: a"),
+                                     verdict_pb2.VerifyRequest(task=evil, rollout=rollout("d", "Answer: a"))])
+
+
 # --- trust ------------------------------------------------------------------------------------------
 
 @pytest.mark.sandbox

@@ -41,7 +41,7 @@ def verdict_handler(scorer: ScorerPool):
             return [bus.Outgoing("verdicts", verdict, key=episode.group_id)]
         try:
             requests = handler.requests_for(incoming.message)
-            verdicts = await asyncio.gather(*(scorer.verify(r) for r in requests))
+            verdicts = await scorer.verify_group(requests)
         except handler.Unverifiable as exc:
             raise bus.Reject(str(exc)) from exc
         group = handler.group_of(incoming.message)

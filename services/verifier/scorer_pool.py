@@ -17,7 +17,7 @@ import sys
 from crucible.v1 import verdict_pb2
 from crucible.services.verifier import handler
 from crucible.services.verifier.scorer_worker import OK, UNVERIFIABLE, decode_reply, encode_reply
-from crucible.shared import integrity
+from crucible.shared import framing, integrity
 from crucible.shared.settings import Settings, get_settings
 from crucible.shared.workers import WorkerFailed, WorkerPool, WorkerTimeout
 
@@ -66,18 +66,45 @@ class ScorerPool:
     async def verify(self, request: verdict_pb2.VerifyRequest) -> verdict_pb2.Verdict:
         """The verdict; Unverifiable for a request that cannot be scored or trusted, ScoringError for a
         scorer bug."""
-        handler.check_trust(request, self.secret)
+        [verdict] = await self.verify_group([request])
+        return verdict
+
+    async def verify_group(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict]:
+        """The verdicts of a group's completions, in order, scored together in one round trip to one
+        scoring process (a frame each cost a wake-up of a process each, which on a busy machine is a
+        scheduling delay each). The time limit holds for the whole group; a group that overruns it or
+        kills its process is scored again one completion at a time, so that only the one at fault
+        gets a `failed` verdict, after its own limit. Unverifiable or ScoringError as `verify`."""
+        for request in requests:
+            handler.check_trust(request, self.secret)
+        if not requests:
+            return []
         try:
-            reply = await self._workers.ask(request.SerializeToString(), timeout=self.timeout_s)
+            reply = await self._workers.ask(framing.join([r.SerializeToString() for r in requests]),
+                                            timeout=self.timeout_s)
         except WorkerFailed as exc:
+            if len(requests) > 1:
+                log.info("a group of %d completions could not be scored together (%s); scoring each alone",
+                         len(requests), exc)
+                return [v for alone in await asyncio.gather(*(self.verify_group([r]) for r in requests)) for v in alone]
             self.failures += 1
             why = (f"scoring took longer than {self.timeout_s:g}s" if isinstance(exc, WorkerTimeout)
                    else "the scoring process died on this completion")
-            log.warning("rollout %s: %s", request.rollout.id, why)
-            return handler.failed(request, why)
-        status, payload = decode_reply(reply)
-        if status == OK:
-            return verdict_pb2.Verdict.FromString(payload)
-        if status == UNVERIFIABLE:
-            raise handler.Unverifiable(payload.decode("utf-8", "replace"))
-        raise ScoringError(payload.decode("utf-8", "replace"))
+            log.warning("rollout %s: %s", requests[0].rollout.id, why)
+            return [handler.failed(requests[0], why)]
+        try:
+            replies = framing.split(reply)
+        except (framing.TruncatedFrame, framing.FrameTooLarge) as exc:
+            raise ScoringError(f"a scoring process broke its reply: {exc}") from None
+        if len(replies) != len(requests):
+            raise ScoringError(f"a scoring process answered {len(replies)} of {len(requests)} requests"
+                               + (f": {decode_reply(replies[0])[1][:300]!r}" if replies else ""))
+        return [_verdict(*decode_reply(r)) for r in replies]
+
+
+def _verdict(status: int, payload: bytes) -> verdict_pb2.Verdict:
+    if status == OK:
+        return verdict_pb2.Verdict.FromString(payload)
+    if status == UNVERIFIABLE:
+        raise handler.Unverifiable(payload.decode("utf-8", "replace"))
+    raise ScoringError(payload.decode("utf-8", "replace"))

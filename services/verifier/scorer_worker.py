@@ -1,8 +1,10 @@
 """python -m crucible.services.verifier.scorer_worker: one scoring process of the verifier's ScorerPool.
 
-Reads framed VerifyRequest bytes (crucible.shared.framing) on stdin and writes
-one reply frame per request on stdout: a status byte (0 verdict, 1
-unverifiable, 2 error), then the Verdict bytes or the reason. Model output is
+Reads frames on stdin, each holding one or more VerifyRequests (framing.join: a
+group's completions travel together, one round trip for all of them), and
+writes one frame per request frame on stdout holding a reply per request, in
+order: a status byte (0 verdict, 1 unverifiable, 2 error), then the Verdict
+bytes or the reason. Model output is
 parsed here (math-verify's sympy, regular expressions, reasoning-gym scorers,
 Python's own parser on candidate code), never in the service process, so input
 that hangs or crashes a parser costs one of these processes, not the service.
@@ -38,17 +40,24 @@ def main() -> None:
     replies = os.dup(1)
     os.dup2(2, 1)
     framing.write(replies, encode_reply(OK, b"ready"))
-    while (data := framing.read(0)) is not None:
+    def score(data: bytes) -> bytes:
         try:
             request = verdict_pb2.VerifyRequest.FromString(data)
-            reply = encode_reply(OK, verify(request).SerializeToString(deterministic=True))
+            return encode_reply(OK, verify(request).SerializeToString(deterministic=True))
         except Unverifiable as exc:
-            reply = encode_reply(UNVERIFIABLE, str(exc).encode("utf-8", "replace"))
+            return encode_reply(UNVERIFIABLE, str(exc).encode("utf-8", "replace"))
         except Exception as exc:  # a scorer bug: the service retries, then dead-letters the record
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            reply = encode_reply(ERROR, f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:"
-                                        f"{where.lineno})".encode("utf-8", "replace"))
-        framing.write(replies, reply)
+            return encode_reply(ERROR, f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:"
+                                       f"{where.lineno})".encode("utf-8", "replace"))
+
+    while (data := framing.read(0)) is not None:
+        try:
+            batch = framing.split(data)
+        except (framing.TruncatedFrame, framing.FrameTooLarge) as exc:  # the service's bug, not a completion's
+            framing.write(replies, framing.join([encode_reply(ERROR, f"malformed request frame: {exc}".encode())]))
+            continue
+        framing.write(replies, framing.join([score(item) for item in batch]))
 
 
 if __name__ == "__main__":
