@@ -59,6 +59,30 @@ def test_content_hash_follows_the_bytes_not_the_place(tmp_path):
         transfer.content_hash(tmp_path / "missing")
 
 
+def test_a_later_version_is_copied_into_the_sampling_model_in_place(tmp_path):
+    """The torch backend copies a new version of the same policy into the model it holds (nothing
+    built and initialised twice); a policy of another shape is built anew; a broken one changes nothing."""
+    import torch
+
+    from crucible.ml.policy.model import PolicyConfig
+
+    backend = create_backend("torch", checkpoint=str(checkpoint(tmp_path / "v1", seed=1)))
+    model = backend.model
+    backend.load_weights(2, str(checkpoint(tmp_path / "v2", seed=2)))
+    assert backend.model is model and backend.version == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh_policy(2).state_dict().values()))
+    other = PolicyConfig(hidden_size=64, intermediate_size=128)
+    save_checkpoint(fresh_policy(4, other), tmp_path / "v3", {"version": 3})
+    backend.load_weights(3, str(tmp_path / "v3"))
+    assert backend.model is not model and backend.model.config == other and backend.version == 3
+    broken = shutil.copytree(tmp_path / "v3", tmp_path / "v4")  # the shape held: copied in place
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    kept = backend.model
+    with pytest.raises(Exception):
+        backend.load_weights(4, str(broken))
+    assert backend.model is kept and backend.version == 3
+
+
 def test_fetch_from_memory_uri_gives_a_local_folder_with_the_same_hash(tmp_path):
     folder = checkpoint(tmp_path / "v000002")
     digest = transfer.content_hash(folder)

@@ -77,14 +77,37 @@ def load_checkpoint(folder: Path | str, device: str = "cpu"):
     meta = json.loads((folder / META_FILE).read_text()) if (folder / META_FILE).exists() else {}
     if not hf.is_builtin(folder):
         return hf.load_model(folder, device), meta
-    config = PolicyConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    model = Policy(config)
+    model = Policy(_builtin_config(folder))
+    _load_weights(model, folder)
+    return model, meta
+
+
+def weights_for(model, folder: Path | str) -> dict | None:
+    """The weights of the built-in checkpoint in `folder`, read and checked to fit `model` tensor for
+    tensor, when `model` is a built-in policy of the very same config (a later version of the same
+    run): `model.load_state_dict(weights, strict=False)` then copies them in place, and no second
+    model is built and initialised only to be overwritten. None when they cannot be copied so."""
+    folder = path_from_uri(str(folder)) if isinstance(folder, str) else Path(folder)
+    if not isinstance(model, Policy) or not hf.is_builtin(folder) or _builtin_config(folder) != model.config:
+        return None
+    state = load_file(str(folder / "model.safetensors"))
+    expected = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()
+                if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    return state if {k: (v.shape, v.dtype) for k, v in state.items()} == expected else None
+
+
+def _builtin_config(folder: Path) -> PolicyConfig:
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder} is not a checkpoint: config.json is missing")
+    return PolicyConfig.from_hf(json.loads((folder / "config.json").read_text()))
+
+
+def _load_weights(model: Policy, folder: Path) -> None:
     state = load_file(str(folder / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (model.config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
-    return model, meta
 
 
 def fresh_policy(seed: int, config: PolicyConfig | None = None) -> Policy:

@@ -6,7 +6,7 @@ import threading
 import torch
 
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
-from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, weights_for, path_from_uri
 from crucible.ml.policy.model import PolicyConfig
 from crucible.ml.policy.sampling import SamplingParams, sample
 from crucible.ml.policy.tokenizer import ByteTokenizer
@@ -63,7 +63,16 @@ class TorchBackend(PolicyBackend):
         return self.tokenizer.observation(observation)
 
     def load_weights(self, version: int, uri: str) -> None:
-        model, _ = load_checkpoint(path_from_uri(uri))
+        """A later version of the same policy is copied into the model in place, between two samplings
+        (the lock); another shape of policy is built anew."""
+        folder = path_from_uri(uri)
+        weights = weights_for(self.model, folder)
+        if weights is not None:
+            with self._lock:
+                self.model.load_state_dict(weights, strict=False)
+                self.version = version
+            return
+        model, _ = load_checkpoint(folder)
         model.eval()
         with self._lock:
             self.model = model
