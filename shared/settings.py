@@ -108,6 +108,13 @@ class RunConfig(BaseModel):
     learner_sharding: str = Field(default="ddp", pattern="^(ddp|fsdp)$", description="ddp: every rank holds the "
                                   "whole model; fsdp: weights, gradients and optimiser state sharded across ranks "
                                   "(FSDP2), for a model one device cannot hold.")
+    learner_optimizer_every: int = Field(default=10, ge=1, le=1_000_000, description="Versions between two writes "
+                                         "of the optimiser state (1: with every version). Weights, offsets and the "
+                                         "ids trained on go with every version; a learner resumed between two "
+                                         "writes goes on from the newest weights with the newest optimiser state "
+                                         "written (its Adam moments that many steps older), and trains no sample "
+                                         "twice. The state is twice the weights: for a real model, most of what a "
+                                         "version costs to write.")
 
     def environment(self) -> dict[str, str]:
         """These values as CRUCIBLE_* variables, for the services a run starts as processes."""

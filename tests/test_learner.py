@@ -97,7 +97,7 @@ async def policies(settings, n: int) -> list[policy_pb2.PolicyVersion]:
 async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_settings, tmp_path):
     settings = stack_settings.model_copy(update={
         "groups_per_step": 2, "max_policy_lag": 0, "seed": SEED, "home": tmp_path,
-        "run_id": "test-run", "lr": 1e-2})
+        "run_id": "test-run", "lr": 1e-2, "learner_optimizer_every": 2})
     stop = asyncio.Event()
     learner = asyncio.create_task(run(settings, stop))
     try:
@@ -126,10 +126,12 @@ async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_setting
     assert folder.name == "v000003" and meta["version"] == 3 and meta["step"] == 3
     assert not (folder.parent / "v000004").exists()
     assert meta["offsets"] == {"0": 20}  # every record read so far was accounted for: resume right after them
-    assert (folder / "optimizer.pt").exists()
+    # The optimiser state goes with every second version: not with v3, so a resume takes v2's.
+    assert not (folder / "optimizer.pt").exists() and (folder.parent / "v000002" / "optimizer.pt").exists()
+    assert checkpoints.optimizer_source(folder) == folder.parent / "v000002"
     saved, _ = load_checkpoint(folder)
 
-    # A new learner process resumes at version 2 with the same weights and reads only what is new.
+    # A new learner process resumes at version 3 with the same weights and reads only what is new.
     stop = asyncio.Event()
     learner = asyncio.create_task(run(settings, stop))
     try:
@@ -142,12 +144,35 @@ async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_setting
         stop.set()
         final = await asyncio.wait_for(learner, 30)
     assert final.step_count == 4
+    # Adam's moments came from v2 (two steps) and took one more: the weights are v3's, the moments a step older.
+    assert {int(state["step"]) for state in final.optimizer.state.values()} == {3}
+    assert (folder.parent / "v000004" / "optimizer.pt").exists()
     assert not all(
         (a == b).all() for a, b in zip(saved.state_dict().values(), final.model.state_dict().values()))
     client = store.connect(settings)
     rows = client.query("SELECT step, policy_version FROM train_steps FINAL WHERE run_id = 'test-run' "
                         "ORDER BY step").result_rows
     assert rows == [(1, 1), (2, 2), (3, 3), (4, 4)]
+
+
+def test_pruning_keeps_the_newest_optimiser_state(tmp_path):
+    """Old versions go, but never the newest one holding optimiser state: a resumed learner takes it."""
+    from crucible.shared.settings import Settings
+
+    settings = Settings(home=tmp_path, run_id="prune-run", learner_keep_checkpoints=2)
+    folder = checkpoints.checkpoints_dir(settings)
+    for version in range(8):
+        v = checkpoints.version_dir(settings, version)
+        v.mkdir(parents=True)
+        (v / "crucible.json").write_text("{}")
+        if version in (0, 3):
+            (v / checkpoints.OPTIMIZER_FILE).write_bytes(b"state")
+    checkpoints.prune(settings)
+    assert sorted(p.name for p in folder.iterdir()) == ["v000003", "v000006", "v000007"]
+    assert checkpoints.optimizer_source(folder / "v000007") == folder / "v000003"
+    assert checkpoints.optimizer_source(folder / "v000003") == folder / "v000003"
+    (folder / "v000003" / checkpoints.OPTIMIZER_FILE).unlink()
+    assert checkpoints.optimizer_source(folder / "v000007") is None
 
 
 def test_a_sample_that_is_not_a_sample_is_refused_with_the_reason():

@@ -1,11 +1,16 @@
-"""The learner's checkpoints: weights, optimizer, step, version and consumer offsets, all or nothing.
+"""The learner's checkpoints: weights, step, version and consumer offsets, all or nothing; the
+optimiser state every `learner_optimizer_every` versions.
 
 Each version is its own folder `v000123` under runs/<run_id>/checkpoints (written to a temporary
 name and renamed into place); the highest complete one is where a restarted learner resumes,
-seeking its consumer to the offsets stored with those weights.
+seeking its consumer to the offsets stored with those weights. The optimiser state (twice the
+weights) is written with versions that are multiples of `learner_optimizer_every`: a learner resumed
+between two takes the newest one written (`optimizer_source`), so weights, versions and the samples
+trained on stay exact and only Adam's moments are a few steps older. Pruning keeps that folder.
 """
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +23,7 @@ from crucible.shared.settings import Settings
 OPTIMIZER_FILE = "optimizer.pt"   # the whole optimiser state (one process, or DDP: every rank holds it)
 OPTIMIZER_SHARDS = "optimizer"     # FSDP: one file per rank (torch.distributed.checkpoint), reshardable
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+log = logging.getLogger("crucible.learner")
 
 
 def run_dir(settings: Settings) -> Path:
@@ -33,11 +39,7 @@ def version_dir(settings: Settings, version: int) -> Path:
 
 
 def latest(settings: Settings) -> Path | None:
-    folder = checkpoints_dir(settings)
-    if not folder.exists():
-        return None
-    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _VERSION_DIR.match(p.name))
-                   and (p / "crucible.json").exists())
+    found = _versions(checkpoints_dir(settings))
     return found[-1][1] if found else None
 
 
@@ -48,12 +50,13 @@ def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list
 
     Every rank calls it, in the same order (gathering sharded weights and writing optimiser shards are
     collective); rank 0 writes the folder and renames it into place, the others get None."""
+    with_optimizer = trainer.version % trainer.config.learner_optimizer_every == 0  # the same on every rank
     shards = None
-    if trainer.ranks.sharding == "fsdp":  # each rank writes its shard beside the folder; rank 0 moves them in
+    if with_optimizer and trainer.ranks.sharding == "fsdp":  # each rank writes its shard; rank 0 moves them in
         shards = checkpoints_dir(settings) / f".v{trainer.version:06d}.{OPTIMIZER_SHARDS}"
         if not trainer.save_optimizer_shards(shards):
             shards = None
-    weights, optimizer_state = trainer.checkpoint_state()
+    weights, optimizer_state = trainer.checkpoint_state(optimizer=with_optimizer)
     if not trainer.ranks.main:
         return None
     meta = {"run_id": settings.run_id, "version": trainer.version, "step": trainer.step_count,
@@ -68,18 +71,50 @@ def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list
 
 
 def load(folder: Path):
-    """(model, meta, optimiser state): the whole state dict, or for shards the folder they are in
-    (Trainer loads either, on any number of ranks), or None."""
+    """(model, meta, optimiser state): the weights of `folder` and the optimiser state of
+    `optimizer_source(folder)`: the whole state dict, or for shards the folder they are in (Trainer
+    loads either, on any number of ranks), or None."""
     model, meta = load_checkpoint(folder)
-    if (folder / OPTIMIZER_SHARDS).is_dir():
-        return model, meta, folder / OPTIMIZER_SHARDS
-    optimizer_state = torch.load(folder / OPTIMIZER_FILE) if (folder / OPTIMIZER_FILE).exists() else None
-    return model, meta, optimizer_state
+    source = optimizer_source(folder)
+    if source is None:
+        log.warning("resuming at %s without optimiser state: none was written at or before it", folder.name)
+        return model, meta, None
+    if source != folder:
+        log.info("resuming at %s with the optimiser state written at %s", folder.name, source.name)
+    if (source / OPTIMIZER_SHARDS).is_dir():
+        return model, meta, source / OPTIMIZER_SHARDS
+    return model, meta, torch.load(source / OPTIMIZER_FILE)
+
+
+def has_optimizer(folder: Path) -> bool:
+    return (folder / OPTIMIZER_FILE).exists() or (folder / OPTIMIZER_SHARDS).is_dir()
+
+
+def _versions(folder: Path) -> list[tuple[int, Path]]:
+    """The complete version folders under `folder`, oldest first."""
+    if not folder.exists():
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _VERSION_DIR.match(p.name))
+                  and (p / "crucible.json").exists())
+
+
+def optimizer_source(folder: Path) -> Path | None:
+    """The folder whose optimiser state a learner resuming at `folder` takes: its own, else the newest
+    earlier version's that has one."""
+    if has_optimizer(folder):
+        return folder
+    m = _VERSION_DIR.match(folder.name)
+    older = [p for v, p in _versions(folder.parent) if m and v < int(m.group(1))]
+    return next((p for p in reversed(older) if has_optimizer(p)), None)
 
 
 def prune(settings: Settings) -> None:
-    """Keeps the newest `learner_keep_checkpoints` versions (generators may still be loading recent ones)."""
+    """Keeps the newest `learner_keep_checkpoints` versions (generators may still be loading recent ones)
+    and the newest one holding optimiser state (where a resumed learner takes it from)."""
     folder = checkpoints_dir(settings)
     versions = sorted(p for p in folder.iterdir() if _VERSION_DIR.match(p.name))
-    for old in versions[: -settings.learner_keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(versions[-settings.learner_keep_checkpoints:])
+    keep.update(next(([p] for _, p in reversed(_versions(folder)) if has_optimizer(p)), []))
+    for old in versions:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)

@@ -303,10 +303,11 @@ class Trainer:
                 if self.step(samples, frozenset(command[2])).stepped:
                     after_step()
 
-    def checkpoint_state(self) -> tuple[dict | None, dict | None]:
+    def checkpoint_state(self, optimizer: bool = True) -> tuple[dict | None, dict | None]:
         """(the model's whole weights, or None where `self.model` holds them; the optimiser state keyed by
         parameter name, whole, or None under FSDP once there is state: its ranks write shards,
-        `save_optimizer_shards`), for rank 0 to write. Collective under FSDP (the weights are gathered)."""
+        `save_optimizer_shards`; None too when `optimizer` is False), for rank 0 to write. Collective
+        under FSDP (the weights are gathered)."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
@@ -314,6 +315,8 @@ class Trainer:
             return None, None  # replicated state: nothing to gather, and only rank 0 writes
         whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=whole) if self.ranks.sharding == "fsdp" else None
+        if not optimizer:
+            return weights, None
         if not self.optimizer.state:
             # Nothing learnt yet: the plain (empty) state. The name-keyed helpers would first create the state
             # by an optimiser step on zero gradients, which counts as a step in AdamW's bias correction.
