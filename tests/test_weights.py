@@ -54,7 +54,11 @@ def test_content_hash_follows_the_bytes_not_the_place(tmp_path):
     # The learner's optimizer state is neither read by a generator nor hashed.
     (copy3 / "extra.bin").unlink()
     (copy3 / "optimizer.pt").write_bytes(b"anything")
+    (copy3 / "optimizer").mkdir()  # FSDP's shards
+    (copy3 / "optimizer" / "__0_0.distcp").write_bytes(b"a shard")
     assert transfer.content_hash(copy3) == digest
+    (copy3 / "optimizers.pt").write_bytes(b"")  # a name that only starts like it counts
+    assert transfer.content_hash(copy3) != digest
     with pytest.raises(FileNotFoundError):
         transfer.content_hash(tmp_path / "missing")
 

@@ -6,8 +6,9 @@ memory:// ... through fsspec, with options from settings.checkpoint_storage_opti
 
 What the hash covers: every regular file under the folder (subfolders included), in the order of
 their relative POSIX paths, each as its path, its size and its bytes. The only files left out are
-LEARNER_ONLY: the optimizer state, which a resuming learner reads and sampling never does; it is
-two to three times the size of the weights, so it is neither hashed nor published nor fetched.
+LEARNER_ONLY: the optimizer state (`optimizer.pt`, or FSDP's folder of shards `optimizer/`), which a
+resuming learner reads and sampling never does; it is two to three times the size of the weights,
+so it is neither hashed nor published nor fetched.
 The same bytes under the same names give the same hash wherever the folder lies.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-LEARNER_ONLY = frozenset({"optimizer.pt"})  # = crucible.services.learner.checkpoints.OPTIMIZER_FILE
+# = crucible.services.learner.checkpoints.OPTIMIZER_FILE, OPTIMIZER_SHARDS (a file, or a folder and all in it)
+LEARNER_ONLY = frozenset({"optimizer.pt", "optimizer"})
 CHUNK = 1024 * 1024  # read and hashed a chunk at a time: memory stays flat whatever the size
 _LOCAL_SCHEMES = ("", "file", "local")
 
@@ -46,6 +48,11 @@ def local_path(uri: str | os.PathLike) -> Path:
     return Path(uri)
 
 
+def learner_only(rel: str) -> bool:
+    """Whether the file at relative POSIX path `rel` of a checkpoint is the learner's alone."""
+    return rel.split("/", 1)[0] in LEARNER_ONLY
+
+
 def _files(folder: Path) -> list[tuple[str, Path]]:
     """(relative POSIX path, path) of every file that counts, in a stable order."""
     out = []
@@ -54,7 +61,7 @@ def _files(folder: Path) -> list[tuple[str, Path]]:
         for name in filenames:
             path = Path(dirpath) / name
             rel = path.relative_to(folder).as_posix()
-            if rel in LEARNER_ONLY or not path.is_file():
+            if learner_only(rel) or not path.is_file():
                 continue
             out.append((rel, path))
     return sorted(out)
@@ -119,7 +126,7 @@ def fetch(uri: str, cache_dir: str | os.PathLike, storage_options: Mapping[str, 
     try:
         for remote in sorted(fs.find(root)):
             rel = posixpath.relpath(remote.rstrip("/"), root)
-            if rel in LEARNER_ONLY or rel.startswith("..") or posixpath.isabs(rel):
+            if learner_only(rel) or rel.startswith("..") or posixpath.isabs(rel):
                 continue
             local = tmp.joinpath(*rel.split("/"))
             local.parent.mkdir(parents=True, exist_ok=True)
