@@ -230,32 +230,24 @@ class Aggregator:
         return Emission(group_id, trajectories, rows, turns, otel_context.get_current(), complete)
 
     async def _write(self, emissions: list["Emission"]) -> None:
-        """The groups' rows into the store (one insert per table) and their trajectories onto the bus,
-        each in its own group's trace, at the same time: the learner need not wait for the store. Both
-        are acknowledged before faust may commit their verdicts; a replay after a failure of either
-        repeats both, which the store's keys and the learner's sample ids make harmless."""
-        stored = asyncio.ensure_future(self._store_rows(emissions)) if self.store is not None else None
+        """The groups' rows into the store (one insert per table), then their trajectories onto the bus,
+        each in its own group's trace; all acknowledged before faust may commit their verdicts."""
+        if self.store is not None:
+            rows = [r for e in emissions for r in e.rows]
+            await asyncio.to_thread(writes.insert, self.store, "trajectories", rows, TRAJECTORY_COLUMNS)
+            turns = [r for e in emissions for r in e.turns]
+            if turns:
+                await asyncio.to_thread(writes.insert, self.store, "episode_turns", turns, TURN_COLUMNS)
         sent = []
-        try:
-            for e in emissions:
-                token = otel_context.attach(e.context)
-                try:
-                    sent += [await self.producer.send("trajectories", t, key=e.group_id) for t in e.trajectories]
-                finally:
-                    otel_context.detach(token)
-            await asyncio.gather(*sent)
-        finally:
-            if stored is not None:
-                await stored  # its failure is the batch's, after the sends are done with
+        for e in emissions:
+            token = otel_context.attach(e.context)
+            try:
+                sent += [await self.producer.send("trajectories", t, key=e.group_id) for t in e.trajectories]
+            finally:
+                otel_context.detach(token)
+        await asyncio.gather(*sent)
         self.groups_emitted += len(emissions)
         self.incomplete_emitted += sum(not e.complete for e in emissions)
-
-    async def _store_rows(self, emissions: list["Emission"]) -> None:
-        rows = [r for e in emissions for r in e.rows]
-        await asyncio.to_thread(writes.insert, self.store, "trajectories", rows, TRAJECTORY_COLUMNS)
-        turns = [r for e in emissions for r in e.turns]
-        if turns:
-            await asyncio.to_thread(writes.insert, self.store, "episode_turns", turns, TURN_COLUMNS)
 
     async def _raise_alerts(self, verdict: verdict_pb2.Verdict) -> None:
         """The verdict's own alerts (tamper, canary) and the window detectors' (detectors.py): each goes
