@@ -28,6 +28,10 @@ _propagator = TraceContextTextMapPropagator()
 # that stops normally writes what it holds at exit (the provider's shutdown); a killed one loses at most
 # this much of its spans.
 STORE_SPANS_EVERY_MS = 5000
+# Spans written in one insert at most. The SDK's default (512) had the busiest services (the verifier and
+# the reward-aggregator, ~250 spans a step each) insert two or three times in 5 s; an insert costs the
+# store about as much for 1 row as for 500 (12 against 27 ms of its CPU, measured here).
+STORE_SPANS_PER_INSERT = 4096
 _configured_service: str | None = None
 
 
@@ -48,7 +52,8 @@ def setup_telemetry(service_name: str, settings: Settings | None = None) -> None
 
         tracer_provider.add_span_processor(BatchSpanProcessor(StoreSpanExporter(settings),
                                                               schedule_delay_millis=STORE_SPANS_EVERY_MS,
-                                                              max_queue_size=8192))
+                                                              max_export_batch_size=STORE_SPANS_PER_INSERT,
+                                                              max_queue_size=4 * STORE_SPANS_PER_INSERT))
     if settings.otel_span_file:
         out = open(settings.otel_span_file, "a", buffering=1)  # line-buffered: a killed service loses no span
         tracer_provider.add_span_processor(SimpleSpanProcessor(
