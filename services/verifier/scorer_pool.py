@@ -77,6 +77,10 @@ class ScorerPool:
         gets a `failed` verdict, after its own limit. Unverifiable or ScoringError as `verify`."""
         for request in requests:
             handler.check_trust(request, self.secret)
+        return await self._score(requests)
+
+    async def _score(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict]:
+        """verify_group's scoring, for requests already found trustworthy."""
         if not requests:
             return []
         try:
@@ -86,7 +90,7 @@ class ScorerPool:
             if len(requests) > 1:
                 log.info("a group of %d completions could not be scored together (%s); scoring each alone",
                          len(requests), exc)
-                return [v for alone in await asyncio.gather(*(self.verify_group([r]) for r in requests)) for v in alone]
+                return [v for alone in await asyncio.gather(*(self._score([r]) for r in requests)) for v in alone]
             self.failures += 1
             why = (f"scoring took longer than {self.timeout_s:g}s" if isinstance(exc, WorkerTimeout)
                    else "the scoring process died on this completion")

@@ -40,6 +40,7 @@ def main() -> None:
     replies = os.dup(1)
     os.dup2(2, 1)
     framing.write(replies, encode_reply(OK, b"ready"))
+
     def score(data: bytes) -> bytes:
         try:
             request = verdict_pb2.VerifyRequest.FromString(data)

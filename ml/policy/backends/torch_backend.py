@@ -6,7 +6,7 @@ import threading
 import torch
 
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
-from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, weights_for, path_from_uri
+from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, weights_for
 from crucible.ml.policy.model import PolicyConfig
 from crucible.ml.policy.sampling import SamplingParams, sample
 from crucible.ml.policy.tokenizer import ByteTokenizer
