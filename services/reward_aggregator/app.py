@@ -230,14 +230,13 @@ class Aggregator:
         return Emission(group_id, trajectories, rows, turns, otel_context.get_current(), complete)
 
     async def _write(self, emissions: list["Emission"]) -> None:
-        """The groups' rows into the store (one insert per table), then their trajectories onto the bus,
-        each in its own group's trace; all acknowledged before faust may commit their verdicts."""
-        if self.store is not None:
-            rows = [r for e in emissions for r in e.rows]
-            await asyncio.to_thread(writes.insert, self.store, "trajectories", rows, TRAJECTORY_COLUMNS)
-            turns = [r for e in emissions for r in e.turns]
-            if turns:
-                await asyncio.to_thread(writes.insert, self.store, "episode_turns", turns, TURN_COLUMNS)
+        """The groups' trajectories onto the bus, each in its own group's trace, then their rows into the
+        store (one insert per table); all acknowledged before faust may commit their verdicts.
+
+        The bus first: the learner waits for the trajectories, nobody waits for the rows, so the insert
+        (10-30 ms) is not on a step's critical path. A crash between the two replays the batch (its
+        verdicts are not committed yet): the learner skips samples it has (by id) and the store's
+        tables keep one row per id (ReplacingMergeTree), so both end up with every group once."""
         sent = []
         for e in emissions:
             token = otel_context.attach(e.context)
@@ -246,6 +245,12 @@ class Aggregator:
             finally:
                 otel_context.detach(token)
         await asyncio.gather(*sent)
+        if self.store is not None:
+            rows = [r for e in emissions for r in e.rows]
+            await asyncio.to_thread(writes.insert, self.store, "trajectories", rows, TRAJECTORY_COLUMNS)
+            turns = [r for e in emissions for r in e.turns]
+            if turns:
+                await asyncio.to_thread(writes.insert, self.store, "episode_turns", turns, TURN_COLUMNS)
         self.groups_emitted += len(emissions)
         self.incomplete_emitted += sum(not e.complete for e in emissions)
 
