@@ -36,6 +36,7 @@ from crucible.services.reward_aggregator.handler import (
     turn_rows,
     TURN_COLUMNS,
 )
+from crucible.services.reward_aggregator.batches import batches
 from crucible.services.reward_aggregator.detectors import WindowDetectors
 from crucible.shared import alerts as alert_rows
 from crucible.shared import bus, messages, metrics, telemetry
@@ -126,7 +127,7 @@ class Aggregator:
         # verdicts arrive together (the verifier publishes a group's at once) never touches it, where
         # every verdict used to rewrite its group's entry and send it to the changelog. Offsets are
         # committed only after the batch, so a crash replays it against the table as it was.
-        async for events in stream.take_events(JOIN_BATCH, within=JOIN_LINGER_S):
+        async for events in batches(stream, JOIN_BATCH, JOIN_LINGER_S):
             completed: list[Emission] = []
             self._open = {}
             try:
