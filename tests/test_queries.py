@@ -170,3 +170,37 @@ def test_crucible_query_prints_a_table(filled, store_url, store_database, monkey
     assert crucible_main(["query", "task"]) == 2
     assert "--task VALUE" in capsys.readouterr().out
     assert crucible_main(["query"]) == 0 and "reward-by-version" in capsys.readouterr().out
+
+
+def test_spans_sent_as_the_exporter_sends_them_read_back_exactly(store_client):
+    """The span exporter's JSON rows (json_rows) land in otel_traces with every column as the SDK had
+    it: nanosecond times (of spans in different seconds too), kind, status, events, links, attributes."""
+    from crucible.shared.span_store import json_rows
+
+    migrate(store_client)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "exporter-test"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("crucible.test", "3.1")
+    second = 1_796_000_000 * 10**9
+    with tracer.start_as_current_span("first", start_time=second + 999_999_999, kind=trace.SpanKind.CONSUMER,
+                                      attributes={"n": 7, "many": [1, 2]}) as first:
+        first.add_event("seen", {"why": 'a "quoted"\nline'}, timestamp=second + 10**9 + 5)
+    with tracer.start_as_current_span("second", start_time=second + 10**9 + 1,
+                                      links=[trace.Link(first.get_span_context(), {"l": "x"})]) as other:
+        other.set_status(trace.Status(trace.StatusCode.ERROR, "broken"))
+    spans = exporter.get_finished_spans()
+    store_client.raw_insert("otel_traces", SPAN_COLUMNS, json_rows(spans), fmt="JSONCompactEachRow")
+    rows = store_client.query(
+        "SELECT SpanName, toUnixTimestamp64Nano(Timestamp), Duration, SpanKind, StatusCode, StatusMessage, "
+        "SpanAttributes, ScopeVersion, `Events.Name`, arrayMap(t -> toUnixTimestamp64Nano(t), `Events.Timestamp`), "
+        "`Events.Attributes`, `Links.SpanId`, `Links.Attributes` FROM otel_traces "
+        "WHERE ServiceName = 'exporter-test' ORDER BY Timestamp").result_rows
+    assert rows == [
+        ("first", second + 999_999_999, spans[0].end_time - spans[0].start_time, "SPAN_KIND_CONSUMER",
+         "STATUS_CODE_UNSET", "", {"n": "7", "many": "1,2"}, "3.1", ["seen"], [second + 10**9 + 5],
+         [{"why": 'a "quoted"\nline'}], [], []),
+        ("second", second + 10**9 + 1, spans[1].end_time - spans[1].start_time, "SPAN_KIND_INTERNAL",
+         "STATUS_CODE_ERROR", "broken", {}, "3.1", [], [], [], [f"{first.get_span_context().span_id:016x}"],
+         [{"l": "x"}]),
+    ]
