@@ -5,8 +5,8 @@ with the join's 10 ms it woke a hundred times a second, and an idle aggregator s
 a second on it (py-spy: half its samples in take_events' wait). Here a batch opens at its first
 event, however long that takes, and closes `linger_s` later or as soon as it holds `max_events`.
 
-Acknowledgement is take_events': a batch's events are acked only after the caller's loop body
-for that batch has finished, so faust commits nothing the body has not done. Events that arrive
+A batch's events are acked only after the caller's loop body for that batch has finished, and
+only if it finished: faust commits nothing the body has not done. Events that arrive
 while a batch is being handled start the next one (up to `max_events` of them; then the stream
 waits), rather than waiting for the body to finish before they may be read.
 """
@@ -53,11 +53,12 @@ async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[lis
             room.set()
             if not batch:
                 continue
-            try:
-                yield batch
-            finally:
-                for event in batch:
-                    await stream.ack(event)
+            yield batch
+            # Only once the caller asks for the next batch, i.e. its body finished: a body that raised or
+            # was cancelled (a stop mid-batch) leaves its events unacked, so faust commits none of them
+            # and they are read again (take_events acks them in a `finally`, whatever the body did).
+            for event in batch:
+                await stream.ack(event)
     finally:
         stream.enable_acks = enable_acks
         stream._processors.remove(add)
