@@ -187,7 +187,6 @@ class Producer:
             options["retry_backoff_ms"] = 5
         options.update(producer_options)
         self._producer = AIOKafkaProducer(**options)
-        self._tracer = telemetry.tracer("crucible.bus")
 
     async def start(self) -> "Producer":
         await self._producer.start()
@@ -212,8 +211,7 @@ class Producer:
         """Queues one record; await the returned future for the broker's acknowledgement."""
         topic = self.settings.topic(topic)
         self._vouch(message)
-        with self._tracer.start_as_current_span(f"{topic} publish", kind=trace.SpanKind.PRODUCER,
-                                                attributes=_publish_attributes(topic)):
+        with telemetry.record_span(f"{topic} publish", trace.SpanKind.PRODUCER, _publish_attributes(topic)):
             headers = [*publish_headers(message), *extra_headers]
             return await self._producer.send(topic, messages.encode(message), key=_key_bytes(key), headers=headers)
 
@@ -231,8 +229,7 @@ class Producer:
         """A record ready to send later (in a transaction), its publish span and trace context taken now."""
         topic = self.settings.topic(topic)
         self._vouch(message)
-        with self._tracer.start_as_current_span(f"{topic} publish", kind=trace.SpanKind.PRODUCER,
-                                                attributes=_publish_attributes(topic)):
+        with telemetry.record_span(f"{topic} publish", trace.SpanKind.PRODUCER, _publish_attributes(topic)):
             return Prepared(topic, messages.encode(message), _key_bytes(key), publish_headers(message))
 
     async def commit_transaction(self, records: Sequence["Prepared"], offsets: dict[tuple[str, int], int],
@@ -268,16 +265,14 @@ class Prepared:
     headers: list[tuple[str, bytes]]
 
 
-@contextlib.contextmanager
 def consume_span(topic: str, partition: int, offset: int, headers: Sequence[tuple[str, bytes]] | None,
                  name: str = "process"):
-    """The consumer span of one record, child of the span that produced it (trace context in).
-    Attributes are given when the span starts: one call, where each set_attribute takes a lock."""
-    with telemetry.tracer("crucible.bus").start_as_current_span(
-            f"{topic} {name}", context=telemetry.extract_context(headers), kind=trace.SpanKind.CONSUMER,
-            attributes={"messaging.system": "kafka", "messaging.destination.name": topic,
-                        "messaging.kafka.partition": partition, "messaging.kafka.offset": offset}) as span:
-        yield span
+    """The consumer span of one record (a `with` block), child of the span that produced it (trace
+    context in the headers)."""
+    return telemetry.record_span(
+        f"{topic} {name}", trace.SpanKind.CONSUMER,
+        {"messaging.system": "kafka", "messaging.destination.name": topic, "messaging.kafka.partition": partition,
+         "messaging.kafka.offset": offset}, parent=telemetry.parent_from_headers(headers))
 
 
 def _publish_attributes(topic: str) -> dict:

@@ -7,6 +7,7 @@ lowerCamel or snake_case).
 """
 from __future__ import annotations
 
+import functools
 import json
 
 from google.protobuf import json_format
@@ -103,20 +104,42 @@ def _unknown_field_path(message: Message, path: str = "") -> str | None:
     unknown = UnknownFieldSet(message)
     if len(unknown):
         return f"{path or '<root>'} field #{unknown[0].field_number}"
-    for field, value in message.ListFields():
-        if field.message_type is None:
-            continue
-        if field.message_type.GetOptions().map_entry:
-            values = value.values() if field.message_type.fields_by_name["value"].message_type else []
-        elif field.is_repeated:
-            values = value
+    for name, shape in _nested_fields(message.DESCRIPTOR):
+        if shape == _SINGULAR:
+            if not message.HasField(name):
+                continue
+            values = (getattr(message, name),)
         else:
-            values = [value]
+            values = getattr(message, name)
+            if not values:
+                continue
+            if shape == _MAP:
+                values = values.values()
         for i, item in enumerate(values):
-            found = _unknown_field_path(item, f"{path}.{field.name}[{i}]" if path else f"{field.name}[{i}]")
+            found = _unknown_field_path(item, f"{path}.{name}[{i}]" if path else f"{name}[{i}]")
             if found:
                 return found
     return None
+
+
+_SINGULAR, _REPEATED, _MAP = range(3)
+
+
+@functools.cache
+def _nested_fields(descriptor) -> tuple[tuple[str, int], ...]:
+    """The fields of a message type that hold messages, each with its shape (a map counts only
+    where its values are messages): what the unknown-field check descends into, worked out once
+    per type rather than per decoded record."""
+    out = []
+    for field in descriptor.fields:
+        if field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            if field.message_type.fields_by_name["value"].message_type is not None:
+                out.append((field.name, _MAP))
+        else:
+            out.append((field.name, _REPEATED if field.is_repeated else _SINGULAR))
+    return tuple(out)
 
 
 def _decode_json(value: bytes, expected: type[Message]) -> Message:

@@ -7,21 +7,23 @@ OTLP when CRUCIBLE_OTEL_ENDPOINT (or the standard OTEL_EXPORTER_OTLP_ENDPOINT) i
 """
 from __future__ import annotations
 
-import functools
-
 import os
-from collections.abc import Iterable, Sequence
+import re
+import time
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace import sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from crucible.shared.settings import Settings, get_settings
 
-_propagator = TraceContextTextMapPropagator()
 # How often a service writes its spans into the store (sooner once 512 wait). Each insert is a new part
 # that the store writes and merges later, about 6 ms of its CPU however few rows it holds: every second,
 # the services' span inserts took half the store's CPU (~85 ms a step of the built-in recipe). A service
@@ -72,34 +74,223 @@ def _otlp_span_exporter(endpoint: str, protocol: str):
     return OTLPSpanExporter(endpoint=endpoint, insecure=True)
 
 
-@functools.cache
 def tracer(name: str = "crucible") -> trace.Tracer:
-    """One tracer per name for the process (the API's proxy until setup_telemetry sets the provider, then
-    the provider's): making one per call cost more than the span it made."""
-    return trace.get_tracer(name)
+    """One tracer per name for the process, the provider's: making one per call cost more than the span
+    it made. Before setup_telemetry there is only the API's proxy, which is handed out but not kept."""
+    found = _tracers.get(name)
+    if found is None:
+        found = trace.get_tracer(name)
+        if not isinstance(found, trace.ProxyTracer):
+            _tracers[name] = found
+    return found
+
+
+_tracers: dict[str, trace.Tracer] = {}
+
+
+CURRENT = object()  # record_span's parent: the current span (the default)
+
+
+def record_span(name: str, kind: trace.SpanKind, attributes: dict, *, parent=CURRENT,
+                tracer_: trace.Tracer | None = None):
+    """A recording span, made current while the `with` block runs, for work done once per record
+    (the bus's consumer and publish spans). `parent`: the current span by default, else a
+    SpanContext (a remote one from headers) or None (a new trace).
+
+    The SDK's own span costs ~65 us here to start, make current and end: validated attributes
+    behind locks, the sampler's call, span-limit bookkeeping, three context-manager layers. This
+    one is a plain object until it ends, when the provider's processors get a ReadableSpan like
+    the SDK's; it honours the provider's sampler, and exceptions are recorded as the SDK does.
+    Where no SDK provider is installed it is the API's span (non-recording). `attributes` becomes
+    the span's (pass a dict of your own); `tracer_`: this process's "crucible.bus" tracer by default."""
+    tracer_ = tracer_ or tracer("crucible.bus")
+    if not isinstance(tracer_, SdkTracer) or not tracer_._is_enabled():
+        context = None if parent is CURRENT else _context_of(parent)
+        return tracer_.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
+    return _RecordScope(_RecordedSpan.start(tracer_, name, kind, attributes,
+                                            trace.get_current_span().get_span_context() if parent is CURRENT
+                                            else parent))
+
+
+def _context_of(parent: trace.SpanContext | None) -> otel_context.Context:
+    if parent is None or not parent.is_valid:
+        return otel_context.Context()
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), otel_context.Context())
+
+
+class _RecordedSpan(trace.Span):
+    """The span record_span makes: its attributes a plain dict of the caller's own values until it
+    ends (what else is set on it goes through the SDK's attribute limits then)."""
+
+    __slots__ = ("_tracer", "_name", "_context", "_parent", "_kind", "_attributes", "_extra", "_events",
+                 "_status", "_start", "_end")
+
+    @classmethod
+    def start(cls, tracer_: SdkTracer, name: str, kind: trace.SpanKind, attributes: dict,
+              parent: trace.SpanContext | None) -> trace.Span:
+        if parent is not None and not parent.is_valid:
+            parent = None
+        ids = tracer_.id_generator
+        trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
+        if tracer_.sampler is sampling.DEFAULT_ON:  # parent-based, always on at the root: no call needed
+            sampled, state, extra = parent is None or parent.trace_flags.sampled, None, None
+            if parent is not None:
+                state = parent.trace_state
+        else:
+            result = tracer_.sampler.should_sample(_context_of(parent), trace_id, name, kind, attributes, ())
+            sampled, state, extra = result.decision.is_sampled(), result.trace_state, result.attributes
+            if not result.decision.is_recording():
+                flags = trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT
+                return trace.NonRecordingSpan(trace.SpanContext(trace_id, ids.generate_span_id(), False,
+                                                                trace.TraceFlags(flags), state))
+        flags = trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT
+        if (ids.is_trace_id_random() if parent is None else parent.trace_flags.random_trace_id):
+            flags |= trace.TraceFlags.RANDOM_TRACE_ID
+        span = cls.__new__(cls)
+        span._tracer, span._name, span._kind, span._parent = tracer_, name, kind, parent
+        span._context = trace.SpanContext(trace_id, ids.generate_span_id(), False, trace.TraceFlags(flags), state)
+        span._attributes = {**extra, **attributes} if extra else attributes
+        span._extra, span._events, span._status = None, [], trace.Status(trace.StatusCode.UNSET)
+        span._start, span._end = time.time_ns(), None
+        return span
+
+    def get_span_context(self) -> trace.SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return self._end is None
+
+    def set_attribute(self, key: str, value) -> None:
+        if self._end is None:
+            self._extra = self._extra or {}
+            self._extra[key] = value
+
+    def set_attributes(self, attributes: Mapping) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
+        if self._end is None:
+            limits = self._tracer._span_limits
+            self._events.append(Event(name, BoundedAttributes(limits.max_event_attributes, attributes,
+                                                              immutable=True,
+                                                              max_value_len=limits.max_attribute_length),
+                                      timestamp))
+
+    def record_exception(self, exception: BaseException, attributes: Mapping | None = None,
+                         timestamp: int | None = None, escaped: bool = False) -> None:
+        module, qualname = type(exception).__module__, type(exception).__qualname__
+        self.add_event("exception", {
+            "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+            **(attributes or {})}, timestamp)
+
+    def set_status(self, status, description: str | None = None) -> None:
+        if self._end is not None or self._status.status_code is trace.StatusCode.OK:
+            return
+        if not isinstance(status, trace.Status):
+            status = trace.Status(status, description)
+        if status.status_code is not trace.StatusCode.UNSET:
+            self._status = status
+
+    def update_name(self, name: str) -> None:
+        if self._end is None:
+            self._name = name
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._end is not None:
+            return
+        self._end = end_time or time.time_ns()
+        tracer_ = self._tracer
+        attributes = self._attributes
+        if self._extra:
+            limits = tracer_._span_limits
+            attributes = BoundedAttributes(limits.max_span_attributes, {**attributes, **self._extra},
+                                           immutable=True, max_value_len=limits.max_attribute_length)
+        tracer_.span_processor.on_end(ReadableSpan(
+            self._name, self._context, self._parent, tracer_.resource, attributes, tuple(self._events), (),
+            self._kind, tracer_.instrumentation_info, self._status, self._start, self._end,
+            tracer_._instrumentation_scope))
+
+
+class _RecordScope:
+    """Makes a span current for a `with` block, records an exception leaving it (as the SDK's
+    use_span does), then ends it."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span: trace.Span):
+        self.span = span
+
+    def __enter__(self) -> trace.Span:
+        self._token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        otel_context.detach(self._token)
+        if isinstance(exc, Exception) and self.span.is_recording():
+            self.span.record_exception(exc)
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self.span.end()
 
 
 def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, bytes]]:
     """The current (or given) trace context as Kafka-style headers: traceparent, tracestate."""
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier, context=ctx)
-    return [(k, v.encode()) for k, v in carrier.items()]
+    span_context = trace.get_current_span(ctx).get_span_context()
+    if not span_context.is_valid:
+        return []
+    headers = [("traceparent", f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
+                               f"{span_context.trace_flags:02x}".encode())]
+    if span_context.trace_state:
+        headers.append(("tracestate", span_context.trace_state.to_header().encode()))
+    return headers
+
+
+# W3C trace context, as the SDK's propagator reads it (version ff is invalid; version 00 has no suffix).
+_TRACEPARENT = re.compile(r"[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
+_TRACEPARENT_MAX = 512
+_TRACESTATE_MAX = 512
+
+
+def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> trace.SpanContext | None:
+    """The remote span named by the headers' traceparent (and tracestate), or None where there is
+    none or it is malformed (the record then starts a trace of its own, as with the SDK's propagator)."""
+    traceparent, tracestate = None, []
+    for key, value in headers or ():
+        if key == "traceparent":
+            traceparent = value
+        elif key == "tracestate":
+            tracestate.append(value.decode("latin-1") if isinstance(value, bytes) else value)
+    if traceparent is None or len(traceparent) > _TRACEPARENT_MAX:
+        return None
+    if isinstance(traceparent, bytes):
+        traceparent = traceparent.decode("latin-1")
+    match = _TRACEPARENT.match(traceparent)
+    if match is None:
+        return None
+    version, trace_id, span_id, flags, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == "0" * 32 or span_id == "0" * 16:
+        return None
+    state = None
+    if tracestate and sum(map(len, tracestate)) + len(tracestate) - 1 <= _TRACESTATE_MAX:
+        state = trace.TraceState.from_header(tracestate)
+    return trace.SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True,
+                             trace_flags=trace.TraceFlags(int(flags, 16)), trace_state=state)
 
 
 def extract_context(headers: Iterable[tuple[str, bytes | str]] | None) -> otel_context.Context:
     """A context whose parent span is the one named by traceparent in the headers (if any)."""
-    carrier = {}
-    for key, value in headers or ():
-        if key in ("traceparent", "tracestate"):
-            carrier[key] = value.decode("latin-1") if isinstance(value, bytes) else value
-    return _propagator.extract(carrier)
+    parent = parent_from_headers(headers)
+    if parent is None:
+        return otel_context.Context()
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), otel_context.Context())
 
 
 def inject_metadata() -> list[tuple[str, str]]:
     """The current trace context as gRPC metadata."""
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
-    return list(carrier.items())
+    return [(key, value.decode("latin-1")) for key, value in inject_headers()]
 
 
 def current_trace_id() -> str:

@@ -1,0 +1,175 @@
+"""The bus's per-record spans (telemetry.record_span) and its trace-context headers, against the SDK's own.
+
+record_span stands in for the SDK's span on the hot path: what reaches the exporters must be what the
+SDK's span would have given them, the provider's sampler must decide as it would, and the W3C headers
+must be read and written exactly as the SDK's propagator reads and writes them.
+"""
+from __future__ import annotations
+
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from crucible.shared import telemetry
+
+PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def provider_with(sampler=None) -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "telemetry-test"}), sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def exported(span, spans) -> dict:
+    """What an exporter reads of a span, times aside, with its parent named: a remote span by its ids,
+    one of `spans` by its name, or None."""
+    local = {s.context.span_id: s.name for s in spans}
+    parent = span.parent
+    return {"name": span.name, "kind": span.kind, "attributes": dict(span.attributes),
+            "parent": None if parent is None else local.get(parent.span_id) if not parent.is_remote
+            else (parent.trace_id, parent.span_id),
+            "trace": span.context.trace_id if parent is not None and parent.is_remote else len({
+                s.context.trace_id for s in spans}),
+            "sampled": span.context.trace_flags.sampled, "state": span.context.trace_state,
+            "status": (span.status.status_code, span.status.description),
+            "events": [(e.name, {k: v for k, v in e.attributes.items() if k != "exception.stacktrace"})
+                       for e in span.events],
+            "stacktrace": ["exception.stacktrace" in e.attributes for e in span.events],
+            "resource": dict(span.resource.attributes), "scope": span.instrumentation_scope,
+            "links": span.links}
+
+
+def both_ways(provider, work, parent_headers=None) -> list[tuple[dict, dict]]:
+    """Runs `work(span)` in an SDK span and in a record_span (same name, kind, attributes and parent),
+    then pairs what the exporter got from each, children included."""
+    exporter = provider._active_span_processor._span_processors[0].span_exporter
+    tracer = provider.get_tracer("crucible.bus")
+    got = []
+    for way in ("sdk", "record"):
+        exporter.clear()
+        attributes = {"messaging.system": "kafka", "messaging.kafka.offset": 7}
+        if way == "sdk":
+            scope = tracer.start_as_current_span("t process", kind=trace.SpanKind.CONSUMER, attributes=attributes,
+                                                 context=telemetry.extract_context(parent_headers)
+                                                 if parent_headers is not None else None)
+        else:
+            scope = telemetry.record_span("t process", trace.SpanKind.CONSUMER, attributes, tracer_=tracer,
+                                          **({"parent": telemetry.parent_from_headers(parent_headers)}
+                                             if parent_headers is not None else {}))
+        try:
+            with scope as span:
+                work(span, tracer)
+        except ValueError:
+            pass
+        spans = exporter.get_finished_spans()
+        got.append([exported(s, spans) for s in spans])
+    return got
+
+
+def test_a_record_span_exports_what_the_sdks_span_exports():
+    provider, _ = provider_with()
+
+    def work(span, tracer):
+        span.set_attribute("extra", [1, 2])
+        span.add_event("seen", {"why": "because"})
+        with tracer.start_as_current_span("child"):
+            pass
+
+    for headers in (None, [("traceparent", PARENT.encode()), ("tracestate", b"k=v")], []):
+        sdk, record = both_ways(provider, work, headers)
+        assert len(sdk) == 2 and sdk == record
+    sdk, record = both_ways(provider, work)
+    assert sdk[1]["parent"] is None and sdk[0]["parent"] == "t process" and sdk[0]["trace"] == 1
+    sdk, record = both_ways(provider, work, [("traceparent", PARENT.encode())])
+    assert record[1]["parent"] == (0x0af7651916cd43dd8448eb211c80319c, 0xb7ad6b7169203331)
+
+
+def test_a_record_span_records_an_exception_leaving_it_and_lets_it_go():
+    provider, _ = provider_with()
+
+    def work(span, tracer):
+        raise ValueError("boom")
+
+    sdk, record = both_ways(provider, work, [("traceparent", PARENT.encode())])
+    assert sdk == record
+    assert record[0]["status"] == (trace.StatusCode.ERROR, "ValueError: boom")
+    assert record[0]["events"][0][1]["exception.type"] == "ValueError" and record[0]["stacktrace"] == [True]
+    with pytest.raises(ValueError):
+        with telemetry.record_span("x", trace.SpanKind.INTERNAL, {}, tracer_=provider.get_tracer("t")):
+            raise ValueError("goes on")
+
+
+def test_the_providers_sampler_decides_for_record_spans():
+    provider, exporter = provider_with(ParentBased(TraceIdRatioBased(0.0)))
+    tracer = provider.get_tracer("crucible.bus")
+    with telemetry.record_span("root", trace.SpanKind.PRODUCER, {}, parent=None, tracer_=tracer) as root:
+        # Not sampled, but still a context that children and headers carry on.
+        assert root.get_span_context().is_valid and not root.get_span_context().trace_flags.sampled
+        assert telemetry.inject_headers()[0][1].endswith(b"-00")
+        with tracer.start_as_current_span("child") as child:
+            assert child.get_span_context().trace_id == root.get_span_context().trace_id
+    assert exporter.get_finished_spans() == ()
+    # A sampled parent from the headers is followed, as ParentBased says.
+    with telemetry.record_span("followed", trace.SpanKind.CONSUMER, {}, tracer_=tracer,
+                               parent=telemetry.parent_from_headers([("traceparent", PARENT.encode())])):
+        pass
+    assert [s.name for s in exporter.get_finished_spans()] == ["followed"]
+
+    off, off_exporter = provider_with(ALWAYS_OFF)
+    with telemetry.record_span("never", trace.SpanKind.CONSUMER, {}, tracer_=off.get_tracer("b"),
+                               parent=telemetry.parent_from_headers([("traceparent", PARENT.encode())])) as span:
+        assert not span.is_recording()
+    assert off_exporter.get_finished_spans() == ()
+
+
+TRACEPARENTS = [
+    PARENT, PARENT.upper(), PARENT[:-2] + "00", PARENT + "-extra", "01" + PARENT[2:] + "-future", "ff" + PARENT[2:],
+    "00-" + "0" * 32 + "-b7ad6b7169203331-01", "00-0af7651916cd43dd8448eb211c80319c-" + "0" * 16 + "-01",
+    "  " + PARENT, PARENT + "  ", PARENT + "\t", PARENT[:-1], PARENT + "1", PARENT.replace("-", "_"),
+    "00-0af7651916cd43dd8448eb211c80319_-b7ad6b7169203331-01", "00-+af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-+1", "00- af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0g", "", "garbage", "0" * 600,
+    "01" + PARENT[2:] + "-" + "x" * 500, PARENT + "\n", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b71692033310-01",
+]
+TRACESTATES = [None, "a=1,b=2", "bad state", "k=" + "v" * 600, ""]
+
+
+@pytest.mark.parametrize("traceparent", TRACEPARENTS)
+@pytest.mark.parametrize("tracestate", TRACESTATES)
+def test_headers_are_read_as_the_sdks_propagator_reads_them(traceparent, tracestate):
+    headers = [("traceparent", traceparent.encode())] + ([("tracestate", tracestate.encode())] if tracestate is not None
+                                                          else [])
+    carrier = {k: v.decode() for k, v in headers}
+    expected = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier)).get_span_context()
+    got = telemetry.parent_from_headers(headers)
+    assert telemetry.parent_from_headers([(k, v.decode()) for k, v in headers]) == got  # gRPC metadata: str
+    if not expected.is_valid:
+        assert got is None
+    else:
+        assert got == expected and got.is_remote and got.trace_state == expected.trace_state
+
+
+def test_headers_are_written_as_the_sdks_propagator_writes_them():
+    provider, _ = provider_with()
+    parent = telemetry.parent_from_headers([("traceparent", PARENT.encode()), ("tracestate", b"k=v,a=b")])
+    for state_headers in (True, False):
+        with telemetry.record_span("out", trace.SpanKind.PRODUCER, {}, tracer_=provider.get_tracer("b"),
+                                   parent=parent if state_headers else None):
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier)
+            assert dict((k, v.decode()) for k, v in telemetry.inject_headers()) == carrier
+            assert dict(telemetry.inject_metadata()) == carrier
+            assert ("tracestate" in carrier) == state_headers
+    token = otel_context.attach(otel_context.Context())
+    try:
+        assert telemetry.inject_headers() == [] and telemetry.inject_metadata() == []
+    finally:
+        otel_context.detach(token)
