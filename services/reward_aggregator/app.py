@@ -55,6 +55,13 @@ def _headers(event_headers) -> list[tuple[str, bytes]]:
 
 
 JOIN_BATCH, JOIN_LINGER_S = 256, 0.01  # verdicts joined before the groups they complete are written
+# How long a finished group's rows wait for others' before they are inserted. Each insert is a part the
+# store writes and later merges (10-20 ms of its CPU, however few rows): batches 10 ms apart made two or
+# three a step. Nobody waits for these rows (their verdicts' acks do, off the join's path).
+ROWS_LINGER_S = 0.5
+# Batches whose trajectories and rows may still be on their way while later batches are joined; at this
+# many the join waits for the oldest (a slow store slows the join instead of piling batches up).
+MAX_WRITING = 8
 
 
 @dataclass
@@ -80,6 +87,10 @@ class Aggregator:
         self.settings = settings
         self.producer = producer
         self.store = store_client
+        if store_client is not None:
+            self.trajectory_rows = writes.BatchedRows(store_client, "trajectories", TRAJECTORY_COLUMNS,
+                                                      linger_s=ROWS_LINGER_S)
+            self.turn_rows = writes.BatchedRows(store_client, "episode_turns", TURN_COLUMNS, linger_s=ROWS_LINGER_S)
         self.config = RewardConfig.of(settings.run_config())
         self.detectors = WindowDetectors(settings.run_id, window=settings.detect_window,
                                          tamper_rate=settings.detect_tamper_rate,
@@ -121,12 +132,13 @@ class Aggregator:
     # --- agents ---
 
     async def _join(self, stream):
-        # Verdicts in small batches: the groups a batch completes are written to the store in one
-        # insert and published together (one insert per group cost ~10 ms each, a quarter of a step).
-        # The table is written once per batch, for the groups the batch leaves open: a group whose
+        # Verdicts in small batches: the groups a batch completes are published together, and their rows
+        # go to the store with those of the batches around them (one insert per group cost ~10 ms each,
+        # a quarter of a step; ROWS_LINGER_S). The table is written once per batch, for the groups the batch leaves open: a group whose
         # verdicts arrive together (the verifier publishes a group's at once) never touches it, where
         # every verdict used to rewrite its group's entry and send it to the changelog. Offsets are
-        # committed only after the batch, so a crash replays it against the table as it was.
+        # committed only after the batch has landed, so a crash replays it against the table as it was.
+        writing: list[asyncio.Future] = []  # batches' trajectories and rows on their way, oldest first
         async for events in batches(stream, JOIN_BATCH, JOIN_LINGER_S):
             completed: list[Emission] = []
             self._open = {}
@@ -141,8 +153,16 @@ class Aggregator:
                 self._store_open()
             finally:
                 self._open = {}
+            # An earlier batch whose writing failed fails this one (the agent stops, nothing of either
+            # is acked); too many still on their way hold this one back.
+            while writing and (writing[0].done() or len(writing) >= MAX_WRITING):
+                await writing.pop(0)
             if completed:
-                await self._write(completed)
+                # The trajectories go out now; the batch is acked once they and its rows have landed,
+                # while the next batches are joined.
+                landing = asyncio.ensure_future(self._land(completed, await self._send(completed)))
+                writing.append(landing)
+                events.after(landing)
 
     def _store_open(self) -> None:
         """The batch's changes to the table: open groups' entries written, completed ones removed. Each
@@ -232,12 +252,12 @@ class Aggregator:
 
     async def _write(self, emissions: list["Emission"]) -> None:
         """The groups' trajectories onto the bus, each in its own group's trace, then their rows into the
-        store (one insert per table); all acknowledged before faust may commit their verdicts.
+        store; all acknowledged before faust may commit their verdicts."""
+        await self._land(emissions, await self._send(emissions))
 
-        The bus first: the learner waits for the trajectories, nobody waits for the rows, so the insert
-        (10-30 ms) is not on a step's critical path. A crash between the two replays the batch (its
-        verdicts are not committed yet): the learner skips samples it has (by id) and the store's
-        tables keep one row per id (ReplacingMergeTree), so both end up with every group once."""
+    async def _send(self, emissions: list["Emission"]) -> list[asyncio.Future]:
+        """Queues the groups' trajectories on the producer, each in its own group's trace; their
+        acknowledgements."""
         sent = []
         for e in emissions:
             token = otel_context.attach(e.context)
@@ -245,13 +265,19 @@ class Aggregator:
                 sent += [await self.producer.send("trajectories", t, key=e.group_id) for t in e.trajectories]
             finally:
                 otel_context.detach(token)
+        return sent
+
+    async def _land(self, emissions: list["Emission"], sent: list[asyncio.Future]) -> None:
+        """Waits for the trajectories' acknowledgements, then for the groups' rows in the store.
+
+        The bus first: the learner waits for the trajectories, nobody waits for the rows, so the insert
+        is not on a step's critical path. A crash between the two replays the batch (its verdicts are
+        not committed yet): the learner skips samples it has (by id) and the store's tables keep one
+        row per id (ReplacingMergeTree), so both end up with every group once."""
         await asyncio.gather(*sent)
         if self.store is not None:
-            rows = [r for e in emissions for r in e.rows]
-            await asyncio.to_thread(writes.insert, self.store, "trajectories", rows, TRAJECTORY_COLUMNS)
-            turns = [r for e in emissions for r in e.turns]
-            if turns:
-                await asyncio.to_thread(writes.insert, self.store, "episode_turns", turns, TURN_COLUMNS)
+            await asyncio.gather(self.trajectory_rows.add_all([r for e in emissions for r in e.rows]),
+                                 self.turn_rows.add_all([r for e in emissions for r in e.turns]))
         self.groups_emitted += len(emissions)
         self.incomplete_emitted += sum(not e.complete for e in emissions)
 

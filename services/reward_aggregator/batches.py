@@ -6,7 +6,9 @@ a second on it (py-spy: half its samples in take_events' wait). Here a batch ope
 event, however long that takes, and closes `linger_s` later or as soon as it holds `max_events`.
 
 A batch's events are acked only after the caller's loop body for that batch has finished, and
-only if it finished: faust commits nothing the body has not done. Events that arrive
+only if it finished: faust commits nothing the body has not done. A body may leave work running
+past its end (`batch.after(future)`: its rows still being written): the batch is then acked once
+that work has succeeded, and never if it failed, while the next batches go on. Events that arrive
 while a batch is being handled start the next one (up to `max_events` of them; then the stream
 waits), rather than waiting for the body to finish before they may be read.
 """
@@ -16,9 +18,30 @@ import asyncio
 from collections.abc import AsyncIterator
 
 
-async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[list]:
+class Batch(list):
+    """One batch's events, and the work its body left running that must succeed before they are acked."""
+
+    def __init__(self, events):
+        super().__init__(events)
+        self.unfinished: list[asyncio.Future] = []
+
+    def after(self, work: asyncio.Future) -> None:
+        self.unfinished.append(work)
+
+
+async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[Batch]:
     """The stream's events in lists of at most `max_events`, each closed `linger_s` after its first."""
     pending: list = []
+    acking: set[asyncio.Task] = set()  # batches waiting for their body's unfinished work (held: tasks are weak)
+
+    async def ack_when_done(batch: Batch) -> None:
+        try:
+            await asyncio.gather(*batch.unfinished)
+        except Exception:  # noqa: BLE001 -- not acked: faust commits none of it, a restart reads it again
+            return  # (the body that waits on the same work next sees the failure and raises it)
+        for event in batch:
+            await stream.ack(event)
+
     opened = asyncio.Event()  # the next batch has its first event
     full = asyncio.Event()
     room = asyncio.Event()  # the next batch may take more events
@@ -46,7 +69,7 @@ async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[lis
                 break
             if not full.is_set():
                 await stream.wait_for_stopped(full, timeout=linger_s)
-            batch = pending[:]
+            batch = Batch(pending)
             del pending[:]
             opened.clear()
             full.clear()
@@ -57,6 +80,11 @@ async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[lis
             # Only once the caller asks for the next batch, i.e. its body finished: a body that raised or
             # was cancelled (a stop mid-batch) leaves its events unacked, so faust commits none of them
             # and they are read again (take_events acks them in a `finally`, whatever the body did).
+            if batch.unfinished:
+                task = asyncio.ensure_future(ack_when_done(batch))
+                acking.add(task)
+                task.add_done_callback(acking.discard)
+                continue
             for event in batch:
                 await stream.ack(event)
     finally:

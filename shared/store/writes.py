@@ -61,39 +61,56 @@ def column_types(client, table: str, column_names: list[str]) -> list:
 
 class BatchedRows:
     """One insert for the rows that handlers running at the same time add; each `add` returns once its
-    row is in the store (or raises what the insert raised), so a handler's record is committed on the
-    bus only after its row landed. Rows wait at most `linger_s` for company."""
+    rows are in the store (or raises what the insert raised), so a handler's record is committed on the
+    bus only after its rows landed. Rows wait at most `linger_s` for company, or until `max_rows` wait."""
 
     def __init__(self, client, table: str, column_names: list[str], *, linger_s: float = 0.01,
                  max_rows: int = 1000):
         self.client, self.table, self.column_names = client, table, column_names
         self.linger_s, self.max_rows = linger_s, max_rows
-        self._pending: list[tuple[list, asyncio.Future]] = []
+        self._pending: list[tuple[list[list], asyncio.Future]] = []
+        self._waiting = 0  # rows in _pending
         self._timer: asyncio.TimerHandle | None = None
         self._writing: set[asyncio.Task] = set()  # held here: the loop keeps only weak references to tasks
 
     async def add(self, row: list) -> None:
-        done = asyncio.get_running_loop().create_future()
-        self._pending.append((row, done))
-        if len(self._pending) >= self.max_rows:
+        await self.add_all([row])
+
+    def add_all(self, rows: list[list]) -> asyncio.Future:
+        """Adds several rows; the returned future is done once they are all in the store."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        if not rows:
+            done.set_result(None)
+            return done
+        self._pending.append((rows, done))
+        self._waiting += len(rows)
+        if self._waiting >= self.max_rows:
             self._flush()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.linger_s, self._flush)
-        await done
+            self._timer = loop.call_later(self.linger_s, self._flush)
+        return done
 
     def _flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        batch, self._pending = self._pending, []
+        batch, self._pending, self._waiting = self._pending, [], 0
         if batch:
             task = asyncio.ensure_future(self._write(batch))
             self._writing.add(task)
             task.add_done_callback(self._writing.discard)
 
-    async def _write(self, batch: list[tuple[list, asyncio.Future]]) -> None:
+    async def flush(self) -> None:
+        """Writes what waits now, and returns once every insert begun so far has ended."""
+        self._flush()
+        if self._writing:
+            await asyncio.gather(*self._writing, return_exceptions=True)
+
+    async def _write(self, batch: list[tuple[list[list], asyncio.Future]]) -> None:
         try:
-            await asyncio.to_thread(insert, self.client, self.table, [row for row, _ in batch], self.column_names)
+            await asyncio.to_thread(insert, self.client, self.table, [row for rows, _ in batch for row in rows],
+                                    self.column_names)
         except Exception as exc:  # every waiting handler fails as the insert did
             for _, done in batch:
                 if not done.done():
