@@ -28,6 +28,7 @@ async def run(settings: Settings, stop: asyncio.Event, **options) -> Aggregator:
                  settings.group_timeout_s)
         try:
             await stop.wait()
+            await aggregator.flush()  # rows lingering for company: written, so a normal stop replays nothing
         finally:
             await aggregator.app.stop()
     return aggregator

@@ -164,6 +164,12 @@ class Aggregator:
                 writing.append(landing)
                 events.after(landing)
 
+    async def flush(self) -> None:
+        """Writes the rows waiting for company now; returns once every insert begun has ended."""
+        if self.store is not None:
+            await asyncio.gather(self.trajectory_rows.flush(), self.turn_rows.flush())
+        await asyncio.sleep(0.05)  # a moment for the batches they held back to be acked before faust's last commit
+
     def _store_open(self) -> None:
         """The batch's changes to the table: open groups' entries written, completed ones removed. Each
         change is made as its last event (faust sends it to that event's changelog partition)."""
