@@ -133,19 +133,18 @@ class _RecordedSpan(trace.Span):
         ids = tracer_.id_generator
         trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
         if tracer_.sampler is sampling.DEFAULT_ON:  # parent-based, always on at the root: no call needed
-            sampled, state, extra = parent is None or parent.trace_flags.sampled, None, None
-            if parent is not None:
-                state = parent.trace_state
+            sampled, recording = (True, True) if parent is None else (parent.trace_flags.sampled,) * 2
+            state, extra = (None if parent is None else parent.trace_state), None
         else:
             result = tracer_.sampler.should_sample(_context_of(parent), trace_id, name, kind, attributes, ())
-            sampled, state, extra = result.decision.is_sampled(), result.trace_state, result.attributes
-            if not result.decision.is_recording():
-                flags = trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT
-                return trace.NonRecordingSpan(trace.SpanContext(trace_id, ids.generate_span_id(), False,
-                                                                trace.TraceFlags(flags), state))
+            sampled, recording = result.decision.is_sampled(), result.decision.is_recording()
+            state, extra = result.trace_state, result.attributes
         flags = trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT
         if (ids.is_trace_id_random() if parent is None else parent.trace_flags.random_trace_id):
             flags |= trace.TraceFlags.RANDOM_TRACE_ID
+        if not recording:  # dropped, as the SDK drops it: only its context goes on
+            return trace.NonRecordingSpan(trace.SpanContext(trace_id, ids.generate_span_id(), False,
+                                                            trace.TraceFlags(flags), state))
         span = cls.__new__(cls)
         span._tracer, span._name, span._kind, span._parent = tracer_, name, kind, parent
         span._context = trace.SpanContext(trace_id, ids.generate_span_id(), False, trace.TraceFlags(flags), state)
@@ -172,6 +171,8 @@ class _RecordedSpan(trace.Span):
     def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
         if self._end is None:
             limits = self._tracer._span_limits
+            if limits.max_events is not None and len(self._events) >= limits.max_events:
+                del self._events[0]  # the SDK keeps the newest max_events
             self._events.append(Event(name, BoundedAttributes(limits.max_event_attributes, attributes,
                                                               immutable=True,
                                                               max_value_len=limits.max_attribute_length),
@@ -208,7 +209,7 @@ class _RecordedSpan(trace.Span):
         if self._extra:
             limits = tracer_._span_limits
             attributes = BoundedAttributes(limits.max_span_attributes, {**attributes, **self._extra},
-                                           immutable=True, max_value_len=limits.max_attribute_length)
+                                           immutable=True, max_value_len=limits.max_span_attribute_length)
         tracer_.span_processor.on_end(ReadableSpan(
             self._name, self._context, self._parent, tracer_.resource, attributes, tuple(self._events), (),
             self._kind, tracer_.instrumentation_info, self._status, self._start, self._end,
@@ -251,7 +252,7 @@ def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, b
 # W3C trace context, as the SDK's propagator reads it (version ff is invalid; version 00 has no suffix).
 _TRACEPARENT = re.compile(r"[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
 _TRACEPARENT_MAX = 512
-_TRACESTATE_MAX = 512
+_TRACESTATE_MAX = 8192  # the SDK's limit for tracestate headers, all together
 
 
 def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> trace.SpanContext | None:

@@ -113,7 +113,9 @@ def test_the_providers_sampler_decides_for_record_spans():
     with telemetry.record_span("root", trace.SpanKind.PRODUCER, {}, parent=None, tracer_=tracer) as root:
         # Not sampled, but still a context that children and headers carry on.
         assert root.get_span_context().is_valid and not root.get_span_context().trace_flags.sampled
-        assert telemetry.inject_headers()[0][1].endswith(b"-00")
+        assert int(telemetry.inject_headers()[0][1][-2:], 16) & trace.TraceFlags.SAMPLED == 0
+        with tracer.start_as_current_span("sdk root", context=otel_context.Context()) as sdk_root:
+            assert sdk_root.get_span_context().trace_flags == root.get_span_context().trace_flags
         with tracer.start_as_current_span("child") as child:
             assert child.get_span_context().trace_id == root.get_span_context().trace_id
     assert exporter.get_finished_spans() == ()
@@ -121,6 +123,15 @@ def test_the_providers_sampler_decides_for_record_spans():
     with telemetry.record_span("followed", trace.SpanKind.CONSUMER, {}, tracer_=tracer,
                                parent=telemetry.parent_from_headers([("traceparent", PARENT.encode())])):
         pass
+    assert [s.name for s in exporter.get_finished_spans()] == ["followed"]
+
+    # An unsampled parent is followed too: the span is dropped as the SDK drops it, its context goes on.
+    unsampled = telemetry.parent_from_headers([("traceparent", (PARENT[:-2] + "02").encode())])
+    with telemetry.record_span("dropped", trace.SpanKind.CONSUMER, {}, tracer_=tracer, parent=unsampled) as span:
+        sdk_span = tracer.start_span("sdk", context=telemetry.extract_context([("traceparent", (PARENT[:-2] + "02").encode())]))
+        assert not span.is_recording() and not sdk_span.is_recording()
+        assert span.get_span_context().trace_flags == sdk_span.get_span_context().trace_flags == 0x02
+        assert span.get_span_context().trace_id == unsampled.trace_id
     assert [s.name for s in exporter.get_finished_spans()] == ["followed"]
 
     off, off_exporter = provider_with(ALWAYS_OFF)
@@ -139,7 +150,7 @@ TRACEPARENTS = [
     "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0g", "", "garbage", "0" * 600,
     "01" + PARENT[2:] + "-" + "x" * 500, PARENT + "\n", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b71692033310-01",
 ]
-TRACESTATES = [None, "a=1,b=2", "bad state", "k=" + "v" * 600, ""]
+TRACESTATES = [None, "a=1,b=2", "bad state", "k=" + "v" * 600, "", ",".join(f"{k}={'v' * 200}" for k in "abc")]
 
 
 @pytest.mark.parametrize("traceparent", TRACEPARENTS)

@@ -27,8 +27,15 @@ async def run(settings: Settings, stop: asyncio.Event, **options) -> Aggregator:
         log.info("reward-aggregator ready (%s advantages, group timeout %.0fs)", settings.estimator,
                  settings.group_timeout_s)
         try:
-            await stop.wait()
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(aggregator.failed.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            if aggregator.failure is not None:
+                raise RuntimeError("the reward-aggregator could not write a batch") from aggregator.failure
             await aggregator.flush()  # rows lingering for company: written, so a normal stop replays nothing
+            if aggregator.failure is not None:
+                raise RuntimeError("the reward-aggregator could not write a batch") from aggregator.failure
         finally:
             await aggregator.app.stop()
     return aggregator

@@ -58,10 +58,11 @@ JOIN_BATCH, JOIN_LINGER_S = 256, 0.01  # verdicts joined before the groups they 
 # How long a finished group's rows wait for others' before they are inserted. Each insert is a part the
 # store writes and later merges (10-20 ms of its CPU, however few rows): batches 10 ms apart made two or
 # three a step. Nobody waits for these rows (their verdicts' acks do, off the join's path).
-ROWS_LINGER_S = 0.5
+ROWS_LINGER_S = 0.25
 # Batches whose trajectories and rows may still be on their way while later batches are joined; at this
-# many the join waits for the oldest (a slow store slows the join instead of piling batches up).
-MAX_WRITING = 8
+# many the join waits for the oldest (a slow store slows the join instead of piling batches up). Batches
+# close 10 ms apart at the most: more than a linger's worth, so a store that keeps up never stalls it.
+MAX_WRITING = 64
 
 
 @dataclass
@@ -100,6 +101,11 @@ class Aggregator:
         self.incomplete_emitted = 0
         self.dead_lettered = 0
         self.alerts_raised = 0
+        # A batch whose trajectories or rows could not be written (the store refused them, or did not
+        # answer within writes.PATIENCE_S): no later batch is acked after it, so the service stops
+        # (run() raises it) and its restart reads them all again.
+        self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
         self.tracer = telemetry.tracer("crucible.aggregator")
         self._open: dict[bytes, tuple[dict | None, object]] = {}  # the joining batch's groups: entry (None: done), last event
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
@@ -161,8 +167,16 @@ class Aggregator:
                 # The trajectories go out now; the batch is acked once they and its rows have landed,
                 # while the next batches are joined.
                 landing = asyncio.ensure_future(self._land(completed, await self._send(completed)))
+                landing.add_done_callback(self._landed)
                 writing.append(landing)
                 events.after(landing)
+
+    def _landed(self, landing: asyncio.Future) -> None:
+        if not landing.cancelled() and landing.exception() is not None and self.failure is None:
+            self.failure = landing.exception()
+            log.error("a batch's trajectories or rows could not be written (%r): stopping, to read it again "
+                      "from the last commit", self.failure)
+            self.failed.set()
 
     async def flush(self) -> None:
         """Writes the rows waiting for company now; returns once every insert begun has ended."""

@@ -8,7 +8,10 @@ event, however long that takes, and closes `linger_s` later or as soon as it hol
 A batch's events are acked only after the caller's loop body for that batch has finished, and
 only if it finished: faust commits nothing the body has not done. A body may leave work running
 past its end (`batch.after(future)`: its rows still being written): the batch is then acked once
-that work has succeeded, and never if it failed, while the next batches go on. Events that arrive
+that work has succeeded, and never if it failed, while the next batches go on. Batches are acked
+in the order they were read, whatever order their work ends in: faust commits up to the first
+run of acked offsets it finds, even one that starts after an unacked one (no committed offset yet,
+or a gap of one), so a later batch acked first could commit past an earlier one. Events that arrive
 while a batch is being handled start the next one (up to `max_events` of them; then the stream
 waits), rather than waiting for the body to finish before they may be read.
 """
@@ -33,14 +36,20 @@ async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[Bat
     """The stream's events in lists of at most `max_events`, each closed `linger_s` after its first."""
     pending: list = []
     acking: set[asyncio.Task] = set()  # batches waiting for their body's unfinished work (held: tasks are weak)
+    last_acking: asyncio.Future | None = None  # the latest of them: the next batch is acked after it
 
-    async def ack_when_done(batch: Batch) -> None:
+    async def ack_in_order(batch: Batch, before: asyncio.Future | None) -> bool:
+        """Acks the batch once the batches read before it are acked and its work has succeeded;
+        whether it was (a batch not acked holds back every later one: they are read again)."""
+        if before is not None and not await before:
+            return False
         try:
             await asyncio.gather(*batch.unfinished)
         except Exception:  # noqa: BLE001 -- not acked: faust commits none of it, a restart reads it again
-            return  # (the body that waits on the same work next sees the failure and raises it)
+            return False  # (the body waiting on the same work raises it)
         for event in batch:
             await stream.ack(event)
+        return True
 
     opened = asyncio.Event()  # the next batch has its first event
     full = asyncio.Event()
@@ -80,11 +89,13 @@ async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[Bat
             # Only once the caller asks for the next batch, i.e. its body finished: a body that raised or
             # was cancelled (a stop mid-batch) leaves its events unacked, so faust commits none of them
             # and they are read again (take_events acks them in a `finally`, whatever the body did).
-            if batch.unfinished:
-                task = asyncio.ensure_future(ack_when_done(batch))
-                acking.add(task)
-                task.add_done_callback(acking.discard)
+            if batch.unfinished or (last_acking is not None and not last_acking.done()):
+                last_acking = asyncio.ensure_future(ack_in_order(batch, last_acking))
+                acking.add(last_acking)
+                last_acking.add_done_callback(acking.discard)
                 continue
+            if last_acking is not None and not last_acking.result():
+                continue  # an earlier batch failed: nothing after it is acked
             for event in batch:
                 await stream.ack(event)
     finally:
