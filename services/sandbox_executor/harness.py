@@ -26,6 +26,7 @@ Stdlib only: this module is loaded into the sandbox worker, which has no site-pa
 """
 from __future__ import annotations
 
+import _signal
 import ast
 import builtins
 import json
@@ -297,7 +298,7 @@ def run(job: dict, report_fd: int, tests_fd: int, candidate_pid: int, call_w: in
 def _harden() -> None:
     # The jail made itself non-dumpable before the job arrived (no process of the same uid may read
     # this one's memory or take its descriptors); seccomp forbids ptrace, process_vm_* and pidfd_getfd.
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a candidate closing its end is an EPIPE, not our death
+    _signal.signal(_signal.SIGPIPE, _signal.SIG_IGN)  # a candidate closing its end is an EPIPE, not our death
 
 
 def _read_tests(fd: int) -> dict:

@@ -14,23 +14,60 @@ JAIL_OWN_TASKS = 8
 
 
 class Cgroups:
-    """A slot's directories by controller ("unified" for v2); empty when the host has none."""
+    """A slot's directories by controller ("unified" for v2); empty when the host has none.
 
-    def __init__(self, paths: dict):
+    With `keep_open` (a worker's own slots, read and written several times a job), each control
+    file is opened once and then read and written in place (pread/pwrite at offset 0, which the
+    kernel answers afresh each time), instead of an open, a Python file object and a close per
+    access. Leaves about to be removed are read the plain way."""
+
+    def __init__(self, paths: dict, keep_open: bool = False):
         self.paths = paths  # controller -> directory
+        self.keep_open = keep_open
+        self._fds: dict[tuple[str, str], int] = {}
+
+    def _read(self, path: str, name: str) -> bytes:
+        if not self.keep_open:
+            with open(os.path.join(path, name), "rb") as f:
+                return f.read()
+        fd = self._fd(path, name, os.O_RDONLY)
+        chunks, offset = [], 0
+        while True:
+            chunk = os.pread(fd, 65536, offset)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            offset += len(chunk)
+
+    def _write(self, path: str, name: str, data: bytes) -> None:
+        if not self.keep_open:
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(data)
+            return
+        os.pwrite(self._fd(path, name, os.O_WRONLY), data, 0)
+
+    def _fd(self, path: str, name: str, mode: int) -> int:
+        key = (os.path.join(path, name), "w" if mode == os.O_WRONLY else "r")
+        fd = self._fds.get(key)
+        if fd is None:
+            fd = self._fds[key] = os.open(key[0], mode | os.O_CLOEXEC)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def attach(self, pid: int) -> None:
         for path in self.paths.values():
-            with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            self._write(path, "cgroup.procs", str(pid).encode())
 
     def pids(self) -> list[int]:
         path = self.paths.get("pids") or self.paths.get("unified") or self.paths.get("memory")
         if not path:
             return []
         try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                return [int(x) for x in f.read().split()]
+            return [int(x) for x in self._read(path, "cgroup.procs").split()]
         except OSError:
             return []
 
@@ -38,12 +75,10 @@ class Cgroups:
         """How many times the memory limit was hit (v1 failcnt / v2 max+oom events)."""
         try:
             if "memory" in self.paths:
-                with open(os.path.join(self.paths["memory"], "memory.failcnt")) as f:
-                    return int(f.read())
+                return int(self._read(self.paths["memory"], "memory.failcnt"))
             if "unified" in self.paths:
-                with open(os.path.join(self.paths["unified"], "memory.events")) as f:
-                    fields = dict(line.split() for line in f)
-                return int(fields.get("oom_kill", 0)) + int(fields.get("max", 0))
+                fields = dict(line.split() for line in self._read(self.paths["unified"], "memory.events").splitlines())
+                return int(fields.get(b"oom_kill", 0)) + int(fields.get(b"max", 0))
         except (OSError, ValueError):
             pass
         return 0
@@ -54,8 +89,7 @@ class Cgroups:
         if not path:
             return 0
         try:
-            with open(os.path.join(path, "pids.events")) as f:
-                return int(dict(line.split() for line in f).get("max", 0))
+            return int(dict(line.split() for line in self._read(path, "pids.events").splitlines()).get(b"max", 0))
         except (OSError, ValueError):
             return 0
 
@@ -68,8 +102,7 @@ class Cgroups:
         if cpu is None or memory is None:
             return None
         try:
-            with open(os.path.join(memory, "memory.max_usage_in_bytes"), "w") as f:
-                f.write("0")
+            self._write(memory, "memory.max_usage_in_bytes", b"0")
         except OSError:
             return None
         return {"cpu": cpu}
@@ -81,8 +114,7 @@ class Cgroups:
             return None
         cpu = self._cpu_ns()
         try:
-            with open(os.path.join(self.paths["memory"], "memory.max_usage_in_bytes")) as f:
-                peak = int(f.read())
+            peak = int(self._read(self.paths["memory"], "memory.max_usage_in_bytes"))
         except (OSError, ValueError):
             return None
         if cpu is None:
@@ -99,10 +131,7 @@ class Cgroups:
         if not path:
             return None
         try:
-            values = []
-            for name in ("cpuacct.usage", "cpuacct.usage_user", "cpuacct.usage_sys"):
-                with open(os.path.join(path, name)) as f:
-                    values.append(int(f.read()))
+            values = [int(self._read(path, name)) for name in ("cpuacct.usage", "cpuacct.usage_user", "cpuacct.usage_sys")]
             return values[0], values[1], values[2]
         except (OSError, ValueError):
             return None
@@ -111,8 +140,7 @@ class Cgroups:
         """Zeroes the v1 counter; returns the count now (cgroup v2 counters only grow: compare to it)."""
         if "memory" in self.paths:
             try:
-                with open(os.path.join(self.paths["memory"], "memory.failcnt"), "w") as f:
-                    f.write("0")
+                self._write(self.paths["memory"], "memory.failcnt", b"0")
             except OSError:
                 pass
         return self.memory_events()

@@ -16,6 +16,7 @@ process running the candidate's code never has them.
 """
 from __future__ import annotations
 
+import _signal
 import builtins
 import fcntl
 import json
@@ -32,7 +33,11 @@ from crucible.shared import framing
 
 # Signals the worker ignores or handles that a jailed program must feel: exceeding a file limit
 # or writing to a closed pipe kills, so the result can say so.
-_DEFAULT_SIGNALS = (signal.SIGXFSZ, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM)
+_DEFAULT_SIGNALS = (int(signal.SIGXFSZ), int(signal.SIGPIPE), int(signal.SIGINT), int(signal.SIGTERM))
+# What a program may expect of its environment, none of it the host's: `~` expands without a
+# password-database lookup, and the user has a name. The worker (started with an empty environment)
+# sets it once, before the zygote exists, so every job inherits it as it is.
+JOB_ENVIRONMENT = {"HOME": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8"}
 LISTENER_TO = 7  # where each jailed process holds the socket its seccomp listener is sent on, until sent
 
 
@@ -139,13 +144,21 @@ def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int
 
 
 def write_files(cfg: dict, job: dict) -> None:
+    """The job's files in /work (the current folder), owned by the job's uid. Written with plain
+    descriptor calls: a text-mode `open` would copy some seventy pages of the worker's io machinery."""
     for name, content in job["files"].items():
         if "/" in name or name.startswith("."):
             raise ValueError(f"bad file name {name!r}")
-        with open(name, "w") as f:
-            f.write(content)
-        if os.geteuid() == 0:
-            os.chown(name, cfg["uid"], cfg["uid"])
+        data = content.encode("utf-8")
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if os.geteuid() == 0:
+                os.fchown(fd, cfg["uid"], cfg["uid"])
+        finally:
+            os.close(fd)
 
 
 def place_fds(pairs: list[tuple[int, int]]) -> None:
@@ -167,20 +180,20 @@ def place_fds(pairs: list[tuple[int, int]]) -> None:
 def confine(cfg: dict, job: dict) -> None:
     """The last steps before job code runs, in this order: rlimits and the uid drop (which need
     privileges), default signal handling, seccomp (which forbids what came before; its listener
-    leaves on LISTENER_TO), no environment."""
+    leaves on LISTENER_TO). The environment is JOB_ENVIRONMENT already (inherited from the worker).
+
+    Everything here runs in a fresh fork, where each page of the worker's memory it touches is
+    copied (a fault of a few microseconds): `_signal.signal` sets a disposition without the enum
+    conversions of `signal.signal`, about 60 copied pages fewer."""
     drop_privileges(cfg, job)
     for sig in _DEFAULT_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+        _signal.signal(sig, _signal.SIG_DFL)
     if cfg["seccomp"] and seccomp.NOTIFY:
         seccomp.install(LISTENER_TO)
     else:
         os.close(LISTENER_TO)
         if cfg["seccomp"]:
             seccomp.install()
-    os.environ.clear()
-    # What a program may expect of its environment, none of it the host's: `~` expands without a
-    # password-database lookup, and the user has a name.
-    os.environ.update(HOME="/tmp", USER="sandbox", LOGNAME="sandbox", LANG="C.UTF-8")
 
 
 def drop_privileges(cfg: dict, job: dict) -> None:

@@ -18,14 +18,14 @@ import os
 import signal
 
 from crucible.services.sandbox_executor import candidate
-from crucible.services.sandbox_executor.jail import rootfs, seccomp, supervisor, zygote
+from crucible.services.sandbox_executor.jail import jailed, rootfs, seccomp, supervisor, zygote
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
 from crucible.shared import framing
 
 
 def main(cfg: dict) -> None:
     """Builds what every job inherits through fork, says ready on stdout, then serves until stdin closes."""
-    slots = [Cgroups(paths) for paths in cfg.get("cgroups") or [{}, {}, {}]]
+    slots = [Cgroups(paths, keep_open=True) for paths in cfg.get("cgroups") or [{}, {}, {}]]
     if cfg["isolate"]:
         rootfs.build_template(cfg)
     if cfg["seccomp"]:
@@ -38,6 +38,10 @@ def main(cfg: dict) -> None:
         except ImportError:
             pass
     candidate.prepare()
+    # Every job's environment, inherited through fork: exactly JOB_ENVIRONMENT (the interpreter's own
+    # start-up may have added LC_CTYPE to the empty one the worker was given).
+    os.environ.clear()
+    os.environ.update(jailed.JOB_ENVIRONMENT)
     gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # The zygote is forked now, before this process has read any job or started a thread.
