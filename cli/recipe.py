@@ -32,7 +32,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "sampling": ("temperature", "top_p", "max_tokens", "max_episode_tokens"),
     "eval": ("eval_every",),
     "learner": ("learner_ranks", "learner_sharding", "learner_optimizer_every"),
-    "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "epochs", "clip_eps", "kl_coef",
+    "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "lr_warmup_steps", "epochs", "clip_eps", "kl_coef",
                   "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",
                   "dynamic_sampling", "dynamic_sampling_window", "micro_batch_size", "gradient_checkpointing", "lora_rank", "lora_alpha", "reward_weights",
                   "length_penalty",

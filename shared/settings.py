@@ -87,6 +87,9 @@ class RunConfig(BaseModel):
     lr: float = Field(default=1e-3, gt=0)
     lr_decay_steps: int = Field(default=0, ge=0, description="Linear decay of the learning rate to 10% over "
                                 "this many steps (0: constant).")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up of the learning rate over the first "
+                                 "this many steps (0: none): Adam's first steps, on moments estimated from a "
+                                 "batch or two, are full-size steps in the direction of noise.")
     epochs: int = Field(default=1, ge=1, le=16, description="Optimiser passes over each batch.")
     clip_eps: float = Field(default=0.2, gt=0)
     kl_coef: float = Field(default=0.0, ge=0, description="Weight of the KL term to the frozen reference.")

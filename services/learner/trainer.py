@@ -81,10 +81,15 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
 
 def scheduled_lr(config: RunConfig, step: int) -> float:
     """The learning rate of optimiser step `step` (from 0): lr, or with lr_decay_steps = T,
-    lr * max(0.1, 1 - 0.9 step / T): a late policy takes small steps and stays where it got to."""
-    if not config.lr_decay_steps:
-        return config.lr
-    return config.lr * max(0.1, 1.0 - 0.9 * step / config.lr_decay_steps)
+    lr * max(0.1, 1 - 0.9 step / T): a late policy takes small steps and stays where it got to.
+    With lr_warmup_steps = W, step s < W takes (s + 1) / W of that: Adam's first steps, on moments
+    estimated from a batch or two, would otherwise be full-size steps in the direction of noise."""
+    lr = config.lr
+    if config.lr_decay_steps:
+        lr *= max(0.1, 1.0 - 0.9 * step / config.lr_decay_steps)
+    if step < config.lr_warmup_steps:
+        lr *= (step + 1) / config.lr_warmup_steps
+    return lr
 
 class Trainer:
     """Optimiser steps on batches of samples. With several `ranks`, every rank constructs one on the
