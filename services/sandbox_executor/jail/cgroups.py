@@ -53,11 +53,6 @@ class Cgroups:
             fd = self._fds[key] = os.open(key[0], mode | os.O_CLOEXEC)
         return fd
 
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
     def attach(self, pid: int) -> None:
         for path in self.paths.values():
             self._write(path, "cgroup.procs", str(pid).encode())
