@@ -5,6 +5,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,29 @@ def processes_of(uids: set[int]) -> list[int]:
     return found
 
 
+def leftovers(pool: SandboxPool, wait_s: float = 5.0) -> list[int]:
+    """Processes of the pool's job uids that a job left behind, once its teardown had `wait_s` to finish.
+
+    Each worker keeps one jail ready for the next job, already under the job uid: the one child of its
+    zygote (the worker's child; the workers are this process's), with its candidate's process beside it.
+    Anything else of those uids (a second jail of a zygote, or more processes in the prepared one) is left
+    over from a job."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = set(processes_of(sandbox_uids(pool)))
+        for worker in children_of(os.getpid()):
+            for zygote in children_of(worker):
+                jails = set(children_of(zygote)) & found
+                if len(jails) == 1:
+                    (jail,) = jails
+                    beside = set(children_of(jail)) & found
+                    if len(beside) <= 1 and not any(children_of(c) for c in beside):
+                        found -= {jail, *beside}
+        if not found or time.monotonic() > deadline:
+            return sorted(found)
+        time.sleep(0.02)
+
+
 @pytest_asyncio.fixture(scope="module")
 async def pool():
     os.environ["CRUCIBLE_TEST_SECRET"] = SECRET  # the service's environment holds a secret
@@ -49,7 +73,7 @@ async def pool():
 async def run(pool, code: str, **kw):
     result = await pool.execute(Job(code=code, **kw))
     # Whatever happened, nothing of the job outlives it and the pool still works.
-    assert processes_of(sandbox_uids(pool)) == []
+    assert leftovers(pool) == []
     follow = await pool.execute(Job(code="print(6 * 7)"))
     assert follow.exit_code == 0 and follow.stdout == b"42\n"
     return result
