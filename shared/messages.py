@@ -89,7 +89,12 @@ def decode(
         message.ParseFromString(value)
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise MessageDecodeError(f"not a valid {expected_name} protobuf: {exc}") from exc
-    unknown = _unknown_field_path(message)
+    # Every unknown field, at any depth, takes at least a byte of the message's size; discarding them
+    # (in C, recursively) and sizing again finds out in two passes over the bytes instead of a walk
+    # through every nested message in Python. Only a message that has some is walked, to say where.
+    size = message.ByteSize()
+    message.DiscardUnknownFields()
+    unknown = None if message.ByteSize() == size else _unknown_field_path(expected.FromString(value)) or "a nested field"
     if unknown:
         raise MessageDecodeError(
             f"bytes carry fields unknown to {expected_name} (at {unknown}): wrong schema, garbage, or a newer producer"

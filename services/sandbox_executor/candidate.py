@@ -247,11 +247,29 @@ def prepare() -> None:
             except TypeError:
                 pass
     BUILTINS_SNAPSHOT = dict(builtins.__dict__)
+    global JOB_STDIO
+    JOB_STDIO = job_stdio()
     global HOST_MODULES
     HOST_MODULES = tuple(name for name in sys.modules if name == "crucible" or name.startswith("crucible."))
 
 
 HOST_MODULES: tuple[str, ...] = ()  # the worker's own modules, named once (prepare) so a job can drop them fast
+JOB_STDIO: tuple = ()  # a job's sys.stdin, sys.stdout and sys.stderr, made once (prepare)
+
+
+def job_stdio() -> tuple:
+    """Text streams on descriptors 0, 1 and 2 as a job's process has them (its pipes), made in the worker,
+    before any job: descriptors are numbers, so every job's fork writes to and reads from its own. Made
+    in each job's process instead, three text-mode `open`s would copy some seventy pages of the worker's io
+    machinery each time. Nothing reads or writes them in the worker (its own stdio is the pool's)."""
+    return (open(0, "r", encoding="utf-8", errors="replace", closefd=False),
+            open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1),
+            open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1))
+
+
+def use_job_stdio() -> None:
+    """In a job's process, before its program runs: its sys.stdin, sys.stdout and sys.stderr."""
+    sys.stdin, sys.stdout, sys.stderr = JOB_STDIO or job_stdio()
 
 
 THREAD_STACK_BYTES = 512 << 10
@@ -295,9 +313,7 @@ def write_frame(fd: int, obj: dict) -> None:
 
 def serve(job: dict, call_r: int, reply_w: int) -> None:
     """Runs the program, reports ready, answers calls until the harness is done; never returns."""
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-    sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    use_job_stdio()
     program_file = "/work/" + job["main"]
     sys.argv = [program_file]
     sys.path[:0] = ["/work"]

@@ -256,9 +256,7 @@ def execute(job: dict) -> int:
 
     Tested jobs never come here: `harness.run` keeps the tests out of the program's process.
     """
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
-    sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    candidate.use_job_stdio()
     sys.argv = [job["main"]]
     sys.path[:0] = ["/work"]
     sys.modules.pop("__main__", None)
