@@ -8,7 +8,7 @@ candidate.py, plain.py, crucible.shared.framing), uses the standard library only
     __main__.py    the entry point: makes those modules importable, starts the worker
     worker.py      start-up: builds what every jail inherits, forks the zygote, supervises
     zygote.py      the fork server: forks each jail into fresh namespaces, reaps it; never holds a job
-    supervisor.py  takes each job, runs it in a prepared jail (a thread per job), enforces the wall
+    supervisor.py  takes each job, runs it in a prepared jail (on a runner thread), enforces the wall
                    clock and the output cap, sends the result
     jailed.py      the jail's pid 1, and a tested job's candidate process beside it
     rootfs.py      the read-only template root, and a job's entry into it

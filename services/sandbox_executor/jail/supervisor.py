@@ -3,9 +3,10 @@
 It asks the zygote (zygote.py, forked from this process before any job
 existed) for a jail in a free cgroup slot, joins the jail to the slot and waits
 until the jail has its root and its candidate process; only then does it read
-the next job from stdin (the pool's pipe). Each job runs in a thread of its
-own, which enforces the wall clock and the output cap, writes exactly one
-result frame to stdout, and tears the jail down after the result has gone. The
+the next job from stdin (the pool's pipe). Each job runs on a runner thread
+(one per cgroup slot, started once), which enforces the wall clock and the
+output cap, writes exactly one result frame to stdout, and tears the jail down
+after the result has gone. The
 next jail is prepared while a job runs, so a job's latency holds no fork,
 unshare or mount.
 
@@ -161,20 +162,28 @@ class Jail:
 
 
 class Supervisor:
-    """Jobs from stdin, results to stdout; one prepared jail ahead, each job in a thread."""
+    """Jobs from stdin, results to stdout; one prepared jail ahead, each job on a runner thread.
+
+    A job runs while it holds a cgroup slot, so at most one job per slot runs at a time: one runner
+    thread per slot, started once, never waits for another (a thread started per job cost a
+    clone, a stack mapping and its teardown every job)."""
 
     def __init__(self, cfg: dict, slots: list[Cgroups], zygote_link: Zygote):
         self.cfg, self.slots, self.zygote = cfg, slots, zygote_link
         self.free = set(range(len(slots)))
         self.slot_freed = threading.Condition()
         self.send_lock = threading.Lock()
-        self.running: list[threading.Thread] = []
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (jail, job, slot), or None: no more
+        self.runners = [threading.Thread(target=self._runner, name=f"runner {i}", daemon=True)
+                        for i in range(len(slots))]
         # Whether the next job will have tests, guessed from the last one (jobs come in runs of one
         # kind): the jail forks the candidate's process ahead only then (jailed.py).
         self.expect_tested = True
 
     def serve(self) -> None:
-        """Until stdin closes: prepare a jail, take a job, run it in a thread, prepare the next."""
+        """Until stdin closes: prepare a jail, take a job, hand it to a runner, prepare the next."""
+        for runner in self.runners:
+            runner.start()
         while True:
             slot = self._take_slot()
             jail, problem = None, ""
@@ -207,11 +216,18 @@ class Supervisor:
                     jail.release()
                 self._free_slot(slot)
                 continue
-            thread = threading.Thread(target=self.run, args=(jail, job, slot), name=f"job {job_id}", daemon=True)
-            thread.start()
-            self.running = [t for t in self.running if t.is_alive()] + [thread]
-        for thread in self.running:
-            thread.join()
+            self.jobs.put((jail, job, slot))
+        for _ in self.runners:
+            self.jobs.put(None)
+        for runner in self.runners:
+            runner.join()
+
+    def _runner(self) -> None:
+        while (work := self.jobs.get()) is not None:
+            try:
+                self.run(*work)
+            except BaseException as exc:  # its jail released and slot freed (run's finally); keep serving
+                os.write(2, f"sandbox runner: {type(exc).__name__}: {exc}\n".encode())
 
     def prepare(self, slot: int) -> Jail:
         """A jail from the zygote, joined to this slot's cgroups, with its root and its candidate process."""
@@ -233,7 +249,7 @@ class Supervisor:
         return jail
 
     def run(self, jail: Jail, job: dict, slot: int) -> None:
-        """One job's thread: the result out, then the teardown; the slot is free once it is empty."""
+        """One job on a runner thread: the result out, then the teardown; the slot is free once it is empty."""
         cgroups = self.slots[slot]
         try:
             try:
