@@ -39,7 +39,7 @@ def test_shipped_recipes_load_and_round_trip(path):
 
 def test_the_builtin_recipe_is_the_shipped_digits_file():
     assert recipes.builtin().run_config() == recipes.load(RECIPES / "digits.toml").run_config()
-    assert recipes.builtin().run_config().kl_coef == 0.05
+    assert recipes.builtin().run_config().kl_coef == 0.2
 
 
 @pytest.mark.parametrize("text,line,field,what", [
