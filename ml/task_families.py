@@ -16,6 +16,8 @@ pretrained model such as SmolLM2-135M answers in, about a third of the time corr
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 import random
 from collections.abc import Iterator
 
@@ -106,17 +108,30 @@ def graded_by(tasks: Iterator[task_pb2.Task], kind: str) -> Iterator[task_pb2.Ta
 
 
 def with_canaries(tasks: Iterator[task_pb2.Task], rate: float, *, seed: int) -> Iterator[task_pb2.Task]:
-    """The stream with about `rate` of its tasks turned into canaries: the same prompt, an expected
-    answer no honest completion gives (`CANARY_ANSWER`), metadata canary=true. The policy cannot tell
-    a canary from its neighbours; a grader that pays one is paying for something other than the
-    answer, and the aggregator raises `canary_passed`."""
+    """The stream with `rate` of its tasks turned into canaries: the same prompt, an expected answer
+    no honest completion gives (`CANARY_ANSWER`), metadata canary=true. The policy cannot tell a
+    canary from its neighbours; a grader that pays one is paying for something other than the
+    answer, and the aggregator raises `canary_passed`.
+
+    Spread evenly, placed at random: the stream is cut into blocks of about 1/rate tasks, each
+    holding one canary at a random place in it, so any step's worth of tasks carries its share. A
+    coin per task did not promise that: at 0.25, a 16-task step had at most one canary a time in
+    16, and a version whose answers were a fifth junk could go unchecked."""
     rng = random.Random(seed)
-    for task in tasks:
-        if rng.random() < rate:
-            task.id = f"canary-{task.id}"
-            task.answer.answer = CANARY_ANSWER
-            task.metadata["canary"] = "true"
-        yield task
+    owed = rng.random()  # the fraction of a canary the stream starts with
+    while True:
+        length = max(1, math.ceil((1.0 - owed) / rate))  # tasks until the next whole canary is owed
+        owed = owed + length * rate - 1.0
+        block = list(itertools.islice(tasks, length))
+        if not block:
+            return
+        pick = rng.randrange(length)
+        for i, task in enumerate(block):
+            if i == pick:
+                task.id = f"canary-{task.id}"
+                task.answer.answer = CANARY_ANSWER
+                task.metadata["canary"] = "true"
+            yield task
 
 
 # The procedural families a recipe can name (`[[tasks.sources]] family = ...`), with their default ops.

@@ -1,6 +1,7 @@
 """Recipes: one file describes a job; every field has one default; mistakes name the file and the line."""
 from __future__ import annotations
 
+import itertools
 import tomllib
 from pathlib import Path
 
@@ -95,6 +96,23 @@ def test_held_out_tasks_are_a_stable_split_and_never_in_the_training_stream():
     seen = [next(train) for _ in range(200)]
     assert all(t.split == "train" and t.id.split("#")[0] not in held_ids for t in seen)
     assert all(t.group_size == 4 for t in seen)
+
+
+@pytest.mark.parametrize("rate", [0.25, 0.3, 0.125, 0.5])
+def test_canaries_come_at_their_rate_in_every_stretch_of_the_stream_at_random_places(rate):
+    recipe = recipes.shipped("planted-hack")
+    recipe.tasks.sources[0].canaries = rate
+    streams = [task_sources.streams(recipe.tasks.sources, seed=seed, group_size=8, heldout_fraction=0.2,
+                                    heldout_file=None, heldout_size=10, base=RECIPES)[0] for seed in (0, 1)]
+    marks = [[next(train).metadata.get("canary") == "true" for _ in range(2000)] for train in streams]
+    window = 16  # a step of the planted-hack recipe
+    for seen in marks:
+        assert abs(sum(seen) / len(seen) - rate) < 0.01
+        counts = {sum(seen[i:i + window]) for i in range(len(seen) - window)}
+        assert min(counts) >= int(rate * window) - 1 and max(counts) <= int(rate * window) + 2, counts
+    assert marks[0] != marks[1], "where the canaries fall is drawn, not a fixed stride"
+    gaps = {b - a for a, b in itertools.pairwise(i for i, c in enumerate(marks[0]) if c)}
+    assert len(gaps) > 2, gaps
 
 
 @pytest.mark.kafka
