@@ -40,21 +40,31 @@ def split_of(prompt: str) -> str:
 
 def digits_tasks(split: str, *, seed: int, ops: tuple[str, ...] = DEFAULT_OPS, n_digits: int = 4,
                  group_size: int = 8) -> Iterator[task_pb2.Task]:
-    """An endless, seeded stream of `digits` tasks from one split."""
+    """An endless, seeded stream of `digits` tasks from one split. The word-answer ops (`ANSWERS`:
+    parity, size) are balanced: each op's tasks come in blocks that hold each of its answers once, in
+    random order (the digits drawn until they give it). With answers drawn at random, a step's own
+    mix of odd and even tasks pushed a policy that did not yet read its input towards whichever
+    answer the step had more of, and the answer mix swung from step to step instead of following
+    the digit. The digit ops' digits are drawn as they come (max and min are skewed by nature)."""
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ValueError(f"unknown digits ops {unknown}: choose from {sorted(OPS)}")
     rng = random.Random(seed)
+    owed: dict[str, list[str]] = {op: [] for op in ops}
     while True:
         op = rng.choice(ops)
-        digits = [rng.randrange(10) for _ in range(n_digits)]
-        prompt = f"{op} {' '.join(map(str, digits))} ="
-        if split_of(prompt) != split:
-            continue
-        answer = str(OPS[op](digits))
+        if op in ANSWERS and not owed[op]:
+            owed[op] = list(ANSWERS[op])
+            rng.shuffle(owed[op])
+        wanted = owed[op].pop() if op in ANSWERS else None
+        while True:
+            digits = [rng.randrange(10) for _ in range(n_digits)]
+            prompt = f"{op} {' '.join(map(str, digits))} ="
+            if wanted in (None, OPS[op](digits)) and split_of(prompt) == split:
+                break
         task_id = f"digits-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}-{rng.randrange(1 << 30):x}"
         yield task_pb2.Task(id=task_id, kind="exact", prompt=prompt, group_size=group_size, split=split,
-                            answer=task_pb2.ExpectedAnswer(answer=answer),
+                            answer=task_pb2.ExpectedAnswer(answer=str(OPS[op](digits))),
                             metadata={"family": "digits", "op": op, "prompt_format": "raw",
                                       "choices": ",".join(ANSWERS.get(op, tuple("0123456789")))})
 

@@ -98,6 +98,21 @@ def test_held_out_tasks_are_a_stable_split_and_never_in_the_training_stream():
     assert all(t.group_size == 4 for t in seen)
 
 
+@pytest.mark.parametrize("ops", [("parity",), ("parity", "size")])
+def test_digits_answers_are_balanced_in_every_stretch_and_still_right(ops):
+    from crucible.ml.task_families import ANSWERS, OPS, digits_tasks
+    for split in ("train", "heldout"):
+        tasks = list(itertools.islice(digits_tasks(split, seed=3, ops=ops), 2000))
+        assert all(t.split == split and t.answer.answer == str(OPS[t.metadata["op"]](
+            [int(d) for d in t.prompt.split()[1:-1]])) for t in tasks)
+        for op in ops:
+            answers = [t.answer.answer == ANSWERS[op][0] for t in tasks if t.metadata["op"] == op]
+            for i in range(len(answers) - 32):
+                assert abs(sum(answers[i:i + 32]) - 16) <= 1, (op, i)
+    prompts = [t.prompt for t in itertools.islice(digits_tasks("train", seed=3, ops=ops), 2000)]
+    assert len(set(prompts)) > 1500, "the digits are still drawn at random"
+
+
 @pytest.mark.parametrize("rate", [0.25, 0.3, 0.125, 0.5])
 def test_canaries_come_at_their_rate_in_every_stretch_of_the_stream_at_random_places(rate):
     recipe = recipes.shipped("planted-hack")
