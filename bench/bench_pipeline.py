@@ -39,13 +39,12 @@ import time
 from pathlib import Path
 
 from crucible.cli import recipe as recipes
-from crucible.cli.train import format_only_examples
+from crucible.cli.train import warm_started_policy
 from crucible.ml import evaluation, models, task_sources
 from crucible.ml.kinds import registry
 from crucible.ml.policy.backends import backend_for
-from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
+from crucible.ml.policy.checkpoint import save_checkpoint
 from crucible.ml.policy.sampling import SamplingParams
-from crucible.ml.policy.sft import warm_start
 from crucible.services.generator.handler import rollout_group
 from crucible.services.learner.groups import informative
 from crucible.services.learner.trainer import Trainer
@@ -68,9 +67,7 @@ def initial_checkpoint(recipe: recipes.Recipe, seed: int, folder: Path) -> Path:
     built-in policy warm-started on the answer format."""
     if recipe.model.name != "builtin":
         return models.resolve(recipe.model.name, Settings())
-    model = fresh_policy(seed)
-    warm_start(model, format_only_examples(recipe, seed), steps=recipe.model.warm_start_steps, batch_size=32,
-               lr=3e-3, seed=seed)
+    model, _ = warm_started_policy(recipe, seed)
     return save_checkpoint(model, folder / "init", {"version": 0})
 
 

@@ -93,7 +93,9 @@ ModelSection = _section("model", name=(str, Field(default="builtin", description
                                                      "name, or a folder holding a Hugging Face causal LM.")),
                         warm_start_steps=(int, Field(default=100, ge=0, description="The built-in policy only: "
                                                      "steps that teach it the answer format first (digits; "
-                                                     "environments with a format, e.g. lookup's calls).")))
+                                                     "environments with a format, e.g. lookup's calls).")),
+                        init_scale=(float, Field(default=0.02, gt=0, le=1, description="The built-in policy only: the "
+                                                 "standard deviation its fresh weights are drawn with.")))
 SamplingSection = _section("sampling", group_size=(int, Field(default=8, ge=1, description="Samples per task.")))
 AlgorithmSection = _section("algorithm")
 

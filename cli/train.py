@@ -26,6 +26,7 @@ from crucible.local.services import SERVICES, Services, stop_recorded
 from crucible.ml import evaluation, models, task_sources
 from crucible.ml.policy.backends import backend_for
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
+from crucible.ml.policy.model import Policy, PolicyConfig
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.services.learner.groups import Buffered, GroupBuffer, informative
@@ -293,6 +294,16 @@ def format_only_examples(recipe: Recipe, seed: int) -> list:
     return examples
 
 
+def warm_started_policy(recipe: Recipe, seed: int) -> tuple[Policy, float | None]:
+    """A fresh built-in policy drawn at the recipe's init_scale, then warm-started on the answer format
+    (`format_only_examples`); the warm start's last loss, or None when there was none."""
+    model = fresh_policy(seed, PolicyConfig(initializer_range=recipe.model.init_scale))
+    examples = format_only_examples(recipe, seed)
+    if not (recipe.model.warm_start_steps and examples):
+        return model, None
+    return model, warm_start(model, examples, steps=recipe.model.warm_start_steps, batch_size=32, lr=3e-3, seed=seed)
+
+
 async def _initial_policy(run: Run, settings: Settings) -> Path:
     """The starting checkpoint: the built-in policy (warm-started on the digits answer format), or the
     recipe's Hugging Face model as it is."""
@@ -301,14 +312,12 @@ async def _initial_policy(run: Run, settings: Settings) -> Path:
         folder = models.resolve(recipe.model.name, settings)
         echo(f"[1/5] model {recipe.model.name}: {folder}")
         return folder
-    model = fresh_policy(s.seed)
-    examples = format_only_examples(recipe, s.seed)
-    if recipe.model.warm_start_steps and examples:
+    if recipe.model.warm_start_steps:
         echo(f"[1/5] warm-starting a fresh policy on the answer format ({recipe.model.warm_start_steps} steps, "
              "random answers)")
-        started = time.monotonic()
-        loss = await asyncio.to_thread(warm_start, model, examples,
-                                       steps=recipe.model.warm_start_steps, batch_size=32, lr=3e-3, seed=s.seed)
+    started = time.monotonic()
+    model, loss = await asyncio.to_thread(warm_started_policy, recipe, s.seed)
+    if loss is not None:
         echo(f"      loss {loss:.3f} after {time.monotonic() - started:.1f}s; {model.num_parameters():,} parameters")
     else:
         echo(f"[1/5] a fresh built-in policy ({model.num_parameters():,} parameters)")

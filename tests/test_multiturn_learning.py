@@ -4,8 +4,10 @@
 table. The 0.7M-parameter policy is warm-started on the call format with random answers, so at
 first it calls or guesses and answers a random color (one in five right). Episodes then run
 generator -> sandbox-executor -> generator -> verifier -> reward-aggregator -> learner, with the
-observation tokens masked out of the loss. Measured here (recipes/lookup.toml with 3 values, 60 steps):
-held-out 0.425 -> 0.665 in two minutes; the test asks for +0.25 within its budget of 8 minutes.
+observation tokens masked out of the loss. Measured here (recipes/lookup.toml, init scale 0.1, balanced
+asked values): train pass rate 0.20 -> 0.77 by step 17, held-out 1.0 from version 20; 62 steps in the
+budget of 8 minutes (episodes that call take two trips through the generator). Before (init 0.02,
+random values) one run stayed at chance for 91 steps. The test asks for +0.25 within its budget.
 """
 from __future__ import annotations
 

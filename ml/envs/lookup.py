@@ -43,14 +43,25 @@ class Lookup(Environment):
         return {"answer_correct": float(answer.strip().lower() == data["table"][data["key"]])}
 
     def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:
+        """An endless, seeded stream of one split's tasks. The value asked about is balanced: tasks come
+        in blocks that ask for each of `VALUES` once, in random order (the rest of each table is drawn
+        at random). Asked values drawn at random let a step's own mix push a policy that does not yet
+        read the tool's answer towards whichever value the step asked for most, and its answers swung
+        from step to step instead of following the observation (as the digits family's did)."""
         rng = random.Random(seed)
+        owed: list[str] = []
         while True:
+            if not owed:
+                owed = list(VALUES)
+                rng.shuffle(owed)
             keys = rng.sample(KEYS, 3)
             table = {k: rng.choice(VALUES) for k in keys}
             key = rng.choice(keys)
+            table[key] = owed[-1]
             identity = f"{sorted(table.items())}:{key}"
             if split_of(identity) != split:
                 continue
+            owed.pop()
             yield self.task(f"color of {key}?", {"table": table, "key": key}, split=split,
                             key=f"{identity}:{rng.randrange(1 << 30)}", group_size=group_size)
 
