@@ -186,6 +186,31 @@ async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settin
     assert len(set(seen)) == n
 
 
+async def test_records_left_over_from_a_batch_never_wait_for_the_brokers_hold_on_idle_topics(settings):
+    """A consumer of two topics, one with more records than a batch, the other idle. Records the
+    client still held once a batch was handed out used to stop it fetching their topic while it
+    fetched the idle one alone, in a request the broker holds until a record arrives there or the
+    fetch wait ends: a new record on the busy topic then waited for that (here 60 s)."""
+    await bus.ensure_topics(["tasks", "rollouts"], settings=settings)
+    seen: list[str] = []
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+        await asyncio.sleep(0.003)  # a batch of 100 takes longer than the client's 100 ms for leftovers
+
+    async with bus.Producer(settings) as producer:
+        for i in range(150):
+            await producer.send("tasks", task_pb2.Task(id=f"t{i}", kind="exact", group_size=1), key=f"t{i}")
+        await producer.flush()
+        async with bus.Consumer(["tasks", "rollouts"], "leftovers", handler, settings=settings,
+                                fetch_max_wait_ms=60_000) as consumer:
+            await collect(consumer, 150)  # a batch of 100, then the 50 left over
+            await asyncio.sleep(0.5)
+            await producer.send_and_wait("tasks", task_pb2.Task(id="late", kind="exact", group_size=1), key="late")
+            await collect(consumer, 1, timeout=20.0)
+    assert seen == [f"t{i}" for i in range(150)] + ["late"]
+
+
 async def test_handler_outputs_are_produced_and_rejects_dead_lettered(settings):
     await bus.ensure_topics(["tasks", "rollouts"], settings=settings)
     attempts = {"flaky": 0}
