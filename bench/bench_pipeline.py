@@ -240,11 +240,11 @@ def main() -> None:
                 else:
                     result = pipeline(args.recipe, seed, args.steps, int(run == "async"), args.target, folder)
                 rows[RUNS[run]].append(result)
-        for name, results in rows.items():
-            r = results[-1]
-            print(f"  seed {seed} {name:<24}: {r['step_s'] * 1000:6.0f} ms/step  held-out {r['heldout_before']:.3f}"
-                  f" -> {r['heldout_after']:.3f}  to target "
-                  f"{'%.1f s' % r['to_target_s'] if r['to_target_s'] is not None else 'not reached'}", flush=True)
+                # each run's line as soon as it ends: a sweep of several seeds takes the better part of an hour
+                print(f"  seed {seed} {RUNS[run]:<24}: {result['step_s'] * 1000:6.0f} ms/step  held-out "
+                      f"{result['heldout_before']:.3f} -> {result['heldout_after']:.3f}  to target "
+                      f"{'%.1f s' % result['to_target_s'] if result['to_target_s'] is not None else 'not reached'}",
+                      flush=True)
     baseline = next(iter(rows))
     base = statistics.median(r["step_s"] for r in rows[baseline])
     print(f"\nmedian over seeds           step time   vs {baseline:<14} reached target   time to target (median of those)")
