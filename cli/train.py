@@ -320,7 +320,7 @@ async def _initial_policy(run: Run, settings: Settings) -> Path:
     if loss is not None:
         echo(f"      loss {loss:.3f} after {time.monotonic() - started:.1f}s; {model.num_parameters():,} parameters")
     else:
-        echo(f"[1/5] a fresh built-in policy ({model.num_parameters():,} parameters)")
+        echo(f"[1/5] a fresh built-in policy, nothing to warm-start on ({model.num_parameters():,} parameters)")
     return save_checkpoint(model, run.dir / "init", {"version": 0, "run_id": run.run_id})
 
 

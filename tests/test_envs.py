@@ -295,3 +295,23 @@ def test_a_reference_query_that_never_ends_is_an_error_not_a_hang(monkeypatch):
         env.check_answer(task, "1", [])
     task.environment.instance_json = json.dumps({**data, "pad": "x" * 1_000_001})
     assert any("travels with every turn" in p for p in task_problems(task))
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_lookup_asks_for_every_value_once_in_every_stretch_and_the_table_holds_it(split):
+    import itertools
+
+    from crucible.ml.envs.lookup import VALUES
+
+    env = envs.get("lookup")
+    tasks = list(itertools.islice(env.generate(split, seed=5, group_size=1), 50 * len(VALUES)))
+    asked = []
+    for task in tasks:
+        data = env.instance(task)
+        assert task.prompt == f"color of {data['key']}?" and data["key"] in data["table"]
+        asked.append(data["table"][data["key"]])
+    for i in range(0, len(asked), len(VALUES)):
+        assert sorted(asked[i:i + len(VALUES)]) == sorted(VALUES), asked[i:i + len(VALUES)]
+    assert len({tuple(asked[i:i + len(VALUES)]) for i in range(0, len(asked), len(VALUES))}) > 10, "not shuffled"
+    others = [v for t in tasks for k, v in env.instance(t)["table"].items() if k != env.instance(t)["key"]]
+    assert set(others) == set(VALUES), "the rest of each table is still drawn from every value"
