@@ -7,7 +7,7 @@
     [sampling]   group_size, max_tokens (per turn), max_episode_tokens, temperature, top_p
     [algorithm]  objective, estimator, lr, kl_coef, groups_per_step, max_policy_lag, ...
     [budget]     steps and/or minutes
-    [eval]       eval_every
+    [eval]       eval_every, eval_samples
 
 Every field has one default, in one place: what the services read is RunConfig's
 (shared/settings.py; `SECTIONS` below says which recipe section holds each), what only
@@ -30,7 +30,7 @@ from crucible.shared.settings import RunConfig
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("chat_template", "system_prompt"),
     "sampling": ("temperature", "top_p", "max_tokens", "max_episode_tokens"),
-    "eval": ("eval_every",),
+    "eval": ("eval_every", "eval_samples"),
     "learner": ("learner_ranks", "learner_sharding", "learner_optimizer_every"),
     "algorithm": ("seed", "objective", "estimator", "lr", "lr_decay_steps", "lr_warmup_steps", "epochs", "clip_eps", "kl_coef",
                   "entropy_coef", "max_grad_norm", "dpo_beta", "groups_per_step", "max_policy_lag",

@@ -417,9 +417,12 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                 for incoming in await evaluations.fetch(timeout_ms=0):
                     ev = incoming.message
                     report.evaluations.append({"t": round(time.monotonic() - started, 1), "version": ev.policy_version,
-                                               "heldout": ev.pass_rate, "eval_ms": ev.eval_ms})
+                                               "heldout": ev.pass_rate, "eval_ms": ev.eval_ms,
+                                               **({"heldout_sampled": ev.samples_passed / ev.samples}
+                                                  if ev.samples else {})})
+                    sampled = f", sampled {ev.samples_passed}/{ev.samples}" if ev.samples else ""
                     echo(f"      held-out pass rate {ev.pass_rate:.3f} at version {ev.policy_version} "
-                         f"(evaluator, {ev.passed}/{ev.tasks} in {ev.eval_ms / 1000:.1f}s)")
+                         f"(evaluator, {ev.passed}/{ev.tasks}{sampled} in {ev.eval_ms / 1000:.1f}s)")
                 for incoming in await alerts.fetch(timeout_ms=0):
                     a = incoming.message
                     severity = alert_pb2.Severity.Name(a.severity).removeprefix("SEVERITY_").lower()

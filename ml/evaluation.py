@@ -1,4 +1,4 @@
-"""Scoring a policy on held-out tasks: greedy answers, judged by the verifier through the same task kinds.
+"""Scoring a policy on held-out tasks: greedy answers (and optionally sampled ones), judged by the verifier through the same task kinds.
 
 One function for every place that measures a policy: the evaluator service (each Nth version, in
 the pipeline) and `crucible train` (before and after). Completions that need running go through the
@@ -27,8 +27,10 @@ Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.Execu
 
 @dataclass
 class Result:
-    tasks: Counter = field(default_factory=Counter)   # task kind -> how many were scored
-    passed: Counter = field(default_factory=Counter)  # task kind -> how many passed
+    tasks: Counter = field(default_factory=Counter)    # task kind -> how many were scored greedily
+    passed: Counter = field(default_factory=Counter)   # task kind -> how many of those passed
+    samples: Counter = field(default_factory=Counter)  # task kind -> completions drawn at the training temperature
+    samples_passed: Counter = field(default_factory=Counter)
     eval_ms: float = 0.0
 
     @property
@@ -36,41 +38,57 @@ class Result:
         total = sum(self.tasks.values())
         return sum(self.passed.values()) / total if total else 0.0
 
+    @property
+    def sampled_pass_rate(self) -> float:
+        total = sum(self.samples.values())
+        return sum(self.samples_passed.values()) / total if total else 0.0
+
 
 async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: Verify, *, max_tokens: int,
-                   concurrency: int = 16, execute: Execute | None = None, max_episode_tokens: int = 480) -> Result:
+                   concurrency: int = 16, execute: Execute | None = None, max_episode_tokens: int = 480,
+                   samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> Result:
     """Greedy completions of every task (one backend call), each verified; the pass counts by kind.
-    An environment's tasks are played as episodes (greedy turns, tools carried out through
-    `execute`, the Sandbox) and scored by their environment."""
+    With `samples`, also that many completions of every task drawn at `temperature` and `top_p` (as
+    training draws them), counted apart: a greedy score can stand still while the policy's answers
+    shift under it, so it is the sampled one that tracks the training reward. An environment's tasks
+    are played as episodes (tools carried out through `execute`, the Sandbox) and scored by their
+    environment."""
     started = time.perf_counter()
     result = Result()
-    if not tasks:
-        return result
-    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
+    greedy = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
+    drawn = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     episodic = [t for t in tasks if envs.is_environment(t)]
-    tasks = [t for t in tasks if not envs.is_environment(t)]
-    if episodic:
-        if execute is None:
-            execute = _no_sandbox
-        for e in await ep.drive(backend, episodic, execute, params, max_episode_tokens=max_episode_tokens):
-            result.tasks[e.task.kind] += 1
-            result.passed[e.task.kind] += int(envs.get(e.task.kind).score(e.task, e).passed)
-    if not tasks:
-        result.eval_ms = (time.perf_counter() - started) * 1000
-        return result
-    groups = await asyncio.to_thread(backend.sample, [registry.render_prompt(t) for t in tasks], 1, params)
+    plain = [t for t in tasks if not envs.is_environment(t)]
     slots = asyncio.Semaphore(concurrency)
 
-    async def one(task: task_pb2.Task, completion) -> bool:
-        request = verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(
-            id=f"heldout/{task.id}", completion=completion.text, token_ids=completion.token_ids))
-        async with slots:
-            return (await verify(request)).sample.passed
+    async def episodes(these: list[task_pb2.Task], params: SamplingParams, scored: Counter, passed: Counter):
+        for e in await ep.drive(backend, these, execute or _no_sandbox, params, max_episode_tokens=max_episode_tokens):
+            scored[e.task.kind] += 1
+            passed[e.task.kind] += int(envs.get(e.task.kind).score(e.task, e).passed)
 
-    passed = await asyncio.gather(*(one(t, g[0]) for t, g in zip(tasks, groups)))
-    for task, ok in zip(tasks, passed):
-        result.tasks[task.kind] += 1
-        result.passed[task.kind] += int(ok)
+    async def completions(n: int, params: SamplingParams, scored: Counter, passed: Counter):
+        groups = await asyncio.to_thread(backend.sample, [registry.render_prompt(t) for t in plain], n, params)
+
+        async def one(task: task_pb2.Task, index: int, completion) -> bool:
+            request = verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(
+                id=f"heldout/{task.id}/{index}", sample_index=index, completion=completion.text,
+                token_ids=completion.token_ids))
+            async with slots:
+                return (await verify(request)).sample.passed
+
+        verdicts = await asyncio.gather(*(one(t, i, c) for t, group in zip(plain, groups) for i, c in enumerate(group)))
+        for task, ok in zip((t for t, group in zip(plain, groups) for _ in group), verdicts):
+            scored[task.kind] += 1
+            passed[task.kind] += int(ok)
+
+    if episodic:
+        await episodes(episodic, greedy, result.tasks, result.passed)
+        if samples:
+            await episodes(episodic * samples, drawn, result.samples, result.samples_passed)
+    if plain:
+        await completions(1, greedy, result.tasks, result.passed)
+        if samples:
+            await completions(samples, drawn, result.samples, result.samples_passed)
     result.eval_ms = (time.perf_counter() - started) * 1000
     return result
 

@@ -81,6 +81,10 @@ class RunConfig(BaseModel):
     # evaluation on held-out tasks
     eval_every: int = Field(default=20, ge=1, description="The evaluator scores policy version 0 and every "
                             "eval_every-th version on the held-out tasks.")
+    eval_samples: int = Field(default=4, ge=0, le=64, description="Completions of each held-out task the evaluator "
+                              "also draws at the training temperature, besides the greedy one: their pass rate, not "
+                              "the greedy one, is what reward_without_heldout holds the training reward against "
+                              "(0: greedy only, and the greedy rate is used).")
 
     # the policy update
     objective: str = Field(default="grpo", pattern="^(grpo|ppo|dpo)$")

@@ -30,7 +30,7 @@ async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack
                                             verdict_pb2_grpc.add_VerifierServicer_to_server)])
         async with server:
             settings = stack_settings.model_copy(update={
-                "home": tmp_path, "run_id": "eval-run", "eval_every": 2, "max_tokens": 8,
+                "home": tmp_path, "run_id": "eval-run", "eval_every": 2, "eval_samples": 3, "max_tokens": 8,
                 "evaluator_verifier_target": server.address})
             heldout = [t for t, _ in zip(digits_tasks("heldout", seed=3, group_size=1), range(12))]
             init = save_checkpoint(fresh_policy(0), tmp_path / "v0", {"version": 0})
@@ -56,15 +56,21 @@ async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack
                 for e in results:
                     assert e.tasks == 12 and e.by_kind["exact"].tasks == 12 and 0 <= e.pass_rate <= 1
                     assert e.passed == e.by_kind["exact"].passed
+                    # and eval_samples completions of each task drawn at the training temperature
+                    assert e.samples == e.by_kind["exact"].samples == 12 * 3
+                    assert e.samples_passed == e.by_kind["exact"].samples_passed <= e.samples
                 with pytest.raises(asyncio.TimeoutError):
                     await read_raw(settings, "evaluations", 3, timeout=3)
             finally:
                 stop.set()
                 await asyncio.wait_for(evaluator, 30)
             client = store.connect(settings)
-            rows = client.query("SELECT policy_version, task_kind, tasks FROM evaluations FINAL "
+            rows = client.query("SELECT policy_version, task_kind, tasks, samples FROM evaluations FINAL "
                                 "WHERE run_id = 'eval-run' ORDER BY policy_version, task_kind").result_rows
-            assert rows == [(0, "*", 12), (0, "exact", 12), (2, "*", 12), (2, "exact", 12)]
+            assert rows == [(0, "*", 12, 36), (0, "exact", 12, 36), (2, "*", 12, 36), (2, "exact", 12, 36)]
+            stored = client.query("SELECT policy_version, samples_passed FROM evaluations FINAL "
+                                  "WHERE run_id = 'eval-run' AND task_kind = '*' ORDER BY policy_version").result_rows
+            assert stored == [(e.policy_version, e.samples_passed) for e in results]
             # A restarted evaluator does not score a stored version again.
             stop = asyncio.Event()
             again = asyncio.create_task(run(settings, stop))

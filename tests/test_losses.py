@@ -140,3 +140,30 @@ def test_an_honest_rise_early_does_not_hide_a_reward_that_then_rises_alone():
             sharpening.record_heldout(9, 0.84)
         alerts += sharpening.check(step, step, {**calm, "reward_mean": reward})
     assert alerts == []
+
+
+def test_a_reward_rising_after_the_last_evaluation_is_not_held_against_it():
+    """The clean planted-hack twin: held-out (sampled) 0.51 at version 0 and 0.52 at version 20, the
+    training reward flat to version 20 and climbing after it. Read at the last evaluation it has not
+    risen yet; read now it has (the monitor once compared the newest rewards with a rate ten versions
+    older, and fired); the next evaluation shows the held-out rate rising with it."""
+    from crucible.services.learner.monitors import HealthMonitor
+
+    monitor = HealthMonitor("run", min_steps=0, reward_window=5, reward_gain=0.2)
+    calm = {"kl": 0.1, "entropy": 1.0}
+    rewards = [0.37] * 20 + [0.4, 0.45, 0.5, 0.55, 0.6, 0.62, 0.63, 0.64, 0.65, 0.66, 0.68, 0.7]
+    fired = []
+    for version, reward in enumerate(rewards, start=1):
+        if version == 1:
+            monitor.record_heldout(0, 0.51)
+        if version == 24:
+            monitor.record_heldout(20, 0.52)
+        fired += monitor.check(version, version, {**calm, "reward_mean": reward})
+    monitor.record_heldout(30, 0.66)
+    fired += monitor.check(33, 33, {**calm, "reward_mean": 0.7})
+    assert fired == []
+    # the same rise with the held-out rate still flat at version 30 is the alarm
+    monitor.record_heldout(40, 0.52)
+    for version in range(34, 42):
+        fired += monitor.check(version, version, {**calm, "reward_mean": 0.7})
+    assert [a.kind for a in fired] == ["reward_without_heldout"]

@@ -1,7 +1,8 @@
 """python -m crucible.services.evaluator: crucible.policy + crucible.heldout -> crucible.evaluations + ClickHouse.
 
-Scores policy version 0 and every `eval_every`-th version of the run greedily on the held-out tasks
-(published to crucible.heldout, which nothing trains on), through the Verifier, so the same task
+Scores policy version 0 and every `eval_every`-th version of the run on the held-out tasks
+(published to crucible.heldout, which nothing trains on), greedily and by `eval_samples` completions
+a task drawn at the training temperature, through the Verifier, so the same task
 kinds and the same sandbox judge them as in training. Each result is stored per task kind in the
 `evaluations` table and published on crucible.evaluations, where the learner's health monitor reads
 it (`reward_without_heldout`). A version is scored once: a restarted evaluator skips what is stored.
@@ -25,7 +26,8 @@ from crucible.v1 import evaluation_pb2, policy_pb2, task_pb2
 
 log = logging.getLogger("crucible.evaluator")
 
-COLUMNS = ["run_id", "policy_version", "task_kind", "tasks", "passed", "pass_rate", "eval_ms", "ts"]
+COLUMNS = ["run_id", "policy_version", "task_kind", "tasks", "passed", "pass_rate", "eval_ms", "ts", "samples",
+           "samples_passed"]
 ALL_KINDS = "*"
 
 
@@ -34,17 +36,20 @@ def evaluation_message(settings: Settings, version: int, result: evaluation.Resu
     message = evaluation_pb2.Evaluation(
         run_id=settings.run_id, policy_version=version, tasks=sum(result.tasks.values()),
         passed=sum(result.passed.values()), pass_rate=result.pass_rate, evaluator_id=evaluator_id,
-        eval_ms=result.eval_ms,
-        by_kind={k: evaluation_pb2.KindResult(tasks=n, passed=result.passed[k]) for k, n in result.tasks.items()})
+        eval_ms=result.eval_ms, samples=sum(result.samples.values()),
+        samples_passed=sum(result.samples_passed.values()),
+        by_kind={k: evaluation_pb2.KindResult(tasks=n, passed=result.passed[k], samples=result.samples[k],
+                                              samples_passed=result.samples_passed[k])
+                 for k, n in result.tasks.items()})
     message.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
     return message
 
 
 def rows(message: evaluation_pb2.Evaluation) -> list[list]:
     ts = message.created_at.ToDatetime(tzinfo=dt.timezone.utc)
-    kinds = {ALL_KINDS: (message.tasks, message.passed), **{k: (r.tasks, r.passed) for k, r in message.by_kind.items()}}
-    return [[message.run_id, message.policy_version, kind, n, p, p / n if n else 0.0, message.eval_ms, ts]
-            for kind, (n, p) in kinds.items()]
+    kinds = {ALL_KINDS: message, **message.by_kind}
+    return [[message.run_id, message.policy_version, kind, r.tasks, r.passed, r.passed / r.tasks if r.tasks else 0.0,
+             message.eval_ms, ts, r.samples, r.samples_passed] for kind, r in kinds.items()]
 
 
 class Evaluator:
@@ -120,15 +125,16 @@ class Evaluator:
                     evaluation.sandbox(s.verifier_sandbox_target) as execute:
                 result = await evaluation.evaluate(backend, list(self.tasks.values()), verify,
                                                    max_tokens=s.max_tokens, execute=execute,
-                                                   max_episode_tokens=s.max_episode_tokens)
+                                                   max_episode_tokens=s.max_episode_tokens, samples=s.eval_samples,
+                                                   temperature=s.temperature, top_p=s.top_p)
             message = evaluation_message(s, pv.version, result, self.id)
             await asyncio.to_thread(writes.insert, self.store, "evaluations", rows(message), COLUMNS)
             await self.producer.send_and_wait("evaluations", message, key=s.run_id)
             self.done.add(pv.version)
-            log.info("version %d: held-out pass rate %.3f on %d tasks (%s) in %.0f ms", pv.version,
-                     message.pass_rate, message.tasks,
+            log.info("version %d: held-out pass rate %.3f on %d tasks (%s), sampled %.3f of %d, in %.0f ms",
+                     pv.version, message.pass_rate, message.tasks,
                      ", ".join(f"{k} {r.passed}/{r.tasks}" for k, r in sorted(message.by_kind.items())),
-                     message.eval_ms)
+                     result.sampled_pass_rate, message.samples, message.eval_ms)
 
     def _stored_versions(self) -> list[int]:
         return [r[0] for r in self.store.query(

@@ -182,7 +182,9 @@ class Learner:
                 for incoming in await self.evaluations.fetch(timeout_ms=0):
                     ev = incoming.message
                     if ev.run_id == self.settings.run_id and ev.tasks:
-                        self.monitor.record_heldout(int(ev.policy_version), ev.pass_rate)
+                        # the sampled rate, drawn as the training reward is, where the evaluator gave one
+                        self.monitor.record_heldout(int(ev.policy_version), ev.samples_passed / ev.samples
+                                                    if ev.samples else ev.pass_rate)
                 fetched = await self.reader.fetch(max_records=500)
                 if self.restored and not fetched and await self.reader.at_end():
                     self.restored.clear()

@@ -3,10 +3,13 @@
 - `kl_blowup`: KL to the reference jumps above `kl_limit` (the policy left its anchor in one step);
 - `entropy_collapse`: mean token entropy falls below `entropy_floor` (the policy stopped exploring,
   often the first sign of a reward being gamed by one fixed answer);
-- `reward_without_heldout`: between two held-out evaluations the mean training reward (over
-  `reward_window` steps) rose by `reward_gain` while the held-out pass rate rose by less than
+- `reward_without_heldout`: between two held-out evaluations the mean training reward (over the
+  `reward_window` versions up to each) rose by `reward_gain` while the held-out pass rate rose by less than
   `heldout_flat`, and the training reward now stands `heldout_margin` above it (the policy fits the
-  training distribution, or games its reward);
+  training distribution, or games its reward). The held-out rate is the evaluator's sampled one
+  (completions drawn at the training temperature): a greedy rate is a step function of the policy
+  (it stays at 0.5 on a two-answer task until the answer each task prefers flips, while the
+  sampled reward climbs: the clean planted-hack twin raised this alarm on a CI run with it);
 - `length_blowup`: the mean response length (the model's own tokens) reaches `length_factor` times
   its mean over the first `window` steps, and at least `length_floor` tokens (padding answers to
   please a length-blind reward, or a policy that stopped ending its turns).
@@ -34,7 +37,7 @@ class HealthMonitor:
     length_factor: float = 3.0
     length_floor: float = 16.0
     incidents: alerts.Incidents = field(default_factory=alerts.Incidents)
-    rewards: list[float] = field(default_factory=list)
+    rewards: dict[int, float] = field(default_factory=dict)  # policy version -> the step's mean reward
     lengths: list[float] = field(default_factory=list)
     heldout: list[tuple[int, float]] = field(default_factory=list)
 
@@ -42,7 +45,7 @@ class HealthMonitor:
         self.heldout.append((step, pass_rate))
 
     def check(self, step: int, version: int, metrics: dict) -> list[alert_pb2.Alert]:
-        self.rewards.append(metrics.get("reward_mean", 0.0))
+        self.rewards[version] = metrics.get("reward_mean", 0.0)
         if "response_length" in metrics:
             self.lengths.append(metrics["response_length"])
         if step < self.min_steps:
@@ -64,28 +67,46 @@ class HealthMonitor:
                 for kind, message in self.incidents.starting(firing)]
 
     def _diverging(self, step: int) -> tuple[bool, str]:
-        """Over some stretch between two held-out evaluations: the training reward (mean of the
-        `reward_window` steps up to the earlier one, against the last ones) rose by `reward_gain`
-        while the held-out pass rate did not rise by `heldout_flat`. Every earlier evaluation is tried
-        against the newest, so an honest rise early in a run does not hide a hack that follows. And the
-        training reward must stand `heldout_margin` above the held-out pass rate: a sampled reward still
-        climbing while a greedy held-out score has levelled off near it is a policy sharpening, not a
-        reward being gamed."""
+        """Over some stretch between two held-out evaluations: the training reward rose by
+        `reward_gain` while the held-out pass rate did not rise by `heldout_flat`, and it stands
+        `heldout_margin` above the held-out rate at the end. Both ends are read at the versions the
+        held-out tasks were scored at (the mean reward of the `reward_window` versions up to each), so
+        a reward still climbing after the last evaluation is not held against a rate measured before
+        it: one honest run raised this alarm from a training reward six versions newer than the
+        held-out rate. Every earlier evaluation is tried against the newest, so an honest rise early in
+        a run does not hide a hack that follows; and a sampled training reward climbing towards a
+        held-out rate that has levelled off near it is a policy sharpening, not a reward being gamed."""
         n = self.reward_window
-        if len(self.rewards) < 2 * n or len(self.heldout) < 2:
+        if len(self.heldout) < 2:
             return False, ""
-        late = sum(self.rewards[-n:]) / n
-        newest_step, newest = self.heldout[-1]
+        newest_version, newest = self.heldout[-1]
+        late = self._reward_up_to(newest_version)
+        if late is None:
+            return False, ""
         for at, then in self.heldout[:-1]:
-            if at >= newest_step or at > len(self.rewards) - n:
-                continue  # the later stretch must be n steps at least
-            window = self.rewards[max(0, at - n):at] or self.rewards[:n]
-            early = sum(window) / len(window)
+            if at > newest_version - n:
+                continue  # the later stretch must be n versions at least
+            early = self._reward_up_to(at)
+            if early is None:
+                early = self._reward_over(sorted(self.rewards)[:n])  # version 0: the run's first steps
+            if early is None:
+                continue
             if (late - early >= self.reward_gain and newest - then < self.heldout_flat
                     and late - newest >= self.heldout_margin):
                 return True, (f"training reward rose {early:.3f} -> {late:.3f} while the held-out pass rate went "
-                              f"{then:.3f} -> {newest:.3f} (versions {at} to {newest_step}), by step {step}")
+                              f"{then:.3f} -> {newest:.3f} (versions {at} to {newest_version}), by step {step}")
         return False, ""
+
+    def _reward_up_to(self, version: int) -> float | None:
+        """The mean training reward of the `reward_window` versions up to `version`, if all are in."""
+        versions = range(version - self.reward_window + 1, version + 1)
+        return self._reward_over(versions) if all(v in self.rewards for v in versions) else None
+
+    def _reward_over(self, versions) -> float | None:
+        versions = list(versions)
+        if len(versions) < self.reward_window:
+            return None
+        return sum(self.rewards[v] for v in versions) / len(versions)
 
     def _lengthening(self, step: int) -> tuple[bool, str]:
         if len(self.lengths) <= self.window:
