@@ -418,7 +418,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     ev = incoming.message
                     report.evaluations.append({"t": round(time.monotonic() - started, 1), "version": ev.policy_version,
                                                "heldout": ev.pass_rate, "eval_ms": ev.eval_ms,
-                                               **({"heldout_sampled": ev.samples_passed / ev.samples}
+                                               **({"heldout_sampled": evaluation.sampled_rate(ev)}
                                                   if ev.samples else {})})
                     sampled = f", sampled {ev.samples_passed}/{ev.samples}" if ev.samples else ""
                     echo(f"      held-out pass rate {ev.pass_rate:.3f} at version {ev.policy_version} "

@@ -44,6 +44,11 @@ class Result:
         return sum(self.samples_passed.values()) / total if total else 0.0
 
 
+def sampled_rate(message) -> float | None:
+    """An Evaluation message's pass rate over its sampled completions; None where it drew none."""
+    return message.samples_passed / message.samples if message.samples else None
+
+
 async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: Verify, *, max_tokens: int,
                    concurrency: int = 16, execute: Execute | None = None, max_episode_tokens: int = 480,
                    samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> Result:

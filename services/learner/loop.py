@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter, deque
 
+from crucible.ml import evaluation
 from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_from_uri, save_checkpoint
 from crucible.services.learner import checkpoints
@@ -183,8 +184,9 @@ class Learner:
                     ev = incoming.message
                     if ev.run_id == self.settings.run_id and ev.tasks:
                         # the sampled rate, drawn as the training reward is, where the evaluator gave one
-                        self.monitor.record_heldout(int(ev.policy_version), ev.samples_passed / ev.samples
-                                                    if ev.samples else ev.pass_rate)
+                        sampled = evaluation.sampled_rate(ev)
+                        self.monitor.record_heldout(int(ev.policy_version),
+                                                    ev.pass_rate if sampled is None else sampled)
                 fetched = await self.reader.fetch(max_records=500)
                 if self.restored and not fetched and await self.reader.at_end():
                     self.restored.clear()
