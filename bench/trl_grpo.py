@@ -11,8 +11,8 @@ evaluation are the very ones the in-process loop and the pipeline use:
   - held-out: TRL's model weights copied into the project's torch backend, then the evaluator's
     greedy pass rate, every `--eval-every` steps, its time left out of the wall time to the target.
 Hyperparameters follow the recipe: lr and its schedule (AdamW stepped on the learner's own
-`scheduled_lr`), KL coefficient (k3, like ours), clip epsilon, grad-norm clip, temperature, top_p,
-tokens, token-mean loss over the batch (TRL's "dapo", our masked mean), mean-centred advantages for
+`scheduled_lr`), KL coefficient (on TRL's k3 penalty; ours is d^2/2 of the log-ratio, see
+ml/policy/losses.py), clip epsilon, grad-norm clip, temperature, top_p, tokens, token-mean loss over the batch (TRL's "dapo", our masked mean), mean-centred advantages for
 rloo/reinforce (scale_rewards "none") and std-scaled for grpo. Writes {"step_s", "steps", "heldout_before", "heldout_after", "to_target_s"} to --out.
 """
 from __future__ import annotations

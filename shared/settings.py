@@ -261,7 +261,8 @@ class Settings(BaseSettings, RunConfig):
     detect_kl_limit: float = Field(default=3.0, gt=0, description="KL to the reference above which the learner "
                                    "raises kl_blowup (services/learner/monitors.py).")
     detect_entropy_floor: float = Field(default=0.01, ge=0, description="Mean token entropy below which the "
-                                        "learner raises entropy_collapse.")
+                                        "learner raises entropy_collapse, if the training reward has not "
+                                        "risen detect_reward_gain since the run's first steps.")
     detect_reward_gain: float = Field(default=0.2, gt=0, description="Rise of the training reward, with a flat "
                                       "held-out pass rate, that raises reward_without_heldout.")
     detect_length_factor: float = Field(default=3.0, gt=1, description="Growth of the mean response length over "

@@ -5,17 +5,50 @@ import pytest
 import torch
 
 from crucible.ml import advantages
-from crucible.ml.policy.losses import dpo_loss, grpo_loss, k3_kl, ppo_loss
+from crucible.ml.policy.losses import dpo_loss, grpo_loss, kl_penalty, ppo_loss
 
 
 def t(*rows):
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def test_k3_kl_by_hand():
-    # q = ref - logp = -0.5 - (-1.0) = 0.5: exp(0.5) - 0.5 - 1
-    assert float(k3_kl(t([-1.0]), t([-0.5]))) == pytest.approx(math.exp(0.5) - 1.5)
-    assert float(k3_kl(t([-2.0]), t([-2.0]))) == 0.0
+def test_kl_penalty_by_hand():
+    # d = logp - ref = -1.0 - (-0.5) = -0.5: d^2 / 2
+    assert float(kl_penalty(t([-1.0]), t([-0.5]))) == pytest.approx(0.125)
+    assert float(kl_penalty(t([-2.0]), t([-2.0]))) == 0.0
+
+
+def expected_penalty_gradient(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """E over tokens o ~ pi_theta of the gradient (through log pi_theta(o) only, as in training on
+    sampled tokens) of the KL penalty, summed exactly over the vocabulary."""
+    probs = torch.softmax(logits, -1).detach()
+    total = torch.zeros_like(logits)
+    for o in range(logits.numel()):
+        leaf = logits.detach().clone().requires_grad_(True)
+        logp = torch.log_softmax(leaf, -1)[o:o + 1][None]
+        kl_penalty(logp, ref[o:o + 1][None]).sum().backward()
+        total += probs[o] * leaf.grad
+    return total
+
+
+def test_the_kl_penalty_follows_the_gradient_of_kl_to_the_reference():
+    logits = torch.tensor([2.0, 0.0, -1.0, 0.5])
+    ref = torch.log_softmax(torch.tensor([0.0, 1.0, 0.0, -2.0]), -1)
+    leaf = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(leaf, -1)
+    (logp.exp() * (logp - ref)).sum().backward()  # KL(pi_theta || pi_ref), exactly
+    assert torch.allclose(expected_penalty_gradient(logits, ref), leaf.grad, atol=1e-5)
+
+
+def test_an_unlikely_sampled_token_does_not_dominate_the_step():
+    """A sharp policy (0.999 on its answer) that samples the other answer, which the reference gives
+    even odds: the penalty's pull on that one token stays of the order of an advantage (a log-ratio,
+    ~6), where exp(-d) + d - 1 (k3) pulls with pi_ref / pi_theta - 1 ~ 500."""
+    leaf = torch.tensor([math.log(0.999), math.log(0.001)], requires_grad=True)
+    logp = torch.log_softmax(leaf, -1)[1:][None]
+    ref = torch.tensor([[math.log(0.5)]])
+    kl_penalty(logp, ref).sum().backward()
+    assert 1.0 < leaf.grad.abs().max() < 10.0
 
 
 def test_grpo_loss_by_hand():
@@ -28,10 +61,11 @@ def test_grpo_loss_by_hand():
     loss, stats = grpo_loss(logp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.1, entropy_coef=0.0)
     # ratios: 1.2 (A=+1: min(1.2, clip 1.2) = 1.2), 1.0 (A=+1: 1.0), 0.6 (A=-1: min(-0.6, -0.8) = -0.8)
     surrogate = [-1.2, -1.0, 0.8]
-    kl = [0.5 / 0.6 - math.log(0.5 / 0.6) - 1, 0.0, 0.5 / 0.3 - math.log(0.5 / 0.3) - 1]
-    expected = sum(s + 0.1 * k for s, k in zip(surrogate, kl)) / 3
+    log_ratio = [math.log(0.6 / 0.5), 0.0, math.log(0.3 / 0.5)]
+    expected = sum(s + 0.1 * d * d / 2 for s, d in zip(surrogate, log_ratio)) / 3
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     assert stats["clip_fraction"] == pytest.approx(1 / 3)
+    assert stats["kl"] == pytest.approx(sum(log_ratio) / 3, rel=1e-5)
 
 
 def test_grpo_gradient_pushes_up_positive_advantage():
@@ -84,6 +118,7 @@ def test_health_monitor_raises_each_signal_once():
     assert monitor.check(5, 5, calm) == []                  # recovered
     assert [a.kind for a in monitor.check(6, 6, {**calm, "kl": 5.0, "entropy": 0.01})] == ["kl_blowup",
                                                                                            "entropy_collapse"]
+
     # Reward up by 0.6 while the held-out pass rate stays put.
     diverging = HealthMonitor("run", min_steps=0, reward_window=3, reward_gain=0.2)
     diverging.record_heldout(0, 0.5)
@@ -94,6 +129,20 @@ def test_health_monitor_raises_each_signal_once():
     diverging.record_heldout(6, 0.5)
     [alert] = diverging.check(7, 7, {**calm, "reward_mean": 0.7})
     assert alert.kind == "reward_without_heldout"
+
+
+def test_a_policy_sure_of_answers_it_learned_is_no_entropy_collapse():
+    from crucible.services.learner.monitors import HealthMonitor
+
+    monitor = HealthMonitor("run", entropy_floor=0.05, min_steps=2, window=3, reward_gain=0.2)
+    for step, reward in enumerate([0.3, 0.3, 0.4, 0.6, 0.8, 0.9], start=1):
+        assert monitor.check(step, step, {"kl": 0.1, "entropy": 0.5, "reward_mean": reward}) == []
+    assert monitor.check(7, 7, {"kl": 0.1, "entropy": 0.01, "reward_mean": 1.0}) == []
+    stuck = HealthMonitor("run", entropy_floor=0.05, min_steps=2, window=3, reward_gain=0.2)
+    for step, reward in enumerate([0.3, 0.3, 0.4, 0.3, 0.4], start=1):
+        assert stuck.check(step, step, {"kl": 0.1, "entropy": 0.5, "reward_mean": reward}) == []
+    [alert] = stuck.check(6, 6, {"kl": 0.1, "entropy": 0.01, "reward_mean": 0.3})
+    assert alert.kind == "entropy_collapse" and "0.0100" in alert.message
 
 
 def test_health_monitor_catches_responses_blowing_up_once():

@@ -3,8 +3,19 @@
 Notation (per token t of completion i):
     r_t   = exp(log pi_theta(o_t) - log pi_old(o_t))     importance ratio against the sampling policy
     A_i   = advantage of completion i (from the reward aggregator)
-    kl_t  = exp(q_t) - q_t - 1,  q_t = log pi_ref(o_t) - log pi_theta(o_t)   (the k3 estimator, >= 0)
+    d_t   = log pi_theta(o_t) - log pi_ref(o_t)                 log-ratio to the frozen reference
 All token-level losses average over every completion token in the batch (mask marks them).
+
+The KL penalty is d_t^2 / 2 (the "k2" term). On tokens the policy sampled, its gradient d_t grad log
+pi_theta(o_t) has, in expectation, the gradient of KL(pi_theta || pi_ref), and its weight on a token
+grows with the log of how far the two policies disagree there. The k3 term, exp(-d_t) + d_t - 1,
+weighs a token by pi_ref / pi_theta - 1 and follows KL(pi_ref || pi_theta) instead: a sharp policy
+that samples, once in a thousand, an answer the reference gave even odds gets a weight of ~500 on
+it, which outweighs every advantage of the batch and pushes that (wrong) answer up: the likely cause
+of one CI run of the built-in recipe falling from 0.89 to 0.45 pass rate in one step. The reported `kl` is the
+plain sample mean of d_t (unbiased on-policy; no exponential of a log-ratio, so no batch with one
+unlikely token reads as a blown-up policy: one clean planted-hack run raised kl_blowup at 3.8 from
+k3 while its true KL was a fraction of that).
 """
 from __future__ import annotations
 
@@ -16,10 +27,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref): exp(q) - q - 1 with q = log pi_ref - log pi_theta."""
-    q = ref_logp - logp
-    return torch.exp(q) - q - 1
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL penalty d^2 / 2, d = log pi_theta - log pi_ref (its gradient: see the module)."""
+    d = logp - ref_logp
+    return 0.5 * d * d
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -33,17 +44,16 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, kl_coef, entropy_coef, entropy=None
               ) -> tuple[torch.Tensor, dict]:
-    """GRPO: L = mean_t[ -min(r_t A_i, clip(r_t) A_i) + beta kl_t ] - c_H mean_t[H_t].
+    """GRPO: L = mean_t[ -min(r_t A_i, clip(r_t) A_i) + beta d_t^2 / 2 ] - c_H mean_t[H_t].
 
     advantages: [B] per completion, broadcast over its tokens; all other tensors [B, T].
     """
     a = advantages[:, None].expand_as(logp)
     surrogate, ratio = clipped_surrogate(logp, old_logp, a, clip_eps)
-    kl = k3_kl(logp, ref_logp)
-    loss = masked_mean(surrogate + kl_coef * kl, mask)
+    loss = masked_mean(surrogate + kl_coef * kl_penalty(logp, ref_logp), mask)
     if entropy is not None and entropy_coef:
         loss = loss - entropy_coef * masked_mean(entropy, mask)
-    return loss, _stats(ratio, kl, mask, clip_eps)
+    return loss, _stats(ratio, logp - ref_logp, mask, clip_eps)
 
 
 def ppo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, kl_coef, entropy_coef, entropy=None
@@ -58,7 +68,7 @@ def ppo_loss(logp, old_logp, ref_logp, advantages, mask, *, clip_eps, kl_coef, e
     loss = masked_mean(surrogate, mask)
     if entropy is not None and entropy_coef:
         loss = loss - entropy_coef * masked_mean(entropy, mask)
-    return loss, _stats(ratio, k3_kl(logp, ref_logp), mask, clip_eps)
+    return loss, _stats(ratio, logp - ref_logp, mask, clip_eps)
 
 
 def dpo_loss(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, ref_chosen_logp: torch.Tensor,
@@ -72,8 +82,9 @@ def dpo_loss(chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, ref_chosen_
     return loss, {"dpo_margin": float(margin.mean()), "dpo_accuracy": float((margin > 0).float().mean())}
 
 
-def _stats(ratio, kl, mask, clip_eps) -> dict:
+def _stats(ratio, log_ratio, mask, clip_eps) -> dict:
+    """`kl`: the mean log-ratio to the reference over the batch's tokens (see the module)."""
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).float()
-        return {"kl": float(masked_mean(kl, mask)), "clip_fraction": float(masked_mean(clipped, mask)),
+        return {"kl": float(masked_mean(log_ratio, mask)), "clip_fraction": float(masked_mean(clipped, mask)),
                 "ratio_mean": float(masked_mean(ratio, mask))}
