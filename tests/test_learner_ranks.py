@@ -62,8 +62,11 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, sharding, objecti
     assert sorted(alone["weights"]) == sorted(pair["weights"])
     for ours, theirs in zip(alone_metrics, pair_metrics):
         assert ours["samples"] == theirs["samples"]
-        for name in ("loss", "kl", "grad_norm", "entropy"):
+        for name in ("loss", "grad_norm", "entropy"):
             assert theirs[name] == pytest.approx(ours[name], rel=1e-5, abs=1e-6), name
+        # kl is the mean difference of two float32 log-probs of a few units each, summed in another
+        # order on two ranks: its rounding is absolute (5e-6 seen), however small the mean itself
+        assert theirs["kl"] == pytest.approx(ours["kl"], abs=2e-5)
     assert alone_metrics[0]["grad_norm"] > 0.01  # a real step
     diffs = torch.cat([(alone["weights"][k] - pair["weights"][k]).abs().flatten() for k in alone["weights"]])
     moved = torch.cat([(alone["weights"][k]).flatten() for k in alone["weights"]])
