@@ -6,16 +6,17 @@ Notation (per token t of completion i):
     d_t   = log pi_theta(o_t) - log pi_ref(o_t)                 log-ratio to the frozen reference
 All token-level losses average over every completion token in the batch (mask marks them).
 
-The KL penalty is d_t^2 / 2 (the "k2" term). On tokens the policy sampled, its gradient d_t grad log
-pi_theta(o_t) has, in expectation, the gradient of KL(pi_theta || pi_ref), and its weight on a token
-grows with the log of how far the two policies disagree there. The k3 term, exp(-d_t) + d_t - 1,
-weighs a token by pi_ref / pi_theta - 1 and follows KL(pi_ref || pi_theta) instead: a sharp policy
-that samples, once in a thousand, an answer the reference gave even odds gets a weight of ~500 on
-it, which outweighs every advantage of the batch and pushes that (wrong) answer up: the likely cause
-of one CI run of the built-in recipe falling from 0.89 to 0.45 pass rate in one step. The reported `kl` is the
-plain sample mean of d_t (unbiased on-policy; no exponential of a log-ratio, so no batch with one
-unlikely token reads as a blown-up policy: one clean planted-hack run raised kl_blowup at 3.8 from
-k3 while its true KL was a fraction of that).
+The KL penalty is d_t^2 / 2 (the "k2" term). On tokens the policy sampled, its gradient
+d_t grad log pi_theta(o_t) has, in expectation, the gradient of KL(pi_theta || pi_ref), and its
+weight on a token grows with the log of how far the two policies disagree there. The k3 term,
+exp(-d_t) + d_t - 1, weighs a token by pi_ref / pi_theta - 1 and follows KL(pi_ref || pi_theta)
+instead: a sharp policy that samples, once in a thousand, an answer the reference gave even odds
+gets a weight of ~500 on it, which outweighs every advantage of the batch and pushes that (wrong)
+answer up (the likely cause of one CI run of the built-in recipe falling from 0.89 to 0.45 pass
+rate in one step). The reported `kl` is the plain sample mean of d_t: unbiased on-policy, with no
+exponential of a log-ratio in it, so one unlikely token does not read as a blown-up policy (a clean
+planted-hack run raised kl_blowup at a k3 mean of 3.8; over four seeds of that recipe here the mean
+log-ratio never passed 0.21).
 """
 from __future__ import annotations
 
