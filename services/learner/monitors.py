@@ -107,16 +107,16 @@ class HealthMonitor:
 
     def _reward_over(self, versions) -> float | None:
         versions = list(versions)
-        if len(versions) < self.reward_window:
-            return None
+        return self._mean_reward(versions) if len(versions) >= self.reward_window else None
+
+    def _mean_reward(self, versions: list[int]) -> float:
         return sum(self.rewards[v] for v in versions) / len(versions)
 
     def _collapsed(self, step: int, entropy: float) -> tuple[bool, str]:
         if not 0 < entropy < self.entropy_floor:
             return False, ""
         versions = sorted(self.rewards)
-        start = sum(self.rewards[v] for v in versions[:self.window]) / len(versions[:self.window])
-        now = sum(self.rewards[v] for v in versions[-self.window:]) / len(versions[-self.window:])
+        start, now = self._mean_reward(versions[:self.window]), self._mean_reward(versions[-self.window:])
         return now - start < self.reward_gain, (
             f"token entropy fell to {entropy:.4f} at step {step} (floor {self.entropy_floor}) with the training "
             f"reward at {now:.3f}, from {start:.3f} over the first {min(self.window, len(versions))} steps")
