@@ -123,8 +123,17 @@ def publish_headers(message: Message) -> list[tuple[str, bytes]]:
 def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None,
                   schema: type[Message]) -> Message:
     """One consumed value as `schema`, checked against its headers; MessageDecodeError says why not."""
-    return messages.decode(value, schema, schema=telemetry.header_value(headers, H_SCHEMA),
-                           content_type=telemetry.header_value(headers, H_CONTENT_TYPE))
+    named = content_type = None  # each header's first value, as header_value would find it
+    for key, header in headers or ():
+        if key == H_SCHEMA:
+            named = header if named is None else named
+        elif key == H_CONTENT_TYPE:
+            content_type = header if content_type is None else content_type
+    return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def dead_letter_headers(topic: str, partition: int, offset: int, headers: Sequence[tuple[str, bytes]] | None,
@@ -558,32 +567,48 @@ class Consumer(Reader):
         done = 0
         loop = asyncio.get_running_loop()
         idle_since = loop.time()
-        while not self._stopping.is_set():
-            limit = self.batch_size if max_records is None else min(self.batch_size, max_records - done)
-            records = await self.fetch_raw(max_records=limit)
-            if not records:
-                if idle_timeout_s is not None and loop.time() - idle_since > idle_timeout_s:
+        committing: asyncio.Task | None = None  # the last batch's commit, still on its way to the broker
+        try:
+            while not self._stopping.is_set():
+                limit = self.batch_size if max_records is None else min(self.batch_size, max_records - done)
+                records = await self.fetch_raw(max_records=limit)
+                if not records:
+                    if committing is not None:
+                        await committing
+                        committing = None
+                    if idle_timeout_s is not None and loop.time() - idle_since > idle_timeout_s:
+                        break
+                    continue
+                idle_since = loop.time()
+                started = time.perf_counter()
+                try:
+                    offsets = await self._run_batch(records)
+                finally:  # counted per batch: an instrument call per record costs more than the record's decode
+                    for topic, count in Counter(r.topic for r in records).items():
+                        RECORDS.add(count, {"topic": topic, "outcome": "consumed"})
+                    BATCH_MS.record((time.perf_counter() - started) * 1000, {"group": self.group_id or ""})
+                done += len(records)
+                if offsets:
+                    # Commits stay in order, one at a time: the next batch is handled while this one's
+                    # commit travels (a broker round trip that took a third of a bare consumer's time).
+                    if committing is not None:
+                        await committing
+                    committing = asyncio.ensure_future(self.commit(offsets))
+                if max_records is not None and done >= max_records:
                     break
-                continue
-            idle_since = loop.time()
-            started = time.perf_counter()
-            try:
-                done += await self._run_batch(records)
-            finally:  # counted per batch: an instrument call per record costs more than the record's decode
-                for topic, count in Counter(r.topic for r in records).items():
-                    RECORDS.add(count, {"topic": topic, "outcome": "consumed"})
-                BATCH_MS.record((time.perf_counter() - started) * 1000, {"group": self.group_id or ""})
-            if max_records is not None and done >= max_records:
-                break
+        finally:
+            if committing is not None:
+                await committing
         return done
 
-    async def _run_batch(self, records: list[ConsumerRecord]) -> int:
-        """Handles one fetched batch and commits it; returns how many records it held."""
+    async def _run_batch(self, records: list[ConsumerRecord]) -> dict[tuple[str, int], int]:
+        """Handles one fetched batch; returns the offsets to commit once every output is acknowledged
+        (none: a transactional batch commits its own)."""
         offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
         pending: list[asyncio.Future] = []
         if self.transactional:
             await self._run_transactional(records)
-            return len(records)
+            return {}
         if self.concurrency <= 1:
             for record in records:
                 pending.extend(await self._process(record))
@@ -598,8 +623,7 @@ class Consumer(Reader):
                 pending.extend(futures)
         if pending:
             await asyncio.gather(*pending)
-        await self.commit(offsets)
-        return len(records)
+        return offsets
 
     async def _run_transactional(self, records: list[ConsumerRecord]) -> None:
         """Handles a batch concurrently; whenever the records handled form a longer prefix of the batch,

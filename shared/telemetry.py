@@ -118,12 +118,16 @@ def _context_of(parent: trace.SpanContext | None) -> otel_context.Context:
     return trace.set_span_in_context(trace.NonRecordingSpan(parent), otel_context.Context())
 
 
-class _RecordedSpan(trace.Span):
-    """The span record_span makes: its attributes a plain dict of the caller's own values until it
-    ends (what else is set on it goes through the SDK's attribute limits then)."""
+_UNSET = trace.Status(trace.StatusCode.UNSET)
+# The four trace flags a span of this process can carry (sampled or not; random trace id or not), made once.
+_FLAGS = {f: trace.TraceFlags(f) for f in (0, trace.TraceFlags.SAMPLED, trace.TraceFlags.RANDOM_TRACE_ID,
+                                           trace.TraceFlags.SAMPLED | trace.TraceFlags.RANDOM_TRACE_ID)}
 
-    __slots__ = ("_tracer", "_name", "_context", "_parent", "_kind", "_attributes", "_extra", "_events",
-                 "_status", "_start", "_end")
+
+class _RecordedSpan(trace.Span, ReadableSpan):
+    """The span record_span makes: its attributes a plain dict of the caller's own values until it
+    ends (what else is set on it goes through the SDK's attribute limits then). It is its own
+    ReadableSpan (as the SDK's span is): ending it hands this object to the processors, no copy."""
 
     @classmethod
     def start(cls, tracer_: SdkTracer, name: str, kind: trace.SpanKind, attributes: dict,
@@ -144,23 +148,26 @@ class _RecordedSpan(trace.Span):
             flags |= trace.TraceFlags.RANDOM_TRACE_ID
         if not recording:  # dropped, as the SDK drops it: only its context goes on
             return trace.NonRecordingSpan(trace.SpanContext(trace_id, ids.generate_span_id(), False,
-                                                            trace.TraceFlags(flags), state))
+                                                            _FLAGS[flags], state))
         span = cls.__new__(cls)
         span._tracer, span._name, span._kind, span._parent = tracer_, name, kind, parent
-        span._context = trace.SpanContext(trace_id, ids.generate_span_id(), False, trace.TraceFlags(flags), state)
+        span._context = trace.SpanContext(trace_id, ids.generate_span_id(), False, _FLAGS[flags], state)
         span._attributes = {**extra, **attributes} if extra else attributes
-        span._extra, span._events, span._status = None, [], trace.Status(trace.StatusCode.UNSET)
-        span._start, span._end = time.time_ns(), None
+        span._extra, span._events, span._links, span._status = None, [], (), _UNSET
+        span._resource = tracer_.resource
+        span._instrumentation_info, span._instrumentation_scope = (tracer_.instrumentation_info,
+                                                                   tracer_._instrumentation_scope)
+        span._start_time, span._end_time = time.time_ns(), None
         return span
 
     def get_span_context(self) -> trace.SpanContext:
         return self._context
 
     def is_recording(self) -> bool:
-        return self._end is None
+        return self._end_time is None
 
     def set_attribute(self, key: str, value) -> None:
-        if self._end is None:
+        if self._end_time is None:
             self._extra = self._extra or {}
             self._extra[key] = value
 
@@ -169,7 +176,7 @@ class _RecordedSpan(trace.Span):
             self.set_attribute(key, value)
 
     def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
-        if self._end is None:
+        if self._end_time is None:
             limits = self._tracer._span_limits
             if limits.max_events is not None and len(self._events) >= limits.max_events:
                 del self._events[0]  # the SDK keeps the newest max_events
@@ -189,7 +196,7 @@ class _RecordedSpan(trace.Span):
             **(attributes or {})}, timestamp)
 
     def set_status(self, status, description: str | None = None) -> None:
-        if self._end is not None or self._status.status_code is trace.StatusCode.OK:
+        if self._end_time is not None or self._status.status_code is trace.StatusCode.OK:
             return
         if not isinstance(status, trace.Status):
             status = trace.Status(status, description)
@@ -197,23 +204,19 @@ class _RecordedSpan(trace.Span):
             self._status = status
 
     def update_name(self, name: str) -> None:
-        if self._end is None:
+        if self._end_time is None:
             self._name = name
 
     def end(self, end_time: int | None = None) -> None:
-        if self._end is not None:
+        if self._end_time is not None:
             return
-        self._end = end_time or time.time_ns()
-        tracer_ = self._tracer
-        attributes = self._attributes
+        self._end_time = end_time or time.time_ns()
         if self._extra:
-            limits = tracer_._span_limits
-            attributes = BoundedAttributes(limits.max_span_attributes, {**attributes, **self._extra},
-                                           immutable=True, max_value_len=limits.max_span_attribute_length)
-        tracer_.span_processor.on_end(ReadableSpan(
-            self._name, self._context, self._parent, tracer_.resource, attributes, tuple(self._events), (),
-            self._kind, tracer_.instrumentation_info, self._status, self._start, self._end,
-            tracer_._instrumentation_scope))
+            limits = self._tracer._span_limits
+            self._attributes = BoundedAttributes(limits.max_span_attributes, {**self._attributes, **self._extra},
+                                                 immutable=True, max_value_len=limits.max_span_attribute_length)
+        self._events = tuple(self._events)
+        self._tracer.span_processor.on_end(self)
 
 
 class _RecordScope:
@@ -253,6 +256,8 @@ def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, b
 _TRACEPARENT = re.compile(r"[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
 _TRACEPARENT_MAX = 512
 _TRACESTATE_MAX = 8192  # the SDK's limit for tracestate headers, all together
+# What inject_headers writes (version 00, nothing around it), read without decoding it first.
+_TRACEPARENT_00 = re.compile(rb"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
 def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> trace.SpanContext | None:
@@ -266,6 +271,13 @@ def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> tr
             tracestate.append(value.decode("latin-1") if isinstance(value, bytes) else value)
     if traceparent is None or len(traceparent) > _TRACEPARENT_MAX:
         return None
+    if not tracestate and isinstance(traceparent, bytes) and (match := _TRACEPARENT_00.fullmatch(traceparent)):
+        trace_id, span_id = int(match[1], 16), int(match[2], 16)
+        if not trace_id or not span_id:
+            return None
+        flags = int(match[3], 16)
+        return trace.SpanContext(trace_id, span_id, is_remote=True,
+                                 trace_flags=_FLAGS.get(flags) or trace.TraceFlags(flags))
     if isinstance(traceparent, bytes):
         traceparent = traceparent.decode("latin-1")
     match = _TRACEPARENT.match(traceparent)

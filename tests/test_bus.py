@@ -175,7 +175,9 @@ async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settin
     async def handler(incoming):
         seen.append(incoming.message.id)
 
-    async with bus.Consumer(["tasks"], "restart", handler, settings=settings) as first:
+    # Batches of 7: each batch's commit travels while the next is handled, and the last one lands
+    # before run() returns.
+    async with bus.Consumer(["tasks"], "restart", handler, settings=settings, batch_size=7) as first:
         await collect(first, 25)
     assert len(seen) == 25
     # A new consumer in the same group resumes exactly after the last committed record.
