@@ -7,7 +7,10 @@ formatting), then measures in the same run:
   - produce: bare aiokafka (bytes, no headers) vs the bus Producer (protobuf,
     schema and trace headers, idempotent, acks=all);
   - consume: bare aiokafka getmany vs the bus Consumer (decode, handler span,
-    commit per batch after outputs are acknowledged).
+    commit per batch after outputs are acknowledged), twice: records whose trace is sampled
+    (every one gets a consumer span, encoded as the store writer encodes it, then dropped:
+    there is no store here) and records whose trace is not (head sampling upstream: only the
+    trace context is carried on).
 Prints each rate and its ratio to the bare baseline. Not a test: nothing gates on it.
 """
 from __future__ import annotations
@@ -21,8 +24,11 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # noqa: E402
 
+from opentelemetry import trace  # noqa: E402
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
+
 from crucible.v1 import task_pb2  # noqa: E402
-from crucible.shared import bus, messages, telemetry  # noqa: E402
+from crucible.shared import bus, messages, span_store, telemetry  # noqa: E402
 from crucible.local.kafka import LocalKafka  # noqa: E402
 from crucible.shared.procs import free_port  # noqa: E402
 from crucible.shared.settings import Settings  # noqa: E402
@@ -46,12 +52,28 @@ async def produce_bare(settings: Settings, topic: str, values: list[bytes]) -> f
     return len(values) / took
 
 
-async def produce_bus(settings: Settings, tasks: list[task_pb2.Task]) -> float:
+class EncodeOnly(SpanExporter):
+    """What the store's span writer does with each span before its insert (shared/span_store.py)."""
+
+    def export(self, spans):
+        span_store.json_rows(spans)
+        return SpanExportResult.SUCCESS
+
+
+async def produce_bus(settings: Settings, tasks: list[task_pb2.Task], topic: str = "tasks") -> float:
     async with bus.Producer(settings) as producer:
         started = time.perf_counter()
-        futures = [await producer.send("tasks", t, key=t.id) for t in tasks]
+        futures = [await producer.send(topic, t, key=t.id) for t in tasks]
         await asyncio.gather(*futures)
         return len(tasks) / (time.perf_counter() - started)
+
+
+async def produce_unsampled(settings: Settings, tasks: list[task_pb2.Task], topic: str) -> None:
+    """The tasks published inside a trace that head sampling left out (its flags say not sampled)."""
+    unsampled = trace.NonRecordingSpan(trace.SpanContext(0x1F, 0x2F, is_remote=True,
+                                                         trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT)))
+    with trace.use_span(unsampled):
+        await produce_bus(settings, tasks, topic)
 
 
 async def consume_bare(settings: Settings, topic: str, n: int) -> float:
@@ -72,11 +94,12 @@ async def consume_bare(settings: Settings, topic: str, n: int) -> float:
     return n / took
 
 
-async def consume_bus(settings: Settings, n: int) -> float:
+async def consume_bus(settings: Settings, n: int, topic: str = "tasks") -> float:
     async def handler(incoming):
         return None
 
-    async with bus.Consumer(["tasks"], "bench-bus", handler, settings=settings, batch_size=500) as consumer:
+    async with bus.Consumer([topic], f"bench-bus-{topic}", handler, settings=settings, batch_size=500,
+                            schemas={topic: task_pb2.Task}) as consumer:
         await consumer.run(max_records=1)  # join the group and fetch before the clock starts
         started = time.perf_counter()
         await consumer.run(max_records=n - 1)
@@ -84,20 +107,27 @@ async def consume_bus(settings: Settings, n: int) -> float:
 
 
 async def run(settings: Settings, n: int) -> None:
-    telemetry.setup_telemetry("bench-kafka")
-    await bus.ensure_topics(["tasks", "bare"], settings=settings, with_dlq=True)
+    telemetry.setup_telemetry("bench-kafka", settings)
+    trace.get_tracer_provider().add_span_processor(BatchSpanProcessor(
+        EncodeOnly(), schedule_delay_millis=telemetry.STORE_SPANS_EVERY_MS,
+        max_export_batch_size=telemetry.STORE_SPANS_PER_INSERT, max_queue_size=4 * telemetry.STORE_SPANS_PER_INSERT))
+    await bus.ensure_topics(["tasks", "bare", "unsampled"], settings=settings, with_dlq=True)
     tasks = [payload_task(i) for i in range(n)]
     values = [messages.encode(t) for t in tasks]
     print(f"message size: {len(values[0])} bytes, {n} messages")
     bare_p = await produce_bare(settings, settings.topic("bare"), values)
     bus_p = await produce_bus(settings, tasks)
+    await produce_unsampled(settings, tasks, "unsampled")
     print(f"produce  bare aiokafka : {bare_p:10.0f} msg/s  {bare_p * 1024 / 2**20:6.1f} MiB/s")
     print(f"produce  bus.Producer  : {bus_p:10.0f} msg/s  ratio to bare {bus_p / bare_p:.2f}")
     bare_c = await consume_bare(settings, settings.topic("bare"), n)
     bus_c = await consume_bus(settings, n)
+    bus_u = await consume_bus(settings, n, "unsampled")
     print(f"consume  bare aiokafka : {bare_c:10.0f} msg/s  (commit per batch)")
     print(f"consume  bus.Consumer  : {bus_c:10.0f} msg/s  ratio to bare {bus_c / bare_c:.2f} "
-          "(decode, span and handler per record; commit per batch)")
+          "(traces sampled: decode, a consumer span encoded as the store writer does, handler; commit per batch)")
+    print(f"consume  bus.Consumer  : {bus_u:10.0f} msg/s  ratio to bare {bus_u / bare_c:.2f} "
+          "(traces not sampled: decode, trace context carried, handler; commit per batch)")
 
 
 def main() -> None:
@@ -109,7 +139,8 @@ def main() -> None:
         took = broker.start()
         print(f"Kafka start (format + start + first metadata answer): {took:.2f}s")
         try:
-            settings = Settings(kafka_bootstrap=broker.bootstrap, topic_prefix="bench.")
+            # No store here: spans are encoded for it (EncodeOnly) and dropped.
+            settings = Settings(kafka_bootstrap=broker.bootstrap, topic_prefix="bench.", otel_store_spans=False)
             asyncio.run(run(settings, args.messages))
         finally:
             broker.stop()
