@@ -363,6 +363,10 @@ def cmd_query(args, settings: Settings) -> int:
             echo(f"crucible query: the store at {settings.clickhouse_url} did not answer ({type(exc).__name__}); "
                  "is it running? `crucible up`")
         return 1
+    if not rows and args.name == "trace":
+        echo("(no spans: traces are head-sampled and this trajectory's was not kept, or it is unknown; "
+             "CRUCIBLE_OTEL_TRACE_RATIO=1 keeps every sample's trace)")
+        return 0
     echo(queries.table(columns, rows) if rows else "(no rows)")
     return 0
 

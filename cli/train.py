@@ -116,6 +116,7 @@ def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, s
         "CRUCIBLE_LOG_LEVEL": settings.log_level,
         **({"CRUCIBLE_OTEL_ENDPOINT": settings.otel_endpoint} if settings.otel_endpoint else {}),
         **({"CRUCIBLE_OTEL_SPAN_FILE": str(settings.otel_span_file)} if settings.otel_span_file else {}),
+        "CRUCIBLE_OTEL_TRACE_RATIO": str(settings.otel_trace_ratio),
         **run_settings,
     })
     return env

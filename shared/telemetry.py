@@ -46,7 +46,9 @@ def setup_telemetry(service_name: str, settings: Settings | None = None) -> None
     resource = Resource.create({"service.name": service_name, "service.namespace": "crucible"})
     endpoint = settings.otel_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
 
-    tracer_provider = TracerProvider(resource=resource)
+    # OTel's own OTEL_TRACES_SAMPLER, where set, decides instead (the SDK reads it when given no sampler).
+    tracer_provider = TracerProvider(resource=resource, sampler=None if os.environ.get("OTEL_TRACES_SAMPLER")
+                                     else sampler_for(settings.otel_trace_ratio))
     if endpoint:
         tracer_provider.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(endpoint, settings.otel_protocol)))
     if settings.otel_store_spans:
@@ -62,6 +64,13 @@ def setup_telemetry(service_name: str, settings: Settings | None = None) -> None
             ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")))
     trace.set_tracer_provider(tracer_provider)
     _configured_service = service_name
+
+
+def sampler_for(ratio: float) -> sampling.Sampler:
+    """Head sampling: a trace begun here (a task published, a root span) is kept with probability
+    `ratio`, by its trace id; every later span follows its parent's decision, in every service, so a
+    trace is kept whole or not at all."""
+    return sampling.DEFAULT_ON if ratio >= 1 else sampling.ParentBased(sampling.TraceIdRatioBased(ratio))
 
 
 def _otlp_span_exporter(endpoint: str, protocol: str):
@@ -124,6 +133,18 @@ _FLAGS = {f: trace.TraceFlags(f) for f in (0, trace.TraceFlags.SAMPLED, trace.Tr
                                            trace.TraceFlags.SAMPLED | trace.TraceFlags.RANDOM_TRACE_ID)}
 
 
+def _follows_parent(sampler: sampling.Sampler, parent: trace.SpanContext) -> bool:
+    """Whether `sampler` decides a child of `parent` by the parent's sampled flag alone, as ParentBased
+    does with its default delegates (keeping the parent's trace state, adding no attributes)."""
+    if type(sampler) is not sampling.ParentBased:
+        return False
+    if parent.is_remote:
+        yes, no = sampler._remote_parent_sampled, sampler._remote_parent_not_sampled
+    else:
+        yes, no = sampler._local_parent_sampled, sampler._local_parent_not_sampled
+    return yes is sampling.ALWAYS_ON and no is sampling.ALWAYS_OFF
+
+
 class _RecordedSpan(trace.Span, ReadableSpan):
     """The span record_span makes: its attributes a plain dict of the caller's own values until it
     ends (what else is set on it goes through the SDK's attribute limits then). It is its own
@@ -136,9 +157,13 @@ class _RecordedSpan(trace.Span, ReadableSpan):
             parent = None
         ids = tracer_.id_generator
         trace_id = ids.generate_trace_id() if parent is None else parent.trace_id
-        if tracer_.sampler is sampling.DEFAULT_ON:  # parent-based, always on at the root: no call needed
-            sampled, recording = (True, True) if parent is None else (parent.trace_flags.sampled,) * 2
-            state, extra = (None if parent is None else parent.trace_state), None
+        sampler = tracer_.sampler
+        if sampler is sampling.DEFAULT_ON and parent is None:  # always on at the root: no call needed
+            sampled = recording = True
+            state, extra = None, None
+        elif parent is not None and _follows_parent(sampler, parent):  # the parent decided: no call needed
+            sampled = recording = parent.trace_flags.sampled
+            state, extra = parent.trace_state, None
         else:
             result = tracer_.sampler.should_sample(_context_of(parent), trace_id, name, kind, attributes, ())
             sampled, recording = result.decision.is_sampled(), result.decision.is_recording()

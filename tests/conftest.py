@@ -25,6 +25,10 @@ from hypothesis import configuration as _hypothesis_configuration  # noqa: E402
 _hypothesis_configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="crucible-hypothesis-"))
 
 
+# Every sample's trace is kept in tests (the default keeps a share, by trace id): tests follow
+# particular tasks through the services. tests/test_telemetry.py tests the sampling itself.
+os.environ.setdefault("CRUCIBLE_OTEL_TRACE_RATIO", "1")
+
 SASL_USER, SASL_PASSWORD = "crucible-test", "sasl-pw-8c1e"  # the session broker's SASL/PLAIN login
 
 

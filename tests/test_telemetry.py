@@ -13,7 +13,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace import sampling
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from crucible.shared import telemetry
@@ -134,6 +135,17 @@ def test_the_providers_sampler_decides_for_record_spans():
         assert span.get_span_context().trace_id == unsampled.trace_id
     assert [s.name for s in exporter.get_finished_spans()] == ["followed"]
 
+    # A parent-based sampler whose delegates differ from the defaults is asked, as the SDK asks it.
+    keeps_all = ParentBased(TraceIdRatioBased(0.0), remote_parent_not_sampled=ALWAYS_ON)
+    kept, kept_exporter = provider_with(keeps_all)
+    with telemetry.record_span("kept", trace.SpanKind.CONSUMER, {}, tracer_=kept.get_tracer("b"), parent=unsampled):
+        pass
+    with kept.get_tracer("b").start_as_current_span("sdk kept", context=telemetry.extract_context(
+            [("traceparent", (PARENT[:-2] + "02").encode())])):
+        pass
+    assert [(s.name, s.context.trace_flags.sampled) for s in kept_exporter.get_finished_spans()] == [
+        ("kept", True), ("sdk kept", True)]
+
     off, off_exporter = provider_with(ALWAYS_OFF)
     with telemetry.record_span("never", trace.SpanKind.CONSUMER, {}, tracer_=off.get_tracer("b"),
                                parent=telemetry.parent_from_headers([("traceparent", PARENT.encode())])) as span:
@@ -184,3 +196,29 @@ def test_headers_are_written_as_the_sdks_propagator_writes_them():
         assert telemetry.inject_headers() == [] and telemetry.inject_metadata() == []
     finally:
         otel_context.detach(token)
+
+
+def test_a_share_of_traces_is_kept_whole_by_default():
+    """The default keeps an eighth of the traces begun here, chosen by trace id, and a kept trace's
+    record spans are kept in every service after it (children follow the parent's flag)."""
+    from crucible.shared.settings import Settings
+
+    ratio = Settings.model_fields["otel_trace_ratio"].default
+    assert 0 < ratio < 1 and telemetry.sampler_for(1.0) is sampling.DEFAULT_ON
+    provider, exporter = provider_with(telemetry.sampler_for(ratio))
+    tracer = provider.get_tracer("crucible.bus")
+    kept_roots, followed = 0, 0
+    for _ in range(2000):
+        with telemetry.record_span("tasks publish", trace.SpanKind.PRODUCER, {}, parent=None, tracer_=tracer) as root:
+            headers = telemetry.inject_headers()
+        kept_roots += root.get_span_context().trace_flags.sampled
+        # The next service, from the headers alone.
+        with telemetry.record_span("tasks process", trace.SpanKind.CONSUMER, {}, tracer_=tracer,
+                                   parent=telemetry.parent_from_headers(headers)) as child:
+            assert child.get_span_context().trace_flags.sampled == root.get_span_context().trace_flags.sampled
+            assert child.is_recording() == root.get_span_context().trace_flags.sampled
+        followed += child.get_span_context().trace_flags.sampled
+    assert followed == kept_roots
+    assert 2000 * ratio * 0.7 < kept_roots < 2000 * ratio * 1.3
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("tasks publish") == names.count("tasks process") == kept_roots
