@@ -140,7 +140,9 @@ def main() -> None:
         print(f"Kafka start (format + start + first metadata answer): {took:.2f}s")
         try:
             # No store here: spans are encoded for it (EncodeOnly) and dropped.
-            settings = Settings(kafka_bootstrap=broker.bootstrap, topic_prefix="bench.", otel_store_spans=False)
+            # Every trace kept (the "sampled" run); the "unsampled" one publishes under a dropped trace.
+            settings = Settings(kafka_bootstrap=broker.bootstrap, topic_prefix="bench.", otel_store_spans=False,
+                                otel_trace_ratio=1.0)
             asyncio.run(run(settings, args.messages))
         finally:
             broker.stop()

@@ -6,9 +6,10 @@ Starts a Kafka broker and a store, then runs the same hop in fresh processes, al
 settings `--rounds` times: N tasks published, then consumed by a bus.Consumer whose handler
 publishes one record per task (decode, handle, produce, commit: a service's hop).
   off:     no tracer or meter provider (the OpenTelemetry API's no-op defaults);
-  spans:   the SDK's tracer provider making every span, exporting none;
+  spans:   the SDK's tracer provider making every span (every trace kept), exporting none;
   metrics: spans as above plus the metric instruments, the Prometheus endpoint up (not scraped);
-  on:      what every service runs: spans written into the store's otel_traces (batched) and metrics.
+  all:     every span written into the store's otel_traces (batched), and metrics;
+  on:      what every service runs: as `all`, with the default share of traces kept (head sampling).
 Prints records/s for each and its ratio to off. Not a test: nothing gates on it.
 """
 from __future__ import annotations
@@ -51,15 +52,16 @@ async def hop(settings: Settings, n: int, tag: str) -> float:
 
 def child(mode: str, bootstrap: str, store: str, n: int, tag: str) -> None:
     settings = Settings(kafka_bootstrap=bootstrap, clickhouse_url=store, topic_prefix=f"bench.{tag}.",
-                        metrics_port=0, otel_store_spans=mode == "on")
+                        metrics_port=0, otel_store_spans=mode in ("all", "on"),
+                        **({} if mode == "on" else {"otel_trace_ratio": 1.0}))
     if mode != "off":
         from crucible.shared import metrics, telemetry
 
         telemetry.setup_telemetry("bench-telemetry", settings)
-        if mode in ("metrics", "on"):
+        if mode in ("metrics", "all", "on"):
             metrics.setup_metrics("bench-telemetry", settings)
     rate = asyncio.run(hop(settings, n, tag))
-    if mode == "on":
+    if mode in ("all", "on"):
         from opentelemetry import trace
 
         trace.get_tracer_provider().force_flush()  # the spans do reach the store
@@ -87,7 +89,7 @@ def main() -> None:
             from crucible.shared import store
 
             store.migrate(store.connect(Settings(clickhouse_url=url)))
-            modes = ("off", "spans", "metrics", "on")
+            modes = ("off", "spans", "metrics", "all", "on")
             rates: dict[str, list[float]] = {m: [] for m in modes}
             for r in range(args.rounds):
                 for mode in modes:

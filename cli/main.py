@@ -364,8 +364,9 @@ def cmd_query(args, settings: Settings) -> int:
                  "is it running? `crucible up`")
         return 1
     if not rows and args.name == "trace":
-        echo("(no spans: traces are head-sampled and this trajectory's was not kept, or it is unknown; "
-             "CRUCIBLE_OTEL_TRACE_RATIO=1 keeps every sample's trace)")
+        echo("(no spans: traces are head-sampled and this trajectory's was not kept (CRUCIBLE_OTEL_TRACE_RATIO=1 "
+             "keeps every sample's), services write spans every few seconds, a collector may be writing them "
+             "instead (CRUCIBLE_OTEL_STORE_SPANS=false), or the trajectory is unknown)")
         return 0
     echo(queries.table(columns, rows) if rows else "(no rows)")
     return 0

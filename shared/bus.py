@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 DLQ_SUFFIX = ".dlq"
 # How long a transactional consumer waits for more of a batch's records to join a transaction.
 COMMIT_LINGER_S = 0.015
+# How long a consumer that fails or is cancelled waits for its last batch's commit, still in flight, to land.
+COMMIT_SETTLE_S = 2.0
 FETCH_WAIT_MS = 5000
 # The records a transactional consumer's handling of one record produces, sent when that record commits.
 _OUTBOX: contextvars.ContextVar[list | None] = contextvars.ContextVar("crucible_bus_outbox", default=None)
@@ -57,7 +59,8 @@ H_DLQ_SOURCE = "dlq-source"  # topic/partition@offset of the original record
 
 RECORDS = metrics.counter("crucible.bus.records", "records by topic and outcome (consumed; dead_lettered among them)",
                           "{record}")
-BATCH_MS = metrics.histogram("crucible.bus.batch.duration", "time to handle one fetched batch and commit it", "ms")
+BATCH_MS = metrics.histogram("crucible.bus.batch.duration", "time to handle one fetched batch and have its outputs "
+                             "acknowledged (its commit then travels while the next batch is handled)", "ms")
 _readers: "weakref.WeakSet[Reader]" = weakref.WeakSet()
 
 
@@ -123,16 +126,21 @@ def publish_headers(message: Message) -> list[tuple[str, bytes]]:
 def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None,
                   schema: type[Message]) -> Message:
     """One consumed value as `schema`, checked against its headers; MessageDecodeError says why not."""
-    named = content_type = None  # each header's first value, as header_value would find it
+    named = content_type = _ABSENT  # each header's first value, as header_value finds it
     for key, header in headers or ():
-        if key == H_SCHEMA:
-            named = header if named is None else named
-        elif key == H_CONTENT_TYPE:
-            content_type = header if content_type is None else content_type
+        if key == H_SCHEMA and named is _ABSENT:
+            named = header
+        elif key == H_CONTENT_TYPE and content_type is _ABSENT:
+            content_type = header
     return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
 
 
-def _text(value: bytes | str | None) -> str | None:
+_ABSENT = object()
+
+
+def _text(value) -> str | None:
+    if value is _ABSENT:
+        return None
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
@@ -558,8 +566,9 @@ class Consumer(Reader):
         """Handles records until stopped, `max_records` are done, or nothing arrives for `idle_timeout_s`.
 
         Offsets are committed once per fetched batch, after every output of the
-        batch is acknowledged by the broker: a crash replays at most one batch
-        (at-least-once; downstream writes are idempotent), and nothing is lost.
+        batch is acknowledged by the broker, while the next batch is handled: a
+        crash replays at most two batches (at-least-once; downstream writes are
+        idempotent), and nothing is lost.
         A transactional consumer sends a batch's outputs (dead letters included) and its
         offsets in one transaction instead: exactly once, for hops whose work is not
         repeatable (sampling the next turn of an episode).
@@ -574,8 +583,8 @@ class Consumer(Reader):
                 records = await self.fetch_raw(max_records=limit)
                 if not records:
                     if committing is not None:
-                        await committing
-                        committing = None
+                        previous, committing = committing, None
+                        await previous
                     if idle_timeout_s is not None and loop.time() - idle_since > idle_timeout_s:
                         break
                     continue
@@ -592,13 +601,17 @@ class Consumer(Reader):
                     # Commits stay in order, one at a time: the next batch is handled while this one's
                     # commit travels (a broker round trip that took a third of a bare consumer's time).
                     if committing is not None:
-                        await committing
+                        previous, committing = committing, None
+                        await previous
                     committing = asyncio.ensure_future(self.commit(offsets))
                 if max_records is not None and done >= max_records:
                     break
-        finally:
+        except BaseException:
             if committing is not None:
-                await committing
+                await _settle(committing)
+            raise
+        if committing is not None:
+            await committing
         return done
 
     async def _run_batch(self, records: list[ConsumerRecord]) -> dict[tuple[str, int], int]:
@@ -702,6 +715,25 @@ class Consumer(Reader):
                     return []
                 return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
         return []
+
+
+async def _settle(commit: asyncio.Task) -> None:
+    """A commit still in flight when run() fails or is cancelled: a moment to land, then dropped (its
+    records are read again: at-least-once). A broker that is gone never holds the error or the
+    cancellation leaving run(), and the commit's own outcome never replaces it (it is logged)."""
+    try:
+        if not commit.done():
+            await asyncio.wait({commit}, timeout=COMMIT_SETTLE_S)
+    finally:
+        if not commit.done():
+            commit.cancel()
+        commit.add_done_callback(_log_commit_failure)
+
+
+def _log_commit_failure(commit: asyncio.Task) -> None:
+    if not commit.cancelled() and commit.exception() is not None:
+        log.warning("a commit left behind by a failed or cancelled run did not land (its records are read "
+                    "again): %r", commit.exception())
 
 
 # Topics whose consumers scale out as a consumer group (generators on tasks and observations, sandboxes

@@ -301,8 +301,9 @@ def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> tr
         if not trace_id or not span_id:
             return None
         flags = int(match[3], 16)
+        known = _FLAGS.get(flags)
         return trace.SpanContext(trace_id, span_id, is_remote=True,
-                                 trace_flags=_FLAGS.get(flags) or trace.TraceFlags(flags))
+                                 trace_flags=trace.TraceFlags(flags) if known is None else known)
     if isinstance(traceparent, bytes):
         traceparent = traceparent.decode("latin-1")
     match = _TRACEPARENT.match(traceparent)

@@ -188,6 +188,48 @@ async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settin
     assert len(set(seen)) == n
 
 
+async def test_a_cancelled_run_is_not_held_by_a_commit_that_hangs_and_loses_nothing(settings):
+    """A batch's commit travels while the next batch is handled. When run() is cancelled (a service
+    stopping) with a commit that does not come back (a broker gone), run() still ends, cancelled,
+    after a bounded wait; what was not committed is read again by the next consumer."""
+    await bus.ensure_topics(["tasks"], settings=settings)
+    n = 30
+    async with bus.Producer(settings) as producer:
+        for i in range(n):
+            await producer.send("tasks", task_pb2.Task(id=f"h{i}", kind="exact", group_size=1), key=f"h{i}")
+        await producer.flush()
+    seen: list[str] = []
+    hung = asyncio.Event()
+    stall = [True]
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+        if incoming.message.id == "h12" and stall[0]:
+            await asyncio.sleep(3600)  # in the third batch, while the second one's commit is out
+
+    async with bus.Consumer(["tasks"], "hung-commit", handler, settings=settings, batch_size=5) as first:
+        await collect(first, 5)  # the first batch, committed as usual
+
+        async def hangs(offsets=None):
+            hung.set()
+            await asyncio.sleep(3600)
+
+        first.commit = hangs
+        run = asyncio.ensure_future(first.run())
+        await asyncio.wait_for(hung.wait(), 20)
+        await asyncio.sleep(0.2)  # run() is in the handler of h12, the commit still out
+        run.cancel()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(run, 20)
+        assert asyncio.get_running_loop().time() - started < bus.COMMIT_SETTLE_S + 2
+    stall[0] = False
+    async with bus.Consumer(["tasks"], "hung-commit", handler, settings=settings) as second:
+        await second.run(idle_timeout_s=2.0)
+    assert set(seen) == {f"h{i}" for i in range(n)}
+    assert seen[:5] == [f"h{i}" for i in range(5)] and seen.count("h0") == 1  # the committed batch is not read again
+
+
 async def test_records_left_over_from_a_batch_never_wait_for_the_brokers_hold_on_idle_topics(settings):
     """A consumer of two topics, one with more records than a batch, the other idle. Records the
     client still held once a batch was handed out used to stop it fetching their topic while it
