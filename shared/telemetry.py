@@ -165,7 +165,7 @@ class _RecordedSpan(trace.Span, ReadableSpan):
             sampled = recording = parent.trace_flags.sampled
             state, extra = parent.trace_state, None
         else:
-            result = tracer_.sampler.should_sample(_context_of(parent), trace_id, name, kind, attributes, ())
+            result = sampler.should_sample(_context_of(parent), trace_id, name, kind, attributes, ())
             sampled, recording = result.decision.is_sampled(), result.decision.is_recording()
             state, extra = result.trace_state, result.attributes
         flags = trace.TraceFlags.SAMPLED if sampled else trace.TraceFlags.DEFAULT
@@ -296,27 +296,27 @@ def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> tr
             tracestate.append(value.decode("latin-1") if isinstance(value, bytes) else value)
     if traceparent is None or len(traceparent) > _TRACEPARENT_MAX:
         return None
-    if not tracestate and isinstance(traceparent, bytes) and (match := _TRACEPARENT_00.fullmatch(traceparent)):
-        trace_id, span_id = int(match[1], 16), int(match[2], 16)
-        if not trace_id or not span_id:
+    canonical = _TRACEPARENT_00.fullmatch(traceparent) if isinstance(traceparent, bytes) else None
+    if canonical is not None:  # what inject_headers writes: no decoding, no version checks
+        trace_id, span_id, flags = canonical.groups()
+    else:
+        if isinstance(traceparent, bytes):
+            traceparent = traceparent.decode("latin-1")
+        match = _TRACEPARENT.match(traceparent)
+        if match is None:
             return None
-        flags = int(match[3], 16)
-        known = _FLAGS.get(flags)
-        return trace.SpanContext(trace_id, span_id, is_remote=True,
-                                 trace_flags=trace.TraceFlags(flags) if known is None else known)
-    if isinstance(traceparent, bytes):
-        traceparent = traceparent.decode("latin-1")
-    match = _TRACEPARENT.match(traceparent)
-    if match is None:
-        return None
-    version, trace_id, span_id, flags, rest = match.groups()
-    if version == "ff" or (version == "00" and rest) or trace_id == "0" * 32 or span_id == "0" * 16:
+        version, trace_id, span_id, flags, rest = match.groups()
+        if version == "ff" or (version == "00" and rest):
+            return None
+    trace_id, span_id, flags = int(trace_id, 16), int(span_id, 16), int(flags, 16)
+    if not trace_id or not span_id:
         return None
     state = None
     if tracestate and sum(map(len, tracestate)) + len(tracestate) - 1 <= _TRACESTATE_MAX:
         state = trace.TraceState.from_header(tracestate)
-    return trace.SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True,
-                             trace_flags=trace.TraceFlags(int(flags, 16)), trace_state=state)
+    known = _FLAGS.get(flags)
+    return trace.SpanContext(trace_id, span_id, is_remote=True,
+                             trace_flags=trace.TraceFlags(flags) if known is None else known, trace_state=state)
 
 
 def extract_context(headers: Iterable[tuple[str, bytes | str]] | None) -> otel_context.Context:
