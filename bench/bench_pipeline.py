@@ -168,6 +168,10 @@ def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, 
     started = report["curve"][0]["t"] if report["curve"] else 0.0
     reached = next((e["t"] - started for e in report["evaluations"] if e["version"] > 0 and e["heldout"] >= target),
                    None)
+    if reached is None and report["curve"] and report["heldout_after"] >= target:
+        # The evaluator had not scored the last version when the run stopped; `crucible train` scored it
+        # after the last step, as the in-process loop scores its last step: reached at that step.
+        reached = report["curve"][-1]["t"] - started
     return {"step_s": report["seconds"] / max(report["steps"], 1), "steps": report["steps"],
             "heldout_before": report["heldout_before"], "heldout_after": report["heldout_after"],
             "to_target_s": reached, "breakdown": report.get("step_breakdown", {}),
