@@ -9,7 +9,7 @@ Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and
     each group into trajectories with advantages, the learner's Trainer steps on them (the backend
     samples with the very model the trainer updates, so no weights are copied);
   - pipeline: `crucible train` (generator, sandbox, verifier, aggregator, learner, evaluator as
-    processes over Kafka) with the recipe's max_policy_lag (sync at 0) and with lag 1 (async).
+    processes over Kafka) at max_policy_lag 0 (sync) and 1 (async), whatever the recipe says.
 Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
 from the first step and leaves out the in-process loop's own evaluations (the pipeline's evaluator
 runs beside it). The pipeline's figures come from its report.json.
