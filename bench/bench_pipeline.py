@@ -12,7 +12,8 @@ Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and
     processes over Kafka) at max_policy_lag 0 (sync) and 1 (async), whatever the recipe says.
 Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
 from the first step and leaves out the in-process loop's own evaluations (the pipeline's evaluator
-runs beside it). The pipeline's figures come from its report.json.
+runs beside it). The pipeline's figures come from its report.json. A step time is a median in every
+setting: of the loop's steps, of the time between the pipeline's consecutive versions, of TRL's steps.
   - trl: TRL's GRPOTrainer (bench/trl_grpo.py) from the same starting checkpoint on the same task
     stream, reward, batch, tokens and hyperparameters, in a virtual environment of its own that
     the bench makes once under CRUCIBLE_HOME (TRL is never a dependency of the project); the
@@ -172,7 +173,12 @@ def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, 
         # The evaluator had not scored the last version when the run stopped; `crucible train` scored it
         # after the last step, as the in-process loop scores its last step: reached at that step.
         reached = report["curve"][-1]["t"] - started
-    return {"step_s": report["seconds"] / max(report["steps"], 1), "steps": report["steps"],
+    # The median time between consecutive versions, as the in-process loop's step is its median: start-up
+    # (services, the first batch) and the final evaluation are in neither.
+    times = [point["t"] for point in report["curve"]]
+    intervals = [b - a for a, b in zip(times, times[1:])]
+    step_s = statistics.median(intervals) if intervals else report["seconds"] / max(report["steps"], 1)
+    return {"step_s": step_s, "steps": report["steps"],
             "heldout_before": report["heldout_before"], "heldout_after": report["heldout_after"],
             "to_target_s": reached, "breakdown": report.get("step_breakdown", {}),
             "cpu_ms_per_step": report.get("cpu_ms_per_step", {})}

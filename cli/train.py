@@ -380,6 +380,9 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                 allowed = (max(version, 0) + s.max_policy_lag + 1 + extra) * s.groups_per_step + flat.count
                 while published < allowed:
                     task = next(run.train_tasks)
+                    # Fed because the learner reached `version`: sampled with an older one, the group
+                    # could be too stale for the step it is meant for.
+                    task.min_policy_version = max(version, 0)
                     await producer.send("tasks", task, key=task.id)
                     published += 1
                 for incoming in await follower.fetch(timeout_ms=500):
@@ -402,7 +405,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                         report.cpu_ms_per_step = cpu_per_step(cpu_first, cpu_last)
                     m = pv.metrics
                     elapsed = time.monotonic() - started
-                    point = {"t": round(elapsed, 1), "version": version, "reward_mean": m.reward_mean,
+                    point = {"t": round(elapsed, 3), "version": version, "reward_mean": m.reward_mean,
                              "pass_rate": m.pass_rate, "kl": m.kl, "step_ms": m.step_ms}
                     last_step_ms.append(m.step_ms)
                     if version == 1:

@@ -106,6 +106,38 @@ async def test_lag_bound_pauses_until_a_new_version(tmp_path):
         await batcher.stop()
 
 
+async def test_a_task_fed_for_a_newer_version_waits_for_it(tmp_path):
+    """The feeder publishes a step's tasks once it has seen a version; a generator that has not loaded
+    it yet (its hash still being checked) samples them with it, not with the version before."""
+    backend = create_backend("torch", seed=1)
+    batcher = Batcher(backend, max_tasks=4, wait_ms=0, lag=LagBound(max_lag=1, groups_per_step=4))
+    batcher.start()
+    try:
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=2)
+        fed = asyncio.create_task(batcher.sample("a", 2, params, min_version=1))
+        _, version, _ = await asyncio.wait_for(batcher.sample("b", 2, params), 10)  # nothing asked: version 0
+        assert version == 0 and not fed.done()
+        folder = save_checkpoint(fresh_policy(2), tmp_path / "v1", {"version": 1})
+        checked = asyncio.Event()
+
+        async def check():  # the generator's hash check of the checkpoint, which takes a while
+            await checked.wait()
+            return str(folder)
+
+        batcher.offer_weights(1, str(folder), check)
+        await asyncio.sleep(0.3)
+        assert not fed.done()  # offered but not checked: still waiting
+        checked.set()
+        completions, version, _ = await asyncio.wait_for(fed, 10)
+        assert version == 1 and len(completions) == 2
+        # A version this generator never gets (refused, or never published) holds a task back only so long.
+        batcher.MIN_VERSION_WAIT_S = 0.3
+        _, version, _ = await asyncio.wait_for(batcher.sample("c", 1, params, min_version=5), 10)
+        assert version == 1
+    finally:
+        await batcher.stop()
+
+
 @pytest.mark.slow
 def test_warm_start_teaches_the_answer_format():
     pairs = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]

@@ -46,6 +46,13 @@ async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     samples = client.query("SELECT count() FROM trajectories FINAL").result_rows[0][0]
     assert steps >= 80
     assert samples >= 80 * 16 * 8
+    # Asynchronous (the recipe's max_policy_lag 1): the generator sampled a step ahead of the learner, and
+    # never with a version older than the feeder had seen (min_policy_version), so nothing was too stale.
+    rows = client.query("SELECT metrics['policy_lag'], metrics['dropped_stale'] FROM policy_versions FINAL "
+                        "WHERE run_id = {r:String} AND version > 1", parameters={"r": report.run_id}).result_rows
+    lags = sorted(lag for lag, _ in rows)
+    assert lags[len(lags) // 2] == 1.0, lags
+    assert sum(stale for _, stale in rows) == 0, rows
 
 
 async def test_dynamic_sampling_keeps_the_loop_fed_and_counts_what_it_filtered(stack_settings, tmp_path):

@@ -54,7 +54,8 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
                 raise bus.Reject(f"task {task.id!r}: {too_long}")
         if envs.is_environment(task):
             return await episodes.start(task, group_id, batcher, params, settings=settings, generator_id=generator_id)
-        completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params)
+        completions, version, ms = await batcher.sample(render_prompt(task), task.group_size, params,
+                                                        min_version=task.min_policy_version)
         group = rollout_group(task, group_id, completions, params, policy_version=version,
                               backend=batcher.backend.name, generator_id=generator_id, sample_ms=ms)
         return [bus.Outgoing("rollouts", group, key=group_id)]

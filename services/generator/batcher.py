@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -111,14 +112,34 @@ class Batcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def sample(self, prompt: str | list[int], n: int, params: SamplingParams, *, counts_for_lag: bool = True
-                     ) -> tuple[list[Completion], int, float]:
-        """n completions of one prompt, the policy version that produced them, and the batch's ms."""
+    async def sample(self, prompt: str | list[int], n: int, params: SamplingParams, *, counts_for_lag: bool = True,
+                     min_version: int = 0) -> tuple[list[Completion], int, float]:
+        """n completions of one prompt, the policy version that produced them, and the batch's ms.
+
+        `min_version`: the version the request asks for at least (a task's min_policy_version); it waits
+        for that version to be loaded, at most MIN_VERSION_WAIT_S (a version this generator refuses or
+        never hears of must not stop it: the request is then sampled with what it holds)."""
+        if min_version > self.backend.version:
+            await self._version_at_least(min_version)
         if counts_for_lag:
             await self.lag.admit()
         future = asyncio.get_running_loop().create_future()
         await self._queue.put(_Request(prompt, n, params, future, counts_for_lag))
         return await future
+
+    MIN_VERSION_WAIT_S = 30.0
+
+    async def _version_at_least(self, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.MIN_VERSION_WAIT_S
+        while self.backend.version < version:
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("asked for policy version %d or newer, still at version %d after %.0f s: sampling "
+                            "with it", version, self.backend.version, self.MIN_VERSION_WAIT_S)
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.lag.changed.wait(), left)
 
     MAX_OFFERS = 4  # versions kept in reserve while newer ones are checked (a replayed topic offers many)
 

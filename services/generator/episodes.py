@@ -32,7 +32,7 @@ async def start(task: task_pb2.Task, group_id: str, batcher: Batcher, params, *,
     if len(ids) >= limit:
         raise bus.Reject(f"task {task.id!r}: its prompt is {len(ids)} tokens, more than the episode's "
                          f"limit of {limit} (max_episode_tokens or environment.max_tokens)")
-    completions, version, ms = await batcher.sample(ids, task.group_size, params)
+    completions, version, ms = await batcher.sample(ids, task.group_size, params, min_version=task.min_policy_version)
     out = []
     for index, completion in enumerate(completions):
         episode = ep.start(task, group_id, index, ids, temperature=params.temperature, top_p=params.top_p,

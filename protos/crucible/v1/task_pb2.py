@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63rucible/v1/task.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xcc\x03\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x30\n\x0cpython_tests\x18\x04 \x01(\x0b\x32\x18.crucible.v1.PythonTestsH\x00\x12-\n\x06\x61nswer\x18\x05 \x01(\x0b\x32\x1b.crucible.v1.ExpectedAnswerH\x00\x12/\n\tgenerator\x18\x06 \x01(\x0b\x32\x1a.crucible.v1.GeneratorSpecH\x00\x12\x33\n\x0b\x65nvironment\x18\x0b \x01(\x0b\x32\x1c.crucible.v1.EnvironmentSpecH\x00\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x31\n\x08metadata\x18\x08 \x03(\x0b\x32\x1f.crucible.v1.Task.MetadataEntry\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05split\x18\n \x01(\t\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07payload\"Z\n\x0bPythonTests\x12\x13\n\x0b\x65ntry_point\x18\x01 \x01(\t\x12\x11\n\ttest_code\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"8\n\x0e\x45xpectedAnswer\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61se_sensitive\x18\x02 \x01(\x08\"T\n\rGeneratorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x12\n\nentry_json\x18\x04 \x01(\t\"O\n\x0f\x45nvironmentSpec\x12\x15\n\rinstance_json\x18\x01 \x01(\t\x12\x11\n\tmax_turns\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63rucible/v1/task.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe8\x03\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x30\n\x0cpython_tests\x18\x04 \x01(\x0b\x32\x18.crucible.v1.PythonTestsH\x00\x12-\n\x06\x61nswer\x18\x05 \x01(\x0b\x32\x1b.crucible.v1.ExpectedAnswerH\x00\x12/\n\tgenerator\x18\x06 \x01(\x0b\x32\x1a.crucible.v1.GeneratorSpecH\x00\x12\x33\n\x0b\x65nvironment\x18\x0b \x01(\x0b\x32\x1c.crucible.v1.EnvironmentSpecH\x00\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x31\n\x08metadata\x18\x08 \x03(\x0b\x32\x1f.crucible.v1.Task.MetadataEntry\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05split\x18\n \x01(\t\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x12\x1a\n\x12min_policy_version\x18\r \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07payload\"Z\n\x0bPythonTests\x12\x13\n\x0b\x65ntry_point\x18\x01 \x01(\t\x12\x11\n\ttest_code\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"8\n\x0e\x45xpectedAnswer\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61se_sensitive\x18\x02 \x01(\x08\"T\n\rGeneratorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x12\n\nentry_json\x18\x04 \x01(\t\"O\n\x0f\x45nvironmentSpec\x12\x15\n\rinstance_json\x18\x01 \x01(\t\x12\x11\n\tmax_turns\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASK_METADATAENTRY']._loaded_options = None
   _globals['_TASK_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_TASK']._serialized_start=73
-  _globals['_TASK']._serialized_end=533
-  _globals['_TASK_METADATAENTRY']._serialized_start=475
-  _globals['_TASK_METADATAENTRY']._serialized_end=522
-  _globals['_PYTHONTESTS']._serialized_start=535
-  _globals['_PYTHONTESTS']._serialized_end=625
-  _globals['_EXPECTEDANSWER']._serialized_start=627
-  _globals['_EXPECTEDANSWER']._serialized_end=683
-  _globals['_GENERATORSPEC']._serialized_start=685
-  _globals['_GENERATORSPEC']._serialized_end=769
-  _globals['_ENVIRONMENTSPEC']._serialized_start=771
-  _globals['_ENVIRONMENTSPEC']._serialized_end=850
+  _globals['_TASK']._serialized_end=561
+  _globals['_TASK_METADATAENTRY']._serialized_start=503
+  _globals['_TASK_METADATAENTRY']._serialized_end=550
+  _globals['_PYTHONTESTS']._serialized_start=563
+  _globals['_PYTHONTESTS']._serialized_end=653
+  _globals['_EXPECTEDANSWER']._serialized_start=655
+  _globals['_EXPECTEDANSWER']._serialized_end=711
+  _globals['_GENERATORSPEC']._serialized_start=713
+  _globals['_GENERATORSPEC']._serialized_end=797
+  _globals['_ENVIRONMENTSPEC']._serialized_start=799
+  _globals['_ENVIRONMENTSPEC']._serialized_end=878
 # @@protoc_insertion_point(module_scope)

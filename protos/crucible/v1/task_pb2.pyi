@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Task(_message.Message):
-    __slots__ = ("id", "kind", "prompt", "python_tests", "answer", "generator", "environment", "group_size", "metadata", "created_at", "split", "signature")
+    __slots__ = ("id", "kind", "prompt", "python_tests", "answer", "generator", "environment", "group_size", "metadata", "created_at", "split", "signature", "min_policy_version")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class Task(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     prompt: str
@@ -42,7 +43,8 @@ class Task(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     split: str
     signature: bytes
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., prompt: _Optional[str] = ..., python_tests: _Optional[_Union[PythonTests, _Mapping]] = ..., answer: _Optional[_Union[ExpectedAnswer, _Mapping]] = ..., generator: _Optional[_Union[GeneratorSpec, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., group_size: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    min_policy_version: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., prompt: _Optional[str] = ..., python_tests: _Optional[_Union[PythonTests, _Mapping]] = ..., answer: _Optional[_Union[ExpectedAnswer, _Mapping]] = ..., generator: _Optional[_Union[GeneratorSpec, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., group_size: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., split: _Optional[str] = ..., signature: _Optional[bytes] = ..., min_policy_version: _Optional[int] = ...) -> None: ...
 
 class PythonTests(_message.Message):
     __slots__ = ("entry_point", "test_code", "language", "timeout_s")
