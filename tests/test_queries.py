@@ -142,9 +142,24 @@ def test_every_saved_query_returns_the_rows_it_is_about(filled):
     _, heldout = queries.run(client, "heldout")
     assert ("run-1", 1, "lookup", 4, 3, 0.75) in heldout
     columns, [row] = queries.run(client, "step-time", run="run-1")
+    # no step names the sample among those it trained on: the version after the one it was sampled with
     assert dict(zip(columns, row)) == {
-        "version": 1, "groups": 1, "sample_ms": 100, "to_verifier_ms": 30, "verify_ms": 10, "to_aggregator_ms": 60,
-        "to_learner_ms": 95, "learner_step_ms": 200, "checkpoint_ms": 12, "publish_ms": 3}
+        "version": 2, "sampled_with": 1, "groups": 1, "sample_ms": 100, "to_verifier_ms": 30, "verify_ms": 10,
+        "to_aggregator_ms": 60, "to_learner_ms": 95, "learner_step_ms": 200, "checkpoint_ms": 12, "publish_ms": 3}
+
+
+def test_step_time_puts_a_group_under_the_step_that_trained_it(filled):
+    """Asynchronous, a group sampled with version 1 may be trained by the step that makes version 3: its
+    learner figures are that step's, found by the sample ids the step recorded."""
+    client, _, _ = filled
+    pv = policy_pb2.PolicyVersion(run_id="run-1", version=3, step=3, checkpoint_uri="file:///z",
+                                  metrics=policy_pb2.StepMetrics(step_ms=450.0))
+    record_step(client, pv, {"step_ms": 450.0, "checkpoint_ms": 20.0, "publish_ms": 5.0}, ["code-1/0"])
+    columns, [row] = queries.run(client, "step-time", run="run-1")
+    got = dict(zip(columns, row))
+    assert (got["version"], got["sampled_with"], got["groups"]) == (3, 1, 1), got
+    assert (got["learner_step_ms"], got["checkpoint_ms"], got["publish_ms"]) == (450, 20, 5), got
+    assert (got["sample_ms"], got["to_learner_ms"]) == (100, 95), got
 
 
 def test_a_query_without_its_parameter_or_unknown_says_so(filled):

@@ -35,16 +35,19 @@ QUERIES = {q.name: q for q in [
           "SELECT run_id, step, round(reward_mean, 4) AS reward, round(pass_rate, 4) AS passed, round(kl, 5) AS kl_to_ref, "
           "round(entropy, 4) AS entropy_mean, round(grad_norm, 4) AS grad_l2, round(step_time_ms) AS step_ms "
           "FROM train_steps FINAL ORDER BY run_id, step"),
-    Query("step-time", "where a step's time goes, per policy version sampled with (medians over its groups, "
-          "from the spans): sampling, the hops between services and the work in each, then the learner's step "
-          "on them, its checkpoint and publication (the version after; exact for max_policy_lag 0)",
-          "SELECT g.version AS version, count() AS groups, round(quantile(0.5)(sample_ms)) AS sample_ms, "
+    Query("step-time", "where a step's time goes, per policy step (the version it made; medians over the groups "
+          "it trained on, from the spans): sampling, the hops between services and the work in each, then the "
+          "learner's step, its checkpoint and publication. A group belongs to the step whose trained samples name it "
+          "(train_steps.samples), or, for rows written before those were recorded, to the version after the one it "
+          "was sampled with; sampled_with is the oldest version among the step's groups",
+          "SELECT g.step AS version, min(g.version) AS sampled_with, count() AS groups, "
+          "round(quantile(0.5)(sample_ms)) AS sample_ms, "
           "round(quantile(0.5)(to_verifier_ms)) AS to_verifier_ms, round(quantile(0.5)(verify_ms)) AS verify_ms, "
           "round(quantile(0.5)(to_aggregator_ms)) AS to_aggregator_ms, "
           "round(quantile(0.5)(to_learner_ms)) AS to_learner_ms, round(any(p.metrics['step_ms'])) AS learner_step_ms, "
           "round(any(p.metrics['checkpoint_ms'])) AS checkpoint_ms, round(any(p.metrics['publish_ms'])) AS publish_ms "
           "FROM ("
-          "SELECT t.version AS version, o.TraceId, "
+          "SELECT t.version AS version, if(any(t.trained) > 0, any(t.trained), t.version + 1) AS step, o.TraceId, "
           "minIf(ts, o.ServiceName = 'generator' AND endsWith(o.SpanName, '.tasks process')) AS gen_start, "
           "maxIf(ts + o.Duration / 1e6, o.ServiceName = 'generator' AND endsWith(o.SpanName, '.tasks process')) "
           "AS gen_end, minIf(ts, o.ServiceName = 'verifier' AND endsWith(o.SpanName, ' process')) AS ver_start, "
@@ -55,10 +58,13 @@ QUERIES = {q.name: q for q in [
           "gen_end - gen_start AS sample_ms, ver_start - gen_end AS to_verifier_ms, ver_end - ver_start AS verify_ms, "
           "agg_start - ver_end AS to_aggregator_ms, step_start - agg_end AS to_learner_ms "
           "FROM (SELECT *, toUnixTimestamp64Micro(Timestamp) / 1000 AS ts FROM otel_traces) AS o INNER JOIN "
-          "(SELECT DISTINCT trace_id, policy_version AS version FROM trajectories FINAL WHERE run_id = {run:String}) "
+          "(SELECT tr.trace_id AS trace_id, tr.policy_version AS version, max(s.trained) AS trained FROM "
+          "(SELECT trajectory_id, trace_id, policy_version FROM trajectories FINAL WHERE run_id = {run:String}) AS tr "
+          "LEFT JOIN (SELECT arrayJoin(samples) AS trajectory_id, policy_version AS trained FROM train_steps FINAL "
+          "WHERE run_id = {run:String}) AS s ON tr.trajectory_id = s.trajectory_id GROUP BY trace_id, version) "
           "AS t ON o.TraceId = t.trace_id GROUP BY version, o.TraceId HAVING gen_start > 0 AND step_start > 0) AS g "
           "LEFT JOIN (SELECT version, metrics FROM policy_versions FINAL WHERE run_id = {run:String}) AS p "
-          "ON p.version = g.version + 1 GROUP BY version ORDER BY version"),
+          "ON p.version = g.step GROUP BY version ORDER BY version"),
     Query("slowest-sandbox-jobs", "the sandbox runs (and episodes' tool calls) that took longest, and how they ended",
           "SELECT trajectory_id, task_kind, turn, ms, cpu_s, rss_mb, exit_code, violation FROM ("
           "SELECT trajectory_id, task_kind, 0 AS turn, round(duration_ms, 1) AS ms, round(cpu_s, 3) AS cpu_s, "
