@@ -53,7 +53,7 @@ class Watch:
 
     def __init__(self, program_file: str):
         self.program_file = program_file
-        self.work_dir = os.path.dirname(program_file) or "/work"
+        self.work_dir = program_file.rpartition("/")[0] or "/work"
         self.flags: list[tuple[str, str]] = []
         self._seen: set[tuple[str, str]] = set()
         self._builtins = BUILTINS_SNAPSHOT or dict(builtins.__dict__)
@@ -249,11 +249,8 @@ def prepare() -> None:
     BUILTINS_SNAPSHOT = dict(builtins.__dict__)
     global JOB_STDIO
     JOB_STDIO = job_stdio()
-    global HOST_MODULES
-    HOST_MODULES = tuple(name for name in sys.modules if name == "crucible" or name.startswith("crucible."))
 
 
-HOST_MODULES: tuple[str, ...] = ()  # the worker's own modules, named once (prepare) so a job can drop them fast
 JOB_STDIO: tuple = ()  # a job's sys.stdin, sys.stdout and sys.stderr, made once (prepare)
 
 
@@ -275,21 +272,21 @@ def use_job_stdio() -> None:
 THREAD_STACK_BYTES = 512 << 10
 
 
-def enter_job() -> None:
-    """Before a job's program runs, in its process.
-
-    What it could read of the host without doing anything forbidden goes: the interpreter's command
-    line becomes a bare `python3` (the real one held no configuration, but names the interpreter),
-    and the worker's own modules leave sys.modules (the code already loaded keeps running; their
-    files carry neutral names anyway).
+def leave_host() -> None:
+    """What a job could read of the host without doing anything forbidden goes, in the zygote (once,
+    before any jail is forked: every job inherits it as it is; done in each job's process, the
+    module pops alone copied some 150 us of pages a job). The interpreter's command line becomes a
+    bare `python3` (the real one held no configuration, but names the interpreter), and the worker's
+    own modules leave sys.modules (the code already loaded keeps running, and nothing in a jail
+    imports them again; their files carry neutral names anyway).
 
     New threads get small stacks: with the default 8 MiB each, a thread bomb exhausts the address
     space limit after a dozen threads, a failure the kernel counts nowhere; with these it reaches
     the slot's pids.max, which the kernel counts, so the job is named a `processes` violation even
     when it swallows the error."""
     sys.orig_argv = ["python3"]
-    for name in HOST_MODULES:
-        sys.modules.pop(name, None)
+    for name in [name for name in sys.modules if name == "crucible" or name.startswith("crucible.")]:
+        del sys.modules[name]
     _thread.stack_size(THREAD_STACK_BYTES)
 
 
@@ -317,7 +314,6 @@ def serve(job: dict, call_r: int, reply_w: int) -> None:
     program_file = "/work/" + job["main"]
     sys.argv = [program_file]
     sys.path[:0] = ["/work"]
-    enter_job()
     # The worker loaded ctypes for itself; forgetting it here makes the program's own import visible.
     # (Named, not searched for: walking sys.modules would copy-on-write-fault a page per module.)
     for name in _LOADED_NATIVE:

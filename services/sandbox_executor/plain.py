@@ -209,8 +209,11 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
     raise ValueError(f"malformed value node tagged {tag!r}")
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode  # made once, not per message
+
+
 def dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODE(obj).encode()
 
 
 def loads(data: bytes):

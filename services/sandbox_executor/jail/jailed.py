@@ -260,7 +260,6 @@ def execute(job: dict) -> int:
     sys.argv = [job["main"]]
     sys.path[:0] = ["/work"]
     sys.modules.pop("__main__", None)
-    candidate.enter_job()
     namespace = {"__name__": "__main__", "__file__": "/work/" + job["main"], "__builtins__": builtins}
     exit_code = 0
     try:

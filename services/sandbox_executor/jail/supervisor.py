@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from crucible.services.sandbox_executor import harness
 from crucible.services.sandbox_executor.jail import outcome, seccomp, zygote
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
 from crucible.shared import framing
@@ -283,6 +284,16 @@ class Supervisor:
             self.slot_freed.notify()
 
 
+_compiled_tests = harness.CompiledTests()  # shared by the runner threads, under the lock
+_compiled_lock = threading.Lock()
+
+
+def tests_frame(tests: str, prelude: str) -> bytes:
+    """The frame a tested job's harness reads its tests from (harness.CompiledTests)."""
+    with _compiled_lock:
+        return _compiled_tests.frame(tests, prelude)
+
+
 def run_job(jail: Jail, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     """Runs one job in the prepared jail: (the result, what is left to do once it has been sent).
 
@@ -302,8 +313,7 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     program["has_tests"] = tested
     framing.write(jail.job_w, json.dumps(program).encode())
     if tested:  # read by the harness only after the candidate's process is forked
-        tests = {"tests": job["tests"], "prelude": job.get("prelude") or ""}
-        framing.write(jail.job_w, json.dumps(tests).encode())
+        framing.write(jail.job_w, tests_frame(job["tests"], job.get("prelude") or ""), harness.TESTS_FRAME_LIMIT)
 
     stdin_data = base64.b64decode(job.get("stdin_b64") or "")
     cap = limits["output_bytes"]

@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 
+from crucible.services.sandbox_executor import candidate
 from crucible.services.sandbox_executor.jail import jailed, rootfs
 from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID,
                                                            CLONE_NEWUTS, PR_SET_PDEATHSIG, prctl, set_hostname, setns,
@@ -55,6 +56,7 @@ def start(cfg: dict) -> tuple[int, socket.socket]:
             os.dup2(null, 0)
             os.dup2(null, 1)
             os.close(null)
+            candidate.leave_host()
             serve(cfg, theirs)
         except BaseException as exc:
             try:
