@@ -11,8 +11,8 @@ Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and
   - pipeline: `crucible train` (generator, sandbox, verifier, aggregator, learner, evaluator as
     processes over Kafka) at max_policy_lag 0 (sync) and 1 (async), whatever the recipe says.
 Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
-from the first step and leaves out the in-process loop's own evaluations (the pipeline's evaluator
-runs beside it). The pipeline's figures come from its report.json. A step time is a median in every
+from the first step to the one that produced the first version scoring it, evaluations left out (the
+pipeline's: the time that version was published, not when its evaluator, running beside it, finished). The pipeline's figures come from its report.json. A step time is a median in every
 setting: of the loop's steps, of the time between the pipeline's consecutive versions, of TRL's steps.
   - trl: TRL's GRPOTrainer (bench/trl_grpo.py) from the same starting checkpoint on the same task
     stream, reward, batch, tokens and hyperparameters, in a virtual environment of its own that
@@ -166,13 +166,16 @@ def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, 
     checkpoint = next(line.split(":", 1)[1].strip() for line in out.stdout.splitlines()
                       if line.startswith("checkpoint "))
     report = json.loads((Path(checkpoint).parent.parent / "report.json").read_text())
-    started = report["curve"][0]["t"] if report["curve"] else 0.0
-    reached = next((e["t"] - started for e in report["evaluations"] if e["version"] > 0 and e["heldout"] >= target),
-                   None)
+    # Reached when the version that first scored the target was published (its curve time, counted from
+    # the first task fed), as the loop and TRL count their working time up to the step they evaluate:
+    # not when the evaluator, running beside the training, finished scoring it.
+    published = {point["version"]: point["t"] for point in report["curve"]}
+    reached = next((published[e["version"]] for e in report["evaluations"]
+                    if e["version"] in published and e["heldout"] >= target), None)
     if reached is None and report["curve"] and report["heldout_after"] >= target:
         # The evaluator had not scored the last version when the run stopped; `crucible train` scored it
         # after the last step, as the in-process loop scores its last step: reached at that step.
-        reached = report["curve"][-1]["t"] - started
+        reached = report["curve"][-1]["t"]
     # The median time between consecutive versions, as the in-process loop's step is its median: start-up
     # (services, the first batch) and the final evaluation are in neither.
     times = [point["t"] for point in report["curve"]]
