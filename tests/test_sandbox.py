@@ -205,6 +205,41 @@ async def test_tests_report_per_test_outcomes(pool):
     assert {t["name"]: t["passed"] for t in r.tests} == {"test_one": True, "test_two": False}
 
 
+async def test_tests_and_prelude_compiled_by_the_supervisor_behave_as_written(pool):
+    """The supervisor compiles a job's tests and prelude (harness.CompiledTests): a text that does not
+    compile is the harness's load_tests failure, in order (a prelude that raises is reported before
+    tests that do not compile), the prelude's helpers are trusted and its stubs are the candidate's,
+    and the same tests again (a group's next sample, from the cache) judge the new candidate."""
+    adds = "def add(a, b):\n    return a + b\n"
+    bad = await pool.execute(Job(code=adds, tests="def test_x(:\n    pass\n"))
+    assert [t["name"] for t in bad.tests] == ["load_tests"] and not bad.tests[0]["passed"]
+    assert bad.tests[0]["message"].startswith("SyntaxError")
+    raising = await pool.execute(Job(code=adds, tests="def test_x(:\n    pass\n",
+                                     prelude="raise ValueError('prelude says no')\n"))
+    assert raising.tests[0]["message"] == "ValueError: prelude says no"
+    prelude = 'def double(x):\n    return 2 * x\n\ndef add(a, b):\n    """Adds."""\n'
+    tests = "def test_add():\n    assert add(double(1), 1) == 3\n"
+    helper = "def double(x):\n    return 0\n\n" + adds  # its own double() must not judge it
+    for code, passed in [(helper, True), ("def add(a, b):\n    return a - b\n", False), (helper, True)]:
+        r = await pool.execute(Job(code=code, tests=tests, prelude=prelude))
+        assert {t["name"]: t["passed"] for t in r.tests} == {"test_add": passed}, r.tests
+
+
+def test_compiled_tests_keep_the_last_tasks_within_their_bounds():
+    from crucible.services.sandbox_executor.harness import CompiledTests
+
+    cache = CompiledTests(entries=2)
+    first = cache.frame("def test_a():\n    pass\n", "")
+    assert cache.frame("def test_a():\n    pass\n", "") is first  # compiled once
+    cache.frame("def test_b():\n    pass\n", "")
+    cache.frame("def test_c():\n    pass\n", "")  # the least recently used (test_a) leaves
+    assert cache.frame("def test_a():\n    pass\n", "") is not first
+    small = CompiledTests(entries=100, max_bytes=3 * (len(first) + 40))
+    for i in range(10):
+        small.frame(f"def test_{i}():\n    pass\n", "")
+    assert 1 <= len(small._frames) <= 3 and small._bytes <= 3 * (len(first) + 40)
+
+
 async def test_exit_before_tests_is_a_failure(pool):
     r = await pool.execute(Job(code="import os\nos._exit(0)", tests="def check(c):\n    assert c() == 1\n",
                                entry_point="f"))
