@@ -14,14 +14,16 @@ it is forked once a job turns out to be tested, still before its tests are read.
 frames on one pipe: the program, then (for a tested job) the tests. The jail
 reads only the first and passes it to the candidate's process, which never held
 the job pipe; the harness reads the tests after that (harness.py), so the
-process running the candidate's code never has them.
+process running the candidate's code never has them. Both frames are marshalled by the
+supervisor (trusted, and before any job code runs): in a freshly forked process the first
+json.loads costs some 200 us of copied pages, marshal.loads half that.
 """
 from __future__ import annotations
 
 import _signal
 import builtins
 import fcntl
-import json
+import marshal
 import os
 import resource
 import signal
@@ -78,7 +80,7 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         program = framing.read(job_r)
         if program is None:
             os._exit(0)  # the worker is shutting down
-        job = json.loads(program)
+        job = marshal.loads(program)
         write_files(job)
         tested = bool(job.get("has_tests"))
         if tested and candidate is None:  # not expected: forked now, before the tests leave the pipe
@@ -135,7 +137,7 @@ def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int
         program = framing.read(call_r)
         if program is None:
             os._exit(0)  # the job is untested: nothing to do
-        job = json.loads(program)
+        job = marshal.loads(program)
         place_fds([(stdin_r, 0), (out_w, 1), (err_w, 2), (call_r, 5), (reply_w, 6)])
         set_limits(cfg, job)
         candidate.serve(job, 5, 6)

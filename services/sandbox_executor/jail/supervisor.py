@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import marshal
 import os
 import queue
 import select
@@ -311,7 +312,7 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     tested = "tests" in job
     program = {k: v for k, v in job.items() if k not in ("tests", "prelude")}
     program["has_tests"] = tested
-    framing.write(jail.job_w, json.dumps(program).encode())
+    framing.write(jail.job_w, marshal.dumps(program))
     if tested:  # read by the harness only after the candidate's process is forked
         framing.write(jail.job_w, tests_frame(job["tests"], job.get("prelude") or ""), harness.TESTS_FRAME_LIMIT)
 
