@@ -27,6 +27,7 @@ Stdlib only: this module is loaded into the sandbox worker, which has no site-pa
 from __future__ import annotations
 
 import _signal
+import _thread
 import ast
 import builtins
 import json
@@ -320,20 +321,36 @@ class CompiledTests:
         self.entries, self.max_bytes = entries, max_bytes
         self._frames: dict[tuple[str, str], bytes] = {}  # insertion order: least recently used first
         self._bytes = 0
+        self._lock = _thread.allocate_lock()  # the supervisor's runner threads share it
 
     def frame(self, tests: str, prelude: str) -> bytes:
         key = (tests, prelude)
-        frame = self._frames.pop(key, None)
-        if frame is None:
-            frame = marshal.dumps({"prelude": _compiled(prelude, PRELUDE_FILE) if prelude else None,
-                                   "tests": _compiled(tests, TESTS_FILE), "prelude_source": prelude})
+        with self._lock:
+            frame = self._frames.pop(key, None)
+            if frame is not None:
+                self._frames[key] = frame
+                return frame
+        frame = _frame(tests, prelude)  # outside the lock: a large text holds up no other runner's job
+        with self._lock:
+            old = self._frames.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old) + len(tests) + len(prelude)
+            self._frames[key] = frame
             self._bytes += len(frame) + len(tests) + len(prelude)
-        self._frames[key] = frame
-        while self._frames and (len(self._frames) > self.entries or self._bytes > self.max_bytes):
-            (old_tests, old_prelude), old = next(iter(self._frames.items()))
-            del self._frames[(old_tests, old_prelude)]
-            self._bytes -= len(old) + len(old_tests) + len(old_prelude)
+            while self._frames and (len(self._frames) > self.entries or self._bytes > self.max_bytes):
+                (old_tests, old_prelude), old = next(iter(self._frames.items()))
+                del self._frames[(old_tests, old_prelude)]
+                self._bytes -= len(old) + len(old_tests) + len(old_prelude)
         return frame
+
+
+def _frame(tests: str, prelude: str) -> bytes:
+    parts = {"prelude": _compiled(prelude, PRELUDE_FILE) if prelude else None, "tests": _compiled(tests, TESTS_FILE),
+             "prelude_source": prelude}
+    try:
+        return marshal.dumps(parts)
+    except ValueError as exc:  # a constant nested deeper than marshal writes
+        return marshal.dumps({"prelude": None, "tests": {"error": f"ValueError: {exc}"}, "prelude_source": ""})
 
 
 def _compiled(source: str, filename: str):

@@ -285,14 +285,7 @@ class Supervisor:
             self.slot_freed.notify()
 
 
-_compiled_tests = harness.CompiledTests()  # shared by the runner threads, under the lock
-_compiled_lock = threading.Lock()
-
-
-def tests_frame(tests: str, prelude: str) -> bytes:
-    """The frame a tested job's harness reads its tests from (harness.CompiledTests)."""
-    with _compiled_lock:
-        return _compiled_tests.frame(tests, prelude)
+COMPILED_TESTS = harness.CompiledTests()  # the frames tested jobs' harnesses read their tests from
 
 
 def run_job(jail: Jail, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
@@ -314,7 +307,7 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups) -> tuple[dict, object]:
     program["has_tests"] = tested
     framing.write(jail.job_w, marshal.dumps(program))
     if tested:  # read by the harness only after the candidate's process is forked
-        framing.write(jail.job_w, tests_frame(job["tests"], job.get("prelude") or ""), harness.TESTS_FRAME_LIMIT)
+        framing.write(jail.job_w, COMPILED_TESTS.frame(job["tests"], job.get("prelude") or ""), harness.TESTS_FRAME_LIMIT)
 
     stdin_data = base64.b64decode(job.get("stdin_b64") or "")
     cap = limits["output_bytes"]
