@@ -234,10 +234,11 @@ def test_compiled_tests_keep_the_last_tasks_within_their_bounds():
     cache.frame("def test_b():\n    pass\n", "")
     cache.frame("def test_c():\n    pass\n", "")  # the least recently used (test_a) leaves
     assert cache.frame("def test_a():\n    pass\n", "") is not first
-    small = CompiledTests(entries=100, max_bytes=3 * (len(first) + 40))
-    for i in range(10):
-        small.frame(f"def test_{i}():\n    pass\n", "")
-    assert 1 <= len(small._frames) <= 3 and small._bytes <= 3 * (len(first) + 40)
+    texts = [f"def test_{i}():\n    pass\n" for i in range(10)]  # each as long as test_a's, frame too
+    small = CompiledTests(entries=100, max_bytes=3 * (len(first) + len(texts[0])) + 10)  # room for three
+    frames = [small.frame(text, "") for text in texts]
+    assert list(small._frames) == [(text, "") for text in texts[-3:]]  # the last three, oldest first
+    assert small._bytes == sum(len(f) + len(t) for f, t in zip(frames[-3:], texts[-3:]))
 
 
 async def test_exit_before_tests_is_a_failure(pool):

@@ -63,7 +63,6 @@ FORBIDDEN_SYSCALLS_X86_64 = {
 SYS_PRCTL, PR_SET_SECCOMP_ARG = 157, 22
 
 
-
 def compile_filter(notify: bool = False) -> bytes:
     """The filter: x86_64 only; forbidden syscalls and namespace-creating clones are held for the
     listener (`notify`) or kill."""
