@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -94,7 +95,7 @@ class Outgoing:
     key: str | bytes | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Incoming:
     """A decoded record as a handler sees it; `context` is its consumer span's, for work done later."""
 
@@ -117,8 +118,8 @@ def _key_bytes(key: str | bytes | None) -> bytes | None:
 def publish_headers(message: Message) -> list[tuple[str, bytes]]:
     """The headers every produced record carries: schema, content-type, and the current trace context."""
     return [
-        (H_SCHEMA, messages.schema_name(message).encode()),
-        (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode()),
+        (H_SCHEMA, _schema_header(type(message))),
+        (H_CONTENT_TYPE, _PROTOBUF),
         *telemetry.inject_headers(),
     ]
 
@@ -132,10 +133,18 @@ def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
             named = header
         elif key == H_CONTENT_TYPE and content_type is _ABSENT:
             content_type = header
+    if content_type == _PROTOBUF and value is not None and named == _schema_header(schema):
+        return messages.decode_protobuf(value, schema)  # what publish_headers writes: nothing to convert
     return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
 
 
 _ABSENT = object()
+_PROTOBUF = messages.CONTENT_TYPE_PROTOBUF.encode()
+
+
+@functools.cache
+def _schema_header(schema: type[Message]) -> bytes:
+    return messages.schema_name(schema).encode()
 
 
 def _text(value) -> str | None:
@@ -286,10 +295,11 @@ def consume_span(topic: str, partition: int, offset: int, headers: Sequence[tupl
                  name: str = "process"):
     """The consumer span of one record (a `with` block), child of the span that produced it (trace
     context in the headers)."""
-    return telemetry.record_span(
+    parent = telemetry.parent_from_headers(headers)
+    return telemetry.carried(parent) or telemetry.record_span(
         f"{topic} {name}", trace.SpanKind.CONSUMER,
         {"messaging.system": "kafka", "messaging.destination.name": topic, "messaging.kafka.partition": partition,
-         "messaging.kafka.offset": offset}, parent=telemetry.parent_from_headers(headers))
+         "messaging.kafka.offset": offset}, parent=parent)
 
 
 def _publish_attributes(topic: str) -> dict:
@@ -473,14 +483,21 @@ class Reader:
 
     async def decode(self, record: ConsumerRecord) -> Incoming | None:
         """The record decoded (inside the caller's consumer span), or None once it is dead-lettered."""
+        incoming = self._decoded(record)
+        if isinstance(incoming, str):
+            await self.dead_letter(record, incoming)
+            return None
+        return incoming
+
+    def _decoded(self, record: ConsumerRecord) -> Incoming | str:
+        """The record decoded (inside the caller's consumer span), or why it cannot be (a dead letter's
+        reason). Not a coroutine: a record that decodes, nearly every one, awaits nothing."""
         try:
             message = decode_record(record.value, record.headers, self.schemas[record.topic])
         except messages.MessageDecodeError as exc:
-            await self.dead_letter(record, f"undecodable: {exc}")
-            return None
+            return f"undecodable: {exc}"
         except Exception as exc:  # whatever a decoder raises on some input: that record, never the partition
-            await self.dead_letter(record, f"undecodable: {type(exc).__name__}: {str(exc)[:300]}")
-            return None
+            return f"undecodable: {type(exc).__name__}: {str(exc)[:300]}"
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
                         tuple(record.headers or ()), otel_context.get_current())
 
@@ -684,8 +701,9 @@ class Consumer(Reader):
     async def _process(self, record: ConsumerRecord) -> list[asyncio.Future]:
         """Decodes and handles one record; returns the delivery futures of its outputs."""
         with consume_span(record.topic, record.partition, record.offset, record.headers):
-            incoming = await self.decode(record)
-            if incoming is None:
+            incoming = self._decoded(record)
+            if isinstance(incoming, str):
+                await self.dead_letter(record, incoming)
                 return []
             for attempt in range(1, self.max_attempts + 1):
                 try:

@@ -84,21 +84,34 @@ def decode(
         return _decode_json(value, expected)
     if content_type not in (None, CONTENT_TYPE_PROTOBUF):
         raise MessageDecodeError(f"unsupported content-type {content_type!r}")
+    return decode_protobuf(value, expected)
+
+
+def decode_protobuf(value: bytes, expected: type[Message]) -> Message:
+    """`value` as protobuf bytes of `expected` (at most MAX_MESSAGE_BYTES, no unknown fields), or
+    MessageDecodeError with the reason."""
+    if len(value) > MAX_MESSAGE_BYTES:
+        raise MessageDecodeError(f"value of {len(value)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     message = expected()
     try:
         message.ParseFromString(value)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise MessageDecodeError(f"not a valid {expected_name} protobuf: {exc}") from exc
-    # Every unknown field, at any depth, takes at least a byte of the message's size; discarding them
-    # (in C, recursively) and sizing again finds out in two passes over the bytes instead of a walk
-    # through every nested message in Python. Only a message that has some is walked, to say where.
-    size = message.ByteSize()
+        raise MessageDecodeError(f"not a valid {expected.DESCRIPTOR.full_name} protobuf: {exc}") from exc
+    # Unknown fields (at any depth) take bytes of the value: with them discarded (in C, recursively), a
+    # message whose canonical size is its value's length had none, as any protobuf encoder writes it.
+    # (Bytes crafted to write known fields shorter than canonical, by exactly what unknown ones take,
+    # pass; what they carried is discarded.) Where the sizes differ, sizing before and after discarding
+    # says whether there were any, and only then is the message walked, to say where.
     message.DiscardUnknownFields()
-    unknown = None if message.ByteSize() == size else _unknown_field_path(expected.FromString(value)) or "a nested field"
-    if unknown:
-        raise MessageDecodeError(
-            f"bytes carry fields unknown to {expected_name} (at {unknown}): wrong schema, garbage, or a newer producer"
-        )
+    if message.ByteSize() != len(value):
+        again = expected.FromString(value)
+        size = again.ByteSize()
+        again.DiscardUnknownFields()
+        if again.ByteSize() != size:
+            raise MessageDecodeError(
+                f"bytes carry fields unknown to {expected.DESCRIPTOR.full_name} (at "
+                f"{_unknown_field_path(expected.FromString(value)) or 'a nested field'}): wrong schema, garbage, "
+                "or a newer producer")
     return message
 
 

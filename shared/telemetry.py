@@ -116,9 +116,26 @@ def record_span(name: str, kind: trace.SpanKind, attributes: dict, *, parent=CUR
     if not isinstance(tracer_, SdkTracer) or not tracer_._is_enabled():
         context = None if parent is CURRENT else _context_of(parent)
         return tracer_.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
-    return _RecordScope(_RecordedSpan.start(tracer_, name, kind, attributes,
-                                            trace.get_current_span().get_span_context() if parent is CURRENT
-                                            else parent))
+    current = parent is CURRENT
+    if current:
+        parent = trace.get_current_span().get_span_context()
+    return carried(parent, tracer_, current) or _RecordScope(_RecordedSpan.start(tracer_, name, kind, attributes,
+                                                                                 parent))
+
+
+def carried(parent: trace.SpanContext | None, tracer_: trace.Tracer | None = None, current: bool = False):
+    """The scope of a span under `parent` that the sampler drops by the parent's flag alone (a `with`
+    block in which the parent's context is current), or None where a span is to be made. Such a
+    span is not made: the SDK's dropped span takes an id of its own that nothing ever records, and cost
+    a record ~3 us to start and carry; the parent's context goes on as it came, so records of an
+    unsampled trace carry one traceparent, read once. `current`: `parent` is the current span's.
+    A caller with attributes to build asks first (bus.consume_span); record_span asks it too."""
+    if parent is None or parent.trace_flags not in _NOT_SAMPLED or not parent.is_valid:
+        return None
+    tracer_ = tracer_ or tracer("crucible.bus")
+    if not isinstance(tracer_, SdkTracer) or not tracer_._is_enabled() or not _drops_under(tracer_.sampler, parent):
+        return None
+    return _Carried(parent, current)
 
 
 def _context_of(parent: trace.SpanContext | None) -> otel_context.Context:
@@ -143,6 +160,52 @@ def _follows_parent(sampler: sampling.Sampler, parent: trace.SpanContext) -> boo
     else:
         yes, no = sampler._local_parent_sampled, sampler._local_parent_not_sampled
     return yes is sampling.ALWAYS_ON and no is sampling.ALWAYS_OFF
+
+
+# A parent's flags under which ParentBased drops its child and the child's flags are the parent's.
+_NOT_SAMPLED = frozenset({0, trace.TraceFlags.RANDOM_TRACE_ID})
+
+
+def _drops_under(sampler: sampling.Sampler, parent: trace.SpanContext) -> bool:
+    """Whether a child of the unsampled `parent` is dropped by the parent's flag alone, and so would the
+    child's own children be: ParentBased with its default delegates for local parents and, for a
+    remote `parent`, for remote ones."""
+    return (_follows_parent(sampler, parent)
+            and sampler._local_parent_sampled is sampling.ALWAYS_ON
+            and sampler._local_parent_not_sampled is sampling.ALWAYS_OFF)
+
+
+class _Carried:
+    """The scope `carried` gives: the parent's context is made current for the `with` block (it already
+    is where the parent is the current span's). The context is kept for the next record of the same
+    trace read on the same context (one per consumer task): made once, not per record."""
+
+    __slots__ = ("parent", "_attach", "_token")
+
+    def __init__(self, parent: trace.SpanContext, current: bool):
+        self.parent, self._attach = parent, not current
+
+    def __enter__(self) -> trace.Span:
+        if not self._attach:
+            return trace.NonRecordingSpan(self.parent)
+        base = otel_context.get_current()
+        made = _CARRIED.get(id(self.parent))
+        if made is None or made[0] is not self.parent or made[1] is not base:
+            span = trace.NonRecordingSpan(self.parent)
+            if len(_CARRIED) >= _CARRIED_MAX:
+                _CARRIED.clear()
+            made = _CARRIED[id(self.parent)] = (self.parent, base, trace.set_span_in_context(span, base), span)
+        self._token = otel_context.attach(made[2])
+        return made[3]
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._attach:
+            otel_context.detach(self._token)
+
+
+# id(parent) -> (parent, the context it was made on, that context with the parent's span, the span)
+_CARRIED: dict[int, tuple] = {}
+_CARRIED_MAX = 256
 
 
 class _RecordedSpan(trace.Span, ReadableSpan):
@@ -296,6 +359,23 @@ def parent_from_headers(headers: Iterable[tuple[str, bytes | str]] | None) -> tr
             tracestate.append(value.decode("latin-1") if isinstance(value, bytes) else value)
     if traceparent is None or len(traceparent) > _TRACEPARENT_MAX:
         return None
+    if tracestate:
+        return _parse_traceparent(traceparent, tracestate)
+    # Records of one trace carry one traceparent (a dropped span passes its parent's on): read once.
+    found = _READ.get(traceparent, _ABSENT)
+    if found is _ABSENT:
+        if len(_READ) >= _READ_MAX:
+            _READ.clear()
+        found = _READ[traceparent] = _parse_traceparent(traceparent, tracestate)
+    return found
+
+
+_READ: dict[bytes | str, trace.SpanContext | None] = {}  # traceparent (without tracestate) -> what it names
+_READ_MAX = 4096
+_ABSENT = object()
+
+
+def _parse_traceparent(traceparent: bytes | str, tracestate: list[str]) -> trace.SpanContext | None:
     canonical = _TRACEPARENT_00.fullmatch(traceparent) if isinstance(traceparent, bytes) else None
     if canonical is not None:  # what inject_headers writes: no decoding, no version checks
         trace_id, span_id, flags = canonical.groups()

@@ -1,7 +1,7 @@
 """Codecs, without a broker."""
 import pytest
 
-from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
+from crucible.v1 import episode_pb2, rollout_pb2, task_pb2, verdict_pb2
 from crucible.shared import messages
 
 
@@ -34,6 +34,19 @@ def test_unknown_fields_deep_inside_are_rejected():
     group = (b"\x3a" + bytes([len(first)]) + first) + (b"\x3a" + bytes([len(inner)]) + inner)
     with pytest.raises(messages.MessageDecodeError, match=r"rollouts\[1\] field #99"):
         messages.decode(group, rollout_pb2.RolloutGroup)
+
+
+def test_values_written_longer_or_shorter_than_canonical_decode_and_unknown_fields_in_them_are_found():
+    # group_size = 3 as an overlong varint (canonical: 2 bytes; written: 4), and prompt_token_ids = [5]
+    # unpacked (canonical, packed: 3 bytes; written: 2): both decode as what they say.
+    overlong = b"\x38\x83\x80\x00" + messages.encode(task_pb2.Task(id="t"))
+    assert messages.decode(overlong, task_pb2.Task) == task_pb2.Task(id="t", group_size=3)
+    unpacked = b"\x30\x05" + messages.encode(episode_pb2.Episode(id="e"))
+    assert messages.decode(unpacked, episode_pb2.Episode) == episode_pb2.Episode(id="e", prompt_token_ids=[5])
+    # An unknown field beside them is still found, and named.
+    for value, schema in ((overlong, task_pb2.Task), (unpacked, episode_pb2.Episode)):
+        with pytest.raises(messages.MessageDecodeError, match="field #99"):
+            messages.decode(value + b"\x98\x06\x01", schema)
 
 
 def test_schema_header_must_match_topic():

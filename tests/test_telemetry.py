@@ -153,6 +153,60 @@ def test_the_providers_sampler_decides_for_record_spans():
     assert off_exporter.get_finished_spans() == ()
 
 
+def test_a_dropped_span_is_not_made_and_its_parents_context_goes_on_as_it_came():
+    from opentelemetry import baggage
+
+    provider, exporter = provider_with(ParentBased(TraceIdRatioBased(0.0)))
+    tracer = provider.get_tracer("crucible.bus")
+    unsampled = (PARENT[:-2] + "02").encode()
+    outer = otel_context.attach(baggage.set_baggage("run", "r1"))
+    try:
+        for _ in range(3):  # the context made for the first record is the one the next ones get
+            parent = telemetry.parent_from_headers([("traceparent", unsampled)])
+            with telemetry.record_span("consume", trace.SpanKind.CONSUMER, {}, tracer_=tracer, parent=parent) as span:
+                # The parent's context is current, as it came (no id of its own), with what the context held.
+                assert not span.is_recording() and span.get_span_context() == parent
+                assert dict(telemetry.inject_headers()) == {"traceparent": unsampled}
+                assert baggage.get_baggage("run") == "r1"
+                with telemetry.record_span("publish", trace.SpanKind.PRODUCER, {}, tracer_=tracer) as published:
+                    assert dict(telemetry.inject_headers()) == {"traceparent": unsampled}
+                    assert published.get_span_context() == parent and not published.is_recording()
+                with tracer.start_as_current_span("sdk child") as child:
+                    assert not child.is_recording() and child.get_span_context().trace_id == parent.trace_id
+            assert trace.get_current_span() is trace.INVALID_SPAN and baggage.get_baggage("run") == "r1"
+        # Another context the same trace is read on: its own values, not the first one's.
+        token = otel_context.attach(baggage.set_baggage("run", "r2", otel_context.Context()))
+        try:
+            with telemetry.record_span("consume", trace.SpanKind.CONSUMER, {}, tracer_=tracer, parent=parent):
+                assert baggage.get_baggage("run") == "r2" and trace.get_current_span().get_span_context() == parent
+        finally:
+            otel_context.detach(token)
+    finally:
+        otel_context.detach(outer)
+    assert exporter.get_finished_spans() == ()
+
+    # A sampler whose local delegates differ from the defaults decides the children of a dropped span
+    # itself: that span is made (an id of its own), as the SDK makes it, and its child is kept.
+    keeps_children = ParentBased(TraceIdRatioBased(0.0), local_parent_not_sampled=ALWAYS_ON)
+    kept, kept_exporter = provider_with(keeps_children)
+    with telemetry.record_span("dropped", trace.SpanKind.CONSUMER, {}, tracer_=kept.get_tracer("b"),
+                               parent=parent) as span:
+        assert span.get_span_context().span_id != parent.span_id and not span.is_recording()
+        with kept.get_tracer("b").start_as_current_span("child"):
+            pass
+    assert [s.name for s in kept_exporter.get_finished_spans()] == ["child"]
+
+
+def test_traceparents_read_once_are_kept_within_a_bound():
+    telemetry._READ.clear()
+    for i in range(telemetry._READ_MAX + 10):
+        traceparent = f"00-{i + 1:032x}-{i + 1:016x}-00".encode()
+        assert telemetry.parent_from_headers([("traceparent", traceparent)]).trace_id == i + 1
+        assert len(telemetry._READ) <= telemetry._READ_MAX
+    assert telemetry.parent_from_headers([("traceparent", b"00-" + b"0" * 32 + b"-00f067aa0ba902b7-00")]) is None
+    assert telemetry.parent_from_headers([("traceparent", b"garbage")]) is None
+
+
 TRACEPARENTS = [
     PARENT, PARENT.upper(), PARENT[:-2] + "00", PARENT + "-extra", "01" + PARENT[2:] + "-future", "ff" + PARENT[2:],
     "00-" + "0" * 32 + "-b7ad6b7169203331-01", "00-0af7651916cd43dd8448eb211c80319c-" + "0" * 16 + "-01",
