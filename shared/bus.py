@@ -119,7 +119,7 @@ def publish_headers(message: Message) -> list[tuple[str, bytes]]:
     """The headers every produced record carries: schema, content-type, and the current trace context."""
     return [
         (H_SCHEMA, _schema_header(type(message))),
-        (H_CONTENT_TYPE, _PROTOBUF),
+        _PROTOBUF_HEADER,
         *telemetry.inject_headers(),
     ]
 
@@ -127,6 +127,9 @@ def publish_headers(message: Message) -> list[tuple[str, bytes]]:
 def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None,
                   schema: type[Message]) -> Message:
     """One consumed value as `schema`, checked against its headers; MessageDecodeError says why not."""
+    if value is not None and headers and len(headers) > 1 and headers[1] == _PROTOBUF_HEADER \
+            and headers[0] == (H_SCHEMA, _schema_header(schema)):
+        return messages.decode_protobuf(value, schema)  # as publish_headers writes them: nothing to look for
     named = content_type = _ABSENT  # each header's first value, as header_value finds it
     for key, header in headers or ():
         if key == H_SCHEMA and named is _ABSENT:
@@ -134,12 +137,13 @@ def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
         elif key == H_CONTENT_TYPE and content_type is _ABSENT:
             content_type = header
     if content_type == _PROTOBUF and value is not None and named == _schema_header(schema):
-        return messages.decode_protobuf(value, schema)  # what publish_headers writes: nothing to convert
+        return messages.decode_protobuf(value, schema)  # nothing to convert
     return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
 
 
 _ABSENT = object()
 _PROTOBUF = messages.CONTENT_TYPE_PROTOBUF.encode()
+_PROTOBUF_HEADER = (H_CONTENT_TYPE, _PROTOBUF)
 
 
 @functools.cache
@@ -727,6 +731,8 @@ class Consumer(Reader):
                     await asyncio.sleep(0.1 * 2**attempt)
                     continue
                 self.handled += 1
+                if not outputs:
+                    return []
                 outbox = _OUTBOX.get()
                 if outbox is not None:
                     outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)

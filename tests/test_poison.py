@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
@@ -108,6 +109,30 @@ HEADERS = st.lists(st.tuples(st.sampled_from([bus.H_SCHEMA, bus.H_CONTENT_TYPE, 
 @given(value=st.one_of(st.none(), st.binary(max_size=300)), headers=HEADERS)
 def test_any_bytes_with_any_headers_decode_or_are_refused_with_a_reason(schema, value, headers):
     decodes_or_refuses(value, schema, headers)
+
+
+def _first(headers, key):
+    return next((v.decode("utf-8", "replace") for k, v in headers if k == key), None)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=lambda c: c.DESCRIPTOR.name)
+@FUZZ
+@given(data=st.data(), headers=HEADERS, as_tuple=st.booleans())
+def test_a_record_is_judged_by_the_first_value_of_each_header_however_they_are_ordered(schema, data, headers,
+                                                                                         as_tuple):
+    # A real message, under headers that may name it rightly (as publish_headers writes them) or not.
+    value = messages.encode(data.draw(messages_of(schema)))
+    if data.draw(st.booleans()):
+        headers = bus.publish_headers(schema()) + headers
+    headers = tuple(headers) if as_tuple else headers  # aiokafka hands a record's headers as a tuple
+    try:
+        expected = messages.decode(value, schema, schema=_first(headers, bus.H_SCHEMA),
+                                   content_type=_first(headers, bus.H_CONTENT_TYPE))
+    except messages.MessageDecodeError as exc:
+        with pytest.raises(messages.MessageDecodeError, match=re.escape(str(exc))):
+            bus.decode_record(value, headers, schema)
+    else:
+        assert bus.decode_record(value, headers, schema) == expected
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=lambda c: c.DESCRIPTOR.name)
