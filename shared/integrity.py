@@ -32,7 +32,7 @@ class IntegrityError(ValueError):
     """A task or result that cannot be trusted; the text says which and why (never the key)."""
 
 
-_cache: dict[str, bytes] = {}
+_cache: dict[str, bytes] = {}  # CRUCIBLE_HOME -> the key read from under it
 
 
 def key(settings) -> bytes:
@@ -46,10 +46,10 @@ def key(settings) -> bytes:
         if len(value) < KEY_BYTES:
             raise IntegrityError(f"CRUCIBLE_INTEGRITY_KEY must hold at least {KEY_BYTES} bytes")
         return value
-    path = Path(settings.home) / "secrets" / "integrity.key"
-    cached = _cache.get(str(path))
+    cached = _cache.get(str(settings.home))  # asked for every task published: no path worked out then
     if cached:
         return cached
+    path = Path(settings.home) / "secrets" / "integrity.key"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_name(f".integrity.key.{os.getpid()}.{secrets.token_hex(4)}")
@@ -63,7 +63,7 @@ def key(settings) -> bytes:
         finally:
             tmp.unlink()
     value = bytes.fromhex(path.read_text().strip())
-    _cache[str(path)] = value
+    _cache[str(settings.home)] = value
     return value
 
 

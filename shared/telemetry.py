@@ -330,14 +330,22 @@ class _RecordScope:
 
 def inject_headers(ctx: otel_context.Context | None = None) -> list[tuple[str, bytes]]:
     """The current (or given) trace context as Kafka-style headers: traceparent, tracestate."""
+    global _injected
     span_context = trace.get_current_span(ctx).get_span_context()
+    last = _injected
+    if last[0] is span_context:  # the records a span publishes (and all of an unsampled trace's) share it
+        return list(last[1])
     if not span_context.is_valid:
         return []
     headers = [("traceparent", f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
                                f"{span_context.trace_flags:02x}".encode())]
     if span_context.trace_state:
         headers.append(("tracestate", span_context.trace_state.to_header().encode()))
+    _injected = (span_context, tuple(headers))
     return headers
+
+
+_injected: tuple = (None, ())  # the span context headers were last written for, and them (one object: thread-safe)
 
 
 # W3C trace context, as the SDK's propagator reads it (version ff is invalid; version 00 has no suffix).

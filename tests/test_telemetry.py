@@ -197,6 +197,20 @@ def test_a_dropped_span_is_not_made_and_its_parents_context_goes_on_as_it_came()
     assert [s.name for s in kept_exporter.get_finished_spans()] == ["child"]
 
 
+def test_headers_written_for_one_span_are_never_another_spans():
+    spans = [trace.NonRecordingSpan(trace.SpanContext(t, s, is_remote=False, trace_flags=trace.TraceFlags(f)))
+             for t, s, f in ((1, 2, 0), (1, 3, 1), (4, 2, 0))]
+    for span in spans + spans[::-1] + [spans[0]] * 2:
+        with trace.use_span(span):
+            headers = telemetry.inject_headers()
+            context = span.get_span_context()
+            assert headers == [("traceparent", f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+                                               f"{context.trace_flags:02x}".encode())]
+            headers.append(("x", b"changed by its caller"))  # the caller's own list
+    with trace.use_span(trace.INVALID_SPAN):
+        assert telemetry.inject_headers() == []
+
+
 def test_traceparents_read_once_are_kept_within_a_bound():
     telemetry._READ.clear()
     for i in range(telemetry._READ_MAX + 10):
