@@ -50,6 +50,10 @@ COMMIT_LINGER_S = 0.015
 # How long a consumer that fails or is cancelled waits for its last batch's commit, still in flight, to land.
 COMMIT_SETTLE_S = 2.0
 FETCH_WAIT_MS = 5000
+# How long Reader.at_end gives the position to pass a commit marker after the last record, and how
+# often it looks meanwhile.
+AT_END_SETTLE_S = 1.0
+AT_END_POLL_MS = 20
 # The records a transactional consumer's handling of one record produces, sent when that record commits.
 _OUTBOX: contextvars.ContextVar[list | None] = contextvars.ContextVar("crucible_bus_outbox", default=None)
 H_SCHEMA = "schema"
@@ -395,6 +399,7 @@ class Reader:
                           else AIOKafkaConsumer(**options))
         # Records the client fetched that no caller has been handed yet (fetch_raw takes all it has).
         self._carried: list[ConsumerRecord] = []
+        self._ends_client: AIOKafkaConsumer | None = None  # at_end's, made when first asked
         self._own_producer = producer is None
         self.producer = producer or Producer(self.settings)
         self._stopping = asyncio.Event()
@@ -432,6 +437,8 @@ class Reader:
     async def stop(self) -> None:
         self._stopping.set()
         await self._consumer.stop()
+        if self._ends_client is not None:
+            await self._ends_client.stop()
         if self._own_producer:
             await self.producer.stop()
 
@@ -528,17 +535,36 @@ class Reader:
         self.dead_lettered += 1
         RECORDS.add(1, {"topic": record.topic, "outcome": "dead_lettered"})
 
-    async def at_end(self) -> bool:
-        """Whether everything published to this reader's partitions so far has been read."""
+    async def at_end(self, settle_s: float = AT_END_SETTLE_S) -> bool:
+        """Whether everything published to this reader's partitions so far has been read.
+
+        The ends are asked on a client of the reader's own. This reader's client keeps a fetch open on
+        the broker, which holds it up to FETCH_WAIT_MS while the partitions are idle, and a broker
+        answers one request of a connection at a time: asked there, the answer waited for that fetch
+        (a generator's start, which reads every policy version before its first task, took 5 s).
+        A transaction's commit marker after the last record is never a record, but the reader's
+        position passes it only once it is fetched: up to `settle_s` is given for that, and whatever
+        records arrive meanwhile are carried to the next fetch (and the answer is no)."""
         assignment = list(self._consumer.assignment())
         if not assignment or self._carried:
             return False
-        ends = await self._consumer.end_offsets(assignment)
-        # The consumer's own position: it moves past transaction markers, which are never records.
-        for tp, end in ends.items():
-            if await self._consumer.position(tp) < end:
+        if self._ends_client is None:
+            self._ends_client = AIOKafkaConsumer(**connection(self.settings), enable_auto_commit=False,
+                                                 isolation_level="read_committed")
+            await self._ends_client.start()
+        ends = await self._ends_client.end_offsets(assignment)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settle_s
+        while True:
+            behind = [tp for tp, end in ends.items() if await self._consumer.position(tp) < end]
+            if not behind:
+                return True
+            if loop.time() >= deadline:
                 return False
-        return True
+            for records in (await self._consumer.getmany(*behind, timeout_ms=AT_END_POLL_MS)).values():
+                self._carried.extend(records)
+            if self._carried:
+                return False
 
     async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
         """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from google.protobuf import timestamp_pb2
 from pydantic import SecretStr
 from opentelemetry import trace
@@ -253,6 +253,40 @@ async def test_records_left_over_from_a_batch_never_wait_for_the_brokers_hold_on
             await producer.send_and_wait("tasks", task_pb2.Task(id="late", kind="exact", group_size=1), key="late")
             await collect(consumer, 1, timeout=20.0)
     assert seen == [f"t{i}" for i in range(150)] + ["late"]
+
+
+async def test_the_end_is_told_beside_the_readers_held_fetch_past_commit_markers_and_nothing_unread_is_lost(
+        settings):
+    """A reader of a topic written in transactions (a commit marker after each version), whose own
+    fetch the broker holds open on the idle topic (here up to 60 s): at_end answers without waiting
+    that out (it used to: a generator's start took 5 s), passes the marker after the last record, and
+    says no while a record is unread, which the next fetch then returns."""
+    await bus.ensure_topics(["policy"], settings=settings)
+    topic = TopicPartition(settings.topic("policy"), 0)
+    async with bus.Producer(settings, transactional_id="at-end") as producer:
+        async def publish(version: int) -> None:
+            async with producer._producer.transaction():
+                await producer.send("policy", policy_pb2.PolicyVersion(run_id="r", version=version), key="r")
+            # Readable once its commit marker is written (after the commit returns): the end moves then.
+            watcher = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, isolation_level="read_committed")
+            await watcher.start()
+            try:
+                while (await watcher.end_offsets([topic]))[topic] < 2 * version:  # a record and a marker each
+                    await asyncio.sleep(0.05)
+            finally:
+                await watcher.stop()
+
+        await publish(1)
+        async with bus.Reader(["policy"], None, settings=settings, offsets={"policy": {}}, dead_letters=False,
+                              fetch_max_wait_ms=60_000) as reader:
+            for version in (1, 2, 3):
+                if version > 1:
+                    await publish(version)
+                assert not await asyncio.wait_for(reader.at_end(), 30)  # the version is not read yet
+                got = await reader.fetch(timeout_ms=5000)
+                assert [i.message.version for i in got] == [version]
+                await asyncio.sleep(1.0)  # the reader's next fetch is sent, and held by the broker
+                assert await asyncio.wait_for(reader.at_end(), 30)
 
 
 async def test_handler_outputs_are_produced_and_rejects_dead_lettered(settings):
