@@ -80,3 +80,37 @@ async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack
             assert len(await read_raw(settings, "evaluations", 2, timeout=5)) == 2
             with pytest.raises(asyncio.TimeoutError):
                 await read_raw(settings, "evaluations", 3, timeout=2)
+
+
+async def test_a_verifier_that_is_down_delays_the_evaluation_and_loses_nothing(stack_settings, tmp_path):
+    """The verifier restarting (or stopped before the evaluator at the end of a run): the version is scored
+    once it answers again, and the evaluator keeps running (it used to die with the gRPC error)."""
+    from crucible.shared.procs import free_port
+
+    port = free_port()
+    settings = stack_settings.model_copy(update={
+        "home": tmp_path, "run_id": "eval-down", "eval_every": 1, "eval_samples": 1, "max_tokens": 8,
+        "evaluator_verifier_target": f"127.0.0.1:{port}"})
+    heldout = [t for t, _ in zip(digits_tasks("heldout", seed=4, group_size=1), range(6))]
+    init = save_checkpoint(fresh_policy(0), tmp_path / "v0", {"version": 0})
+    await bus.ensure_topics(["heldout", "policy", "evaluations"], settings=settings)
+    async with bus.Producer(settings) as producer:
+        for t in heldout:
+            await producer.send_and_wait("heldout", t, key=t.id)
+        await producer.send_and_wait("policy", version(settings, 0, init), key=settings.run_id)
+    stop = asyncio.Event()
+    evaluator = asyncio.create_task(run(settings, stop))
+    try:
+        with pytest.raises(asyncio.TimeoutError):  # nothing answers on the verifier's address
+            await read_raw(settings, "evaluations", 1, timeout=8)
+        assert not evaluator.done()
+        async with ScorerPool(settings.model_copy(update={"verifier_workers": 1})) as scorer:
+            server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", VerifierServicer(scorer, "127.0.0.1:1"),
+                                                verdict_pb2_grpc.add_VerifierServicer_to_server)], port=port)
+            async with server:
+                records = await read_raw(settings, "evaluations", 1, timeout=60)
+        result = messages.decode(records[0].value, evaluation_pb2.Evaluation)
+        assert (result.policy_version, result.tasks, result.samples) == (0, 6, 6)
+    finally:
+        stop.set()
+        await asyncio.wait_for(evaluator, 30)

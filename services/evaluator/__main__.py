@@ -10,10 +10,13 @@ it (`reward_without_heldout`). A version is scored once: a restarted evaluator s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import os
 import socket
+
+import grpc
 
 from crucible.ml import evaluation
 from crucible.ml.policy import transfer
@@ -29,6 +32,7 @@ log = logging.getLogger("crucible.evaluator")
 COLUMNS = ["run_id", "policy_version", "task_kind", "tasks", "passed", "pass_rate", "eval_ms", "ts", "samples",
            "samples_passed"]
 ALL_KINDS = "*"
+RETRY_S = 2.0  # before a version whose scoring could not reach the verifier is scored again
 
 
 def evaluation_message(settings: Settings, version: int, result: evaluation.Result,
@@ -107,9 +111,14 @@ class Evaluator:
                 if self.pending and self.tasks and await heldout.at_end():
                     version = min(self.pending)
                     pv, context = self.pending.pop(version)
-                    await self.evaluate(pv, context)
+                    if not await self.evaluate(pv, context):
+                        self.pending[version] = (pv, context)
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(stop.wait(), RETRY_S)
 
-    async def evaluate(self, pv: policy_pb2.PolicyVersion, context) -> None:
+    async def evaluate(self, pv: policy_pb2.PolicyVersion, context) -> bool:
+        """Scores one version, stores and publishes the result; False where it is to be tried again (the
+        verifier or sandbox could not be reached: restarting, or stopped before this service)."""
         s = self.settings
         with self.tracer.start_as_current_span("evaluate policy version", context=context) as span:
             span.set_attribute("crucible.policy_version", pv.version)
@@ -119,14 +128,23 @@ class Evaluator:
                 backend = await asyncio.to_thread(backend_for, s, folder.as_uri())
             except Exception as exc:  # pruned, unreachable or tampered: that version goes unscored, the next will not
                 log.warning("cannot score version %d (%s): %s", pv.version, pv.checkpoint_uri, exc)
-                return
-            # episodes' tools run in the same sandbox the verifier uses
-            async with evaluation.verifier(s.evaluator_verifier_target) as verify, \
-                    evaluation.sandbox(s.verifier_sandbox_target) as execute:
-                result = await evaluation.evaluate(backend, list(self.tasks.values()), verify,
-                                                   max_tokens=s.max_tokens, execute=execute,
-                                                   max_episode_tokens=s.max_episode_tokens, samples=s.eval_samples,
-                                                   temperature=s.temperature, top_p=s.top_p)
+                return True
+            try:
+                # episodes' tools run in the same sandbox the verifier uses
+                async with evaluation.verifier(s.evaluator_verifier_target) as verify, \
+                        evaluation.sandbox(s.verifier_sandbox_target) as execute:
+                    result = await evaluation.evaluate(backend, list(self.tasks.values()), verify,
+                                                       max_tokens=s.max_tokens, execute=execute,
+                                                       max_episode_tokens=s.max_episode_tokens,
+                                                       samples=s.eval_samples, temperature=s.temperature,
+                                                       top_p=s.top_p)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                log.warning("version %d: scoring could not reach the verifier (%s) or its sandbox (%s): %s: %s; "
+                            "scored again in %.0f s", pv.version, s.evaluator_verifier_target,
+                            s.verifier_sandbox_target, exc.code().name, exc.details(), RETRY_S)
+                return False
             message = evaluation_message(s, pv.version, result, self.id)
             await asyncio.to_thread(writes.insert, self.store, "evaluations", rows(message), COLUMNS)
             await self.producer.send_and_wait("evaluations", message, key=s.run_id)
@@ -135,6 +153,7 @@ class Evaluator:
                      pv.version, message.pass_rate, message.tasks,
                      ", ".join(f"{k} {r.passed}/{r.tasks}" for k, r in sorted(message.by_kind.items())),
                      result.sampled_pass_rate, message.samples, message.eval_ms)
+            return True
 
     def _stored_versions(self) -> list[int]:
         return [r[0] for r in self.store.query(
