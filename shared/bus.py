@@ -54,6 +54,8 @@ FETCH_WAIT_MS = 5000
 # often it looks meanwhile.
 AT_END_SETTLE_S = 1.0
 AT_END_POLL_MS = 20
+# How long one wait of Reader._take_fetched for the client's records lasts (it waits again at once).
+TAKE_WAIT_MS = 1000
 # The records a transactional consumer's handling of one record produces, sent when that record commits.
 _OUTBOX: contextvars.ContextVar[list | None] = contextvars.ContextVar("crucible_bus_outbox", default=None)
 H_SCHEMA = "schema"
@@ -399,6 +401,10 @@ class Reader:
                           else AIOKafkaConsumer(**options))
         # Records the client fetched that no caller has been handed yet (fetch_raw takes all it has).
         self._carried: list[ConsumerRecord] = []
+        self._carry_below = 500  # taken from the client while fewer are carried: the last fetch_raw's max_records
+        self._pump: asyncio.Future | None = None  # _take_fetched, from start()
+        self._arrived, self._room = asyncio.Event(), asyncio.Event()
+        self._failure: Exception | None = None  # the client's, raised by the next fetch_raw
         self._ends_client: AIOKafkaConsumer | None = None  # at_end's, made when first asked
         self._own_producer = producer is None
         self.producer = producer or Producer(self.settings)
@@ -417,7 +423,40 @@ class Reader:
         await self._consumer.start()
         if self._start_offsets is not None:
             await self._assign_and_seek()
+        self._pump = asyncio.ensure_future(self._take_fetched())
         return self
+
+    async def _take_fetched(self) -> None:
+        """Takes whatever the client fetches as soon as it arrives, into the records carried to the next
+        fetch_raw, while fewer than that asks for are carried (a reader that falls behind holds at most
+        one fetch more than it is handed).
+
+        Records left in the client's buffer keep it from fetching their partition again, and once
+        they are 100 ms old it fetches the broker's other partitions alone, in a request the broker
+        holds for up to FETCH_WAIT_MS while they are idle; new records of the partition whose records
+        were left then wait for that request. Taken only when a handler asked for more, they were
+        left whenever it took longer than 100 ms: the verifier (three topics) once held a step's
+        rollouts for 4 s, and before that episodes waited 2.5 s at the median. A failure of the
+        client is raised by the next fetch_raw, and taking goes on."""
+        while True:
+            if len(self._carried) >= self._carry_below:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                batches = await self._consumer.getmany(timeout_ms=TAKE_WAIT_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failure = exc
+                self._arrived.set()
+                self._room.clear()
+                await self._room.wait()  # until fetch_raw has raised it
+                continue
+            for records in batches.values():
+                self._carried.extend(records)
+            if self._carried:
+                self._arrived.set()
 
     async def _assign_and_seek(self) -> None:
         await self._consumer.topics()  # loads cluster metadata, so partitions_for_topic can answer
@@ -436,6 +475,10 @@ class Reader:
 
     async def stop(self) -> None:
         self._stopping.set()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
         await self._consumer.stop()
         if self._ends_client is not None:
             await self._ends_client.stop()
@@ -462,22 +505,21 @@ class Reader:
         return self._paused
 
     async def fetch_raw(self, *, max_records: int, timeout_ms: int = 200) -> list[ConsumerRecord]:
-        """The next records as they are (positions advance past them), at most `max_records`.
-
-        Everything the client has fetched is taken from it at once, and what is over `max_records`
-        is carried to the next call. Records left in the client's buffer keep it from fetching that
-        partition again, and once they are 100 ms old it fetches the broker's other partitions
-        alone, in a request the broker holds for up to FETCH_WAIT_MS while they are idle: new
-        records of the partition whose records were left then waited for that request. (The
-        verifier reads three topics; 128 episodes a step, taken 100 at a time, left 28 behind each
-        step, and episodes waited 2.5 s for the verifier at the median, 5 s at worst.) The client's
-        buffer is drained only while fewer than `max_records` are carried, so a reader that falls
-        behind holds at most one fetch more than it is handed."""
-        if len(self._carried) < max_records:
-            batches = await self._consumer.getmany(timeout_ms=0 if self._carried else timeout_ms)
-            for rs in batches.values():
-                self._carried.extend(rs)
+        """The next records as they are (positions advance past them), at most `max_records`, waiting
+        up to `timeout_ms` for some where none are carried (what the client fetched is taken from it as
+        it arrives: _take_fetched)."""
+        self._carry_below = max_records
+        if not self._carried and self._failure is None and timeout_ms > 0:
+            self._arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout_ms / 1000)
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            self._room.set()
+            raise failure
         records, self._carried = self._carried[:max_records], self._carried[max_records:]
+        if len(self._carried) < max_records:
+            self._room.set()
         for r in records:
             self.positions[(r.topic, r.partition)] = r.offset + 1
         return records
@@ -543,8 +585,8 @@ class Reader:
         answers one request of a connection at a time: asked there, the answer waited for that fetch
         (a generator's start, which reads every policy version before its first task, took 5 s).
         A transaction's commit marker after the last record is never a record, but the reader's
-        position passes it only once it is fetched: up to `settle_s` is given for that, and whatever
-        records arrive meanwhile are carried to the next fetch (and the answer is no)."""
+        position passes it only once it is fetched: up to `settle_s` is given for that (records that
+        arrive meanwhile make the answer no)."""
         assignment = list(self._consumer.assignment())
         if not assignment or self._carried:
             return False
@@ -555,16 +597,13 @@ class Reader:
         ends = await self._ends_client.end_offsets(assignment)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settle_s
-        while True:
-            behind = [tp for tp, end in ends.items() if await self._consumer.position(tp) < end]
-            if not behind:
+        while not self._carried:  # taken from the client, not handed out yet: not read
+            if all([await self._consumer.position(tp) >= end for tp, end in ends.items()]):
                 return True
             if loop.time() >= deadline:
                 return False
-            for records in (await self._consumer.getmany(*behind, timeout_ms=AT_END_POLL_MS)).values():
-                self._carried.extend(records)
-            if self._carried:
-                return False
+            await asyncio.sleep(AT_END_POLL_MS / 1000)  # what is fetched meanwhile is taken (_take_fetched)
+        return False
 
     async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
         """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""
