@@ -255,6 +255,39 @@ async def test_records_left_over_from_a_batch_never_wait_for_the_brokers_hold_on
     assert seen == [f"t{i}" for i in range(150)] + ["late"]
 
 
+async def test_records_arriving_while_a_handler_is_slow_never_wait_for_the_brokers_hold_on_idle_topics(settings):
+    """A consumer of two topics, one busy, one idle. A record that arrived while the handler was busy
+    with another for longer than 100 ms sat in the client's buffer, and the client then fetched the
+    idle topic alone, in a request the broker holds until the fetch wait ends (here 60 s): the busy
+    topic's next record waited for it (in the pipeline a step's rollouts waited 4 s)."""
+    await bus.ensure_topics(["tasks", "rollouts"], settings=settings)
+    seen: list[str] = []
+    busy = asyncio.Event()
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+        if incoming.message.id == "slow":
+            busy.set()
+            await asyncio.sleep(1.0)
+
+    def task(name: str) -> task_pb2.Task:
+        return task_pb2.Task(id=name, kind="exact", group_size=1)
+
+    async with bus.Producer(settings) as producer:
+        async with bus.Consumer(["tasks", "rollouts"], "slow-handler", handler, settings=settings,
+                                fetch_max_wait_ms=60_000) as consumer:
+            running = asyncio.create_task(collect(consumer, 3, timeout=40.0))
+            await producer.send_and_wait("tasks", task("slow"), key="k")
+            await asyncio.wait_for(busy.wait(), 20)
+            await producer.send_and_wait("tasks", task("during"), key="k")  # arrives while the handler is busy
+            while "during" not in seen:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            await producer.send_and_wait("tasks", task("after"), key="k")
+            await asyncio.wait_for(running, 20)  # not the 60 s the broker may hold the idle topic's fetch
+    assert seen == ["slow", "during", "after"]
+
+
 async def test_the_end_is_told_beside_the_readers_held_fetch_past_commit_markers_and_nothing_unread_is_lost(
         settings):
     """A reader of a topic written in transactions (a commit marker after each version), whose own
