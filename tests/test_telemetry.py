@@ -6,7 +6,10 @@ must be read and written exactly as the SDK's propagator reads and writes them.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings as hsettings, strategies as st
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -17,7 +20,7 @@ from opentelemetry.sdk.trace import sampling
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from crucible.shared import telemetry
+from crucible.shared import span_store, telemetry
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -290,3 +293,18 @@ def test_a_share_of_traces_is_kept_whole_by_default():
     assert 2000 * ratio * 0.7 < kept_roots < 2000 * ratio * 1.3
     names = [s.name for s in exporter.get_finished_spans()]
     assert names.count("tasks publish") == names.count("tasks process") == kept_roots
+
+
+@given(names=st.text(max_size=20), attributes=st.dictionaries(
+    st.text(max_size=10), st.one_of(st.text(max_size=30), st.integers(), st.floats(allow_nan=False),
+                                    st.booleans(), st.lists(st.integers(), max_size=3)), max_size=5),
+       description=st.text(max_size=20))
+@hsettings(max_examples=200, deadline=None)
+def test_a_spans_json_row_reads_back_as_its_row(names, attributes, description):
+    """What the store's span writer sends (json_rows) is the row span_row makes, whatever the strings."""
+    provider, exporter = provider_with()
+    with provider.get_tracer("crucible.test").start_as_current_span(names, attributes=attributes) as span:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, description))
+    [finished] = exporter.get_finished_spans()
+    row = span_store.span_row(finished, stamp=span_store._stamp)
+    assert json.loads(span_store.json_rows([finished])) == row
