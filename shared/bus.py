@@ -142,14 +142,11 @@ def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
             named = header
         elif key == H_CONTENT_TYPE and content_type is _ABSENT:
             content_type = header
-    if content_type == _PROTOBUF and value is not None and named == _schema_header(schema):
-        return messages.decode_protobuf(value, schema)  # nothing to convert
     return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
 
 
 _ABSENT = object()
-_PROTOBUF = messages.CONTENT_TYPE_PROTOBUF.encode()
-_PROTOBUF_HEADER = (H_CONTENT_TYPE, _PROTOBUF)
+_PROTOBUF_HEADER = (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode())
 
 
 @functools.cache
