@@ -1,11 +1,14 @@
 """The learner as several torch.distributed ranks (gloo on CPU, launched by torchrun).
 
 - Two ranks take the same step as one process on the same batch (DDP and FSDP2, GRPO with uneven
-  micro-batches, DPO with a rank left without a pair). Tolerance: the step's reported figures agree
-  to 1e-5 relative; after two AdamW steps at lr 1e-2, 99.9% of weights agree within 1e-5 and every
-  weight within 2e-3 (Adam divides by the root of the squared gradient, so components whose
-  gradient is at the level of float32 rounding move by up to lr in either direction; observed:
-  at most 1.4e-4).
+  micro-batches, DPO with a rank left without a pair). Tolerance: the first step's reported figures
+  agree to 1e-6 relative (observed: 2e-7). The second step starts from weights that already differ:
+  Adam divides by the root of the squared gradient, so components whose gradient is at the level
+  of float32 rounding move by up to lr (1e-2) in either direction, and rounding differs because a
+  prompt's gradient is the sum of its rows' (a group's samples read it once, model.py), in an order
+  that depends on how the rows are split into ranks and micro-batches. So the second step's figures
+  agree to 1e-4 (observed: 2.3e-5), and after it 99.5% of weights agree within 1e-5 (observed:
+  99.83%) and every weight within 2e-3 (observed: at most 3.3e-4).
 - A two-rank learner service checkpoints, and one rank resumes from it.
 - Killing one rank mid-run stops the group; started again, it loses and repeats no sample.
 """
@@ -60,18 +63,19 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, sharding, objecti
     alone, alone_metrics = one_step(tmp_path / "one", 1, "ddp", objective, micro_batch, groups)
     pair, pair_metrics = one_step(tmp_path / "two", 2, sharding, objective, micro_batch, groups)
     assert sorted(alone["weights"]) == sorted(pair["weights"])
-    for ours, theirs in zip(alone_metrics, pair_metrics):
+    for step, (ours, theirs) in enumerate(zip(alone_metrics, pair_metrics)):
         assert ours["samples"] == theirs["samples"]
         for name in ("loss", "grad_norm", "entropy"):
-            assert theirs[name] == pytest.approx(ours[name], rel=1e-5, abs=1e-6), name
+            assert theirs[name] == pytest.approx(ours[name], rel=1e-6 if step == 0 else 1e-4, abs=1e-6), name
         # kl is the mean difference of two float32 log-probs of a few units each, summed in another
-        # order on two ranks: its rounding is absolute (5e-6 seen), however small the mean itself
-        assert theirs["kl"] == pytest.approx(ours["kl"], abs=2e-5)
+        # order on two ranks: its rounding is absolute (5e-6 seen on the first step, 3e-5 on the
+        # second), however small the mean itself
+        assert theirs["kl"] == pytest.approx(ours["kl"], abs=2e-5 if step == 0 else 1e-4)
     assert alone_metrics[0]["grad_norm"] > 0.01  # a real step
     diffs = torch.cat([(alone["weights"][k] - pair["weights"][k]).abs().flatten() for k in alone["weights"]])
     moved = torch.cat([(alone["weights"][k]).flatten() for k in alone["weights"]])
     assert float(diffs.max()) <= 2e-3
-    assert float((diffs > 1e-5).float().mean()) <= 1e-3
+    assert float((diffs > 1e-5).float().mean()) <= 5e-3
     assert moved.abs().max() > 0
     # The optimiser states agree too (they resume on any number of ranks).
     for name, state in alone["optimizer"]["state"].items():

@@ -61,6 +61,76 @@ def test_batched_sampling_logprobs_match_a_forward_pass():
         assert torch.allclose(logp[0, len(prompt) - 1:], torch.tensor(s.logprobs), atol=1e-4)
 
 
+def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole():
+    """The learner's path (prompt_lengths: each distinct prompt read once, its rows continuing it)
+    gives the same log-probs, entropies and gradients as reading every row whole: prompts of several
+    lengths, shared by some rows and not others, continuations of every length from none to nine,
+    per-row temperature and top_p (tokens outside the nucleus score -inf in both)."""
+    generator = torch.Generator().manual_seed(11)
+    model = fresh_policy(6)
+    with torch.no_grad():  # sharper than a fresh init, so that top_p leaves tokens out
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    prompts = [[1, *torch.randint(3, 200, (n,), generator=generator).tolist()] for n in (0, 4, 11, 4, 7)]
+    rows = [(prompts[i % len(prompts)], torch.randint(3, 250, (i % 10,), generator=generator).tolist())
+            for i in range(23)]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
+    scored = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        valid[i, :len(p) + len(c)] = True
+        scored[i, len(p) - 1:len(p) + len(c) - 1] = True
+    temperature = torch.rand(len(rows), generator=generator) + 0.5
+    top_p = torch.where(torch.arange(len(rows)) % 2 == 0, torch.ones(len(rows)),
+                        torch.rand(len(rows), generator=generator) * 0.5 + 0.4)
+    lengths = torch.tensor([len(p) for p, _ in rows])
+
+    def run(**options):
+        model.zero_grad()
+        logp, entropy = sequence_logprobs(model, ids, valid, temperature, top_p, **options)
+        finite = scored & torch.isfinite(logp)
+        (logp[finite].sum() + entropy[scored].sum()).backward()
+        return logp, entropy, [p.grad.clone() for p in model.parameters()]
+
+    whole_logp, whole_entropy, whole_grads = run()
+    shared_logp, shared_entropy, shared_grads = run(prompt_lengths=lengths)
+    assert bool(torch.isinf(whole_logp[scored]).any())  # the nucleus case is exercised
+    assert torch.equal(torch.isinf(whole_logp[scored]), torch.isinf(shared_logp[scored]))
+    finite = scored & torch.isfinite(whole_logp)
+    assert torch.allclose(shared_logp[finite], whole_logp[finite], atol=1e-5)
+    assert torch.allclose(shared_entropy[scored], whole_entropy[scored], atol=1e-5)
+    assert bool((shared_logp[~scored] == 0).all()) and bool((shared_entropy[~scored] == 0).all())
+    scale = max(float(g.abs().max()) for g in whole_grads)
+    assert scale > 1e-2  # a real gradient
+    # float32 rounding of sums taken in another order: 4e-6 of the largest component here (in float64
+    # the two paths agree to 4e-15)
+    for shared, whole in zip(shared_grads, whole_grads):
+        assert float((shared - whole).abs().max()) <= 2e-5 * scale
+
+
+def test_samples_of_a_shared_prompt_are_those_drawn_from_it_row_by_row():
+    """The sampler reads a prompt its rows share once: what it draws is what it drew when every row
+    read its own copy (same seed, same tokens, same log-probs), here against one row at a time."""
+    model = fresh_policy(5)
+    tok = ByteTokenizer()
+    prompts = [tok.encode("parity 4 7 1 9 =")] * 3 + [tok.encode("size 2 =")] * 2 + [tok.encode("x")]
+    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=12)
+    together = sample(model, prompts, params)
+    for prompt, s in zip(prompts, together):
+        [alone] = sample(model, [prompt], params)
+        assert s.token_ids == alone.token_ids
+        assert s.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=4)
+    drawn = sample(model, prompts, seeded)
+    for prompt, s in zip(prompts, drawn):
+        ids = torch.tensor([prompt + s.token_ids])
+        logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), 1.0, 0.9)
+        assert torch.allclose(logp[0, len(prompt) - 1:], torch.tensor(s.logprobs), atol=1e-4)
+    assert len({tuple(s.token_ids) for s in drawn[:3]}) > 1  # rows of one prompt still draw apart
+
+
 def test_sampling_is_seeded_and_greedy_is_deterministic():
     model = fresh_policy(5)
     prompts = [ByteTokenizer().encode("x")] * 3

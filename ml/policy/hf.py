@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from crucible.ml.policy.distribution import sampling_logprobs
+from crucible.ml.policy.model import positions_of, scored
 
 BUILTIN_MARK = "crucible_policy"
 # What a folder's tokenizer and prompt formatting consist of: copied as they are into every checkpoint.
@@ -117,19 +117,10 @@ def observation_text(tokenizer, observation: str, chat_template: bool, turn_end:
     return suffix
 
 
-def positions(valid: torch.Tensor) -> torch.Tensor:
-    """Position ids that count real tokens only, whichever side the padding is on."""
-    return (valid.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature=1.0, top_p=1.0):
     """As crucible.ml.policy.model.sequence_logprobs, for a transformers model."""
-    out = model(input_ids=ids, attention_mask=valid.long(), position_ids=positions(valid), use_cache=False)
-    logits = out.logits[:, :-1].float()
-    logp = sampling_logprobs(logits, temperature, top_p)
-    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
-    return token_logp, entropy
+    out = model(input_ids=ids, attention_mask=valid.long(), position_ids=positions_of(valid), use_cache=False)
+    return scored(out.logits[:, :-1].float(), ids[:, 1:], temperature, top_p)
 
 
 def write(model, tmp: Path, tokenizer_from: Path | None, weights: dict | None = None) -> None:

@@ -95,7 +95,11 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if cache is not None:
+        if cache is not None and "prompt" in cache:  # a continuation: its prompt's keys and values come first
+            k, v = torch.cat((cache["prompt"][0], k), dim=2), torch.cat((cache["prompt"][1], v), dim=2)
+        elif cache is not None and "keep" in cache:  # a prompt read for its continuations: keys and values kept
+            cache["k"], cache["v"] = k, v
+        elif cache is not None:
             # Preallocated buffers (cache["capacity"] positions) filled in place: growing them with
             # torch.cat at every step costs more than the attention itself at this size.
             if "k" not in cache:
@@ -145,6 +149,15 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@dataclass
+class Prompts:
+    """The prompts a batch's rows continue, each read once (a group's samples share theirs)."""
+
+    ids: torch.Tensor    # [G, P] right-padded
+    valid: torch.Tensor  # [G, P]
+    rows: torch.Tensor   # [B] the prompt each row continues
+
+
 class Policy(nn.Module):
     """forward(ids, positions, mask, caches) -> logits; `model.` / `lm_head` names as in LlamaForCausalLM."""
 
@@ -171,12 +184,27 @@ class Policy(nn.Module):
         return self
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                caches: list[dict] | None = None) -> torch.Tensor:
+                caches: list[dict] | None = None, prompts: Prompts | None = None) -> torch.Tensor:
+        """Logits [B, T, V] of the token after each of `ids`. With `prompts`, `ids` [B, C] continue the
+        prompts (`mask` [B, 1, C, P + C] over the prompt's keys, then their own), and position j's
+        logits are those of token j of the continuation, the first's from its prompt's last token."""
+        if prompts is None:
+            return self.lm_head(self.model.norm(self._states(ids, positions, mask, caches)))
+        # Each prompt once, its keys and values kept; then the continuations over them.
+        kept = [{"keep": True} for _ in self.model.layers]
+        states = self._states(prompts.ids, positions_of(prompts.valid),
+                              causal_mask(prompts.valid, prompts.ids.shape[1]), kept)
+        last = states[torch.arange(states.shape[0]), prompts.valid.sum(-1) - 1]  # what follows each prompt
+        x = self._states(ids, positions, mask, [{"prompt": (c["k"][prompts.rows], c["v"][prompts.rows])} for c in kept])
+        return self.lm_head(self.model.norm(torch.cat((last[prompts.rows, None], x[:, :-1]), dim=1)))
+
+    def _states(self, ids, positions, mask, caches) -> torch.Tensor:
+        """The last layer's output (before the final norm)."""
         x = self.model.embed_tokens(ids)
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, caches[i] if caches is not None else None)
-        return self.lm_head(self.model.norm(x))
+        return x
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -196,25 +224,76 @@ def causal_mask(valid: torch.Tensor, query_len: int) -> torch.Tensor:
     return allowed | (diag & ~allowed.any(-1, keepdim=True))
 
 
+def positions_of(valid: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only, whichever side the padding is on."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor,
                       temperature: float | torch.Tensor = 1.0,
-                      top_p: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      top_p: float | torch.Tensor = 1.0,
+                      prompt_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of each token given the ones before it, and the entropy of each prediction,
     under the sampling distribution at `temperature` and `top_p` (scalars or one per row).
 
     ids/valid: [B, T] (valid marks real tokens; padding may be on either side). Returns two [B, T-1]
     tensors aligned with ids[:, 1:].
+
+    With `prompt_lengths` [B] (rows right-padded, each its prompt's tokens then a continuation), only
+    the continuations are scored (every other position is 0), and the built-in policy reads each
+    distinct prompt once (where every row has one): a group's samples share theirs, which is most of
+    a short answer's tokens.
     """
     if not isinstance(getattr(model, "module", model), Policy):  # a transformers model (DDP: inside it)
         from crucible.ml.policy import hf
 
-        return hf.sequence_logprobs(model, ids, valid, temperature, top_p)
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(ids, positions, causal_mask(valid, ids.shape[1]))[:, :-1].float()
-    logp = sampling_logprobs(logits, temperature, top_p)
-    token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+        token_logp, entropy = hf.sequence_logprobs(model, ids, valid, temperature, top_p)
+    elif prompt_lengths is not None and bool((prompt_lengths >= 1).all()):
+        return _continuation_logprobs(model, ids, valid, prompt_lengths, temperature, top_p)
+    else:
+        logits = model(ids, positions_of(valid), causal_mask(valid, ids.shape[1]))[:, :-1].float()
+        token_logp, entropy = scored(logits, ids[:, 1:], temperature, top_p)
+    if prompt_lengths is not None:
+        continued = torch.arange(1, ids.shape[1], device=ids.device)[None] >= prompt_lengths[:, None]
+        token_logp, entropy = token_logp.masked_fill(~continued, 0.0), entropy.masked_fill(~continued, 0.0)
     return token_logp, entropy
+
+
+def scored(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_p) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's log-probability under its position's logits, and each position's entropy."""
+    logp = sampling_logprobs(logits, temperature, top_p)
+    entropy = -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1), entropy
+
+
+def _continuation_logprobs(model, ids, valid, prompt_lengths, temperature, top_p):
+    """sequence_logprobs with `prompt_lengths`, for the built-in policy: each distinct prompt read once."""
+    lengths = prompt_lengths.long()
+    (b, t), device = ids.shape, ids.device
+    distinct: dict[tuple[int, ...], int] = {}
+    rows = torch.tensor([distinct.setdefault(tuple(row[:n]), len(distinct))
+                         for row, n in zip(ids.tolist(), lengths.tolist())], dtype=torch.long, device=device)
+    prompt_ids = torch.zeros((len(distinct), int(lengths.max())), dtype=torch.long)
+    for i, prompt in enumerate(distinct):
+        prompt_ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    prompt_valid = torch.arange(prompt_ids.shape[1]) < torch.tensor([len(p) for p in distinct])[:, None]
+    prompt_ids, prompt_valid = prompt_ids.to(device), prompt_valid.to(device)
+    width = max(1, int((valid.sum(-1) - lengths).max()))  # the longest continuation
+    steps = torch.arange(width, device=device)
+    where = lengths[:, None] + steps  # each continuation token's column (and position)
+    inside = where < t
+    where_in = where.clamp(max=t - 1)
+    tokens = ids.gather(1, where_in)
+    own = valid.gather(1, where_in) & inside
+    visible = (steps[None, :] <= steps[:, None])[None] & own[:, None, :]
+    mask = torch.cat((prompt_valid[rows][:, None, :].expand(b, width, -1), visible), dim=-1)[:, None]
+    logits = model(tokens, where, mask, prompts=Prompts(prompt_ids, prompt_valid, rows)).float()
+    token_logp, entropy = scored(logits, tokens, temperature, top_p)
+    token_logp, entropy = token_logp.masked_fill(~own, 0.0), entropy.masked_fill(~own, 0.0)
+    # Into sequence_logprobs' layout: the token at column c is scored at c - 1 (columns past T dropped).
+    at = where - 1
+    spread = token_logp.new_zeros((b, t - 1 + width))
+    return (spread.scatter(1, at, token_logp)[:, :t - 1], spread.scatter(1, at, entropy)[:, :t - 1])
 
 
 def count_to_str(n: int) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from crucible.ml.policy.model import Policy, causal_mask
+from crucible.ml.policy.model import Policy, causal_mask, positions_of
 from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 
 
@@ -58,7 +58,7 @@ def warm_start(model: Policy, pairs: Sequence[Example], *, steps: int = 200, bat
     loss_value = float("nan")
     for step in range(steps):
         ids, valid, target = batch_tensors(rng.sample(list(pairs), min(batch_size, len(pairs))), tokenizer)
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        positions = positions_of(valid)
         logits = model(ids, positions, causal_mask(valid, ids.shape[1]))[:, :-1]
         labels = ids[:, 1:].masked_fill(~target[:, 1:], -100)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)

@@ -51,6 +51,7 @@ class Batch:
     advantages: torch.Tensor   # [B]
     temperature: torch.Tensor  # [B]
     top_p: torch.Tensor        # [B]
+    prompt_lengths: torch.Tensor  # [B]: a row's prompt (read once for all the rows that share it)
 
 
 def model_tokens(s: trajectory_pb2.Trajectory) -> int:
@@ -75,7 +76,8 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
     return Batch(ids, valid, mask, old,
                  advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
                  temperature=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
-                 top_p=torch.tensor([s.top_p for s in samples], dtype=torch.float32))
+                 top_p=torch.tensor([s.top_p for s in samples], dtype=torch.float32),
+                 prompt_lengths=torch.tensor([len(p) for p, _, _ in rows], dtype=torch.long))
 
 
 
@@ -205,7 +207,7 @@ class Trainer:
     def _logprobs(self, model, batch: Batch):
         device = self.ranks.device()
         return sequence_logprobs(model, batch.ids.to(device), batch.valid.to(device), batch.temperature.to(device),
-                                 batch.top_p.to(device))
+                                 batch.top_p.to(device), batch.prompt_lengths.to(device))
 
     def micro_batches(self, samples: list) -> list[list]:
         size = self.config.micro_batch_size or len(samples)

@@ -9,6 +9,7 @@ from crucible.ml.policy import hf
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
 from crucible.ml.policy.checkpoint import path_from_uri
 from crucible.ml.policy.distribution import draw, sampling_logprobs
+from crucible.ml.policy.model import positions_of
 from crucible.ml.policy.sampling import SamplingParams
 
 
@@ -86,7 +87,7 @@ class HFBackend(PolicyBackend):
         for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             valid[row, width - len(p):] = True
-        result = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=hf.positions(valid),
+        result = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions_of(valid),
                             use_cache=True)
         past, logits = result.past_key_values, result.logits[:, -1].float()
         next_pos = valid.sum(-1, keepdim=True) - 1
