@@ -61,16 +61,28 @@ def test_batched_sampling_logprobs_match_a_forward_pass():
         assert torch.allclose(logp[0, len(prompt) - 1:], torch.tensor(s.logprobs), atol=1e-4)
 
 
-def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole():
+@pytest.mark.parametrize("kind", ["builtin", "transformers"])
+def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path, monkeypatch, kind):
     """The learner's path (prompt_lengths: each distinct prompt read once, its rows continuing it)
     gives the same log-probs, entropies and gradients as reading every row whole: prompts of several
     lengths, shared by some rows and not others, continuations of every length from none to nine,
-    per-row temperature and top_p (tokens outside the nucleus score -inf in both)."""
+    per-row temperature and top_p (tokens outside the nucleus score -inf in both). The built-in
+    policy and the same weights loaded by transformers (its KV cache carries the gradient)."""
     generator = torch.Generator().manual_seed(11)
     model = fresh_policy(6)
     with torch.no_grad():  # sharper than a fresh init, so that top_p leaves tokens out
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    if kind == "transformers":
+        from transformers import AutoModelForCausalLM
+
+        from crucible.ml.policy import hf
+
+        model = AutoModelForCausalLM.from_pretrained(save_checkpoint(model, tmp_path / "hf", {"version": 0}),
+                                                     local_files_only=True)
+        shared_reads = []
+        read_once = hf.continuation_logits
+        monkeypatch.setattr(hf, "continuation_logits", lambda *a: shared_reads.append(1) or read_once(*a))
     prompts = [[1, *torch.randint(3, 200, (n,), generator=generator).tolist()] for n in (0, 4, 11, 4, 7)]
     rows = [(prompts[i % len(prompts)], torch.randint(3, 250, (i % 10,), generator=generator).tolist())
             for i in range(23)]
@@ -96,6 +108,8 @@ def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole():
 
     whole_logp, whole_entropy, whole_grads = run()
     shared_logp, shared_entropy, shared_grads = run(prompt_lengths=lengths)
+    if kind == "transformers":
+        assert shared_reads  # the shared path ran, not the whole rows again
     assert bool(torch.isinf(whole_logp[scored]).any())  # the nucleus case is exercised
     assert torch.equal(torch.isinf(whole_logp[scored]), torch.isinf(shared_logp[scored]))
     finite = scored & torch.isfinite(whole_logp)

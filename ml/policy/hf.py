@@ -123,6 +123,19 @@ def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature
     return scored(out.logits[:, :-1].float(), ids[:, 1:], temperature, top_p)
 
 
+def continuation_logits(model, prompts, tokens: torch.Tensor, positions: torch.Tensor, own: torch.Tensor):
+    """Logits [B, C, V]: position j's predict token j of each row's continuation `tokens` (the first from its
+    prompt's last token). Each prompt (`prompts`: crucible.ml.policy.model.Prompts, left-padded) is read
+    once, and its cache, copied to the rows that continue it, carries the gradient back to it."""
+    first = model(input_ids=prompts.ids, attention_mask=prompts.valid.long(), position_ids=positions_of(prompts.valid),
+                  use_cache=True, logits_to_keep=1)
+    past = first.past_key_values
+    past.reorder_cache(prompts.rows)
+    rest = model(input_ids=tokens, attention_mask=torch.cat((prompts.valid[prompts.rows], own), dim=1).long(),
+                 position_ids=positions, past_key_values=past, use_cache=True)
+    return torch.cat((first.logits[prompts.rows, -1:], rest.logits[:, :-1]), dim=1)
+
+
 def write(model, tmp: Path, tokenizer_from: Path | None, weights: dict | None = None) -> None:
     """A transformers model's files into a checkpoint being written (see checkpoint.save_checkpoint):
     weights and configs, and the tokenizer files of `tokenizer_from`. LoRA adapters are merged in.

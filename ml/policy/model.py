@@ -153,7 +153,7 @@ class Backbone(nn.Module):
 class Prompts:
     """The prompts a batch's rows continue, each read once (a group's samples share theirs)."""
 
-    ids: torch.Tensor    # [G, P] right-padded
+    ids: torch.Tensor    # [G, P] left-padded: each prompt's last token in the last column
     valid: torch.Tensor  # [G, P]
     rows: torch.Tensor   # [B] the prompt each row continues
 
@@ -194,9 +194,8 @@ class Policy(nn.Module):
         kept = [{"keep": True} for _ in self.model.layers]
         states = self._states(prompts.ids, positions_of(prompts.valid),
                               causal_mask(prompts.valid, prompts.ids.shape[1]), kept)
-        last = states[torch.arange(states.shape[0]), prompts.valid.sum(-1) - 1]  # what follows each prompt
         x = self._states(ids, positions, mask, [{"prompt": (c["k"][prompts.rows], c["v"][prompts.rows])} for c in kept])
-        return self.lm_head(self.model.norm(torch.cat((last[prompts.rows, None], x[:, :-1]), dim=1)))
+        return self.lm_head(self.model.norm(torch.cat((states[prompts.rows, -1:], x[:, :-1]), dim=1)))
 
     def _states(self, ids, positions, mask, caches) -> torch.Tensor:
         """The last layer's output (before the final norm)."""
@@ -244,19 +243,26 @@ def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor,
     distinct prompt once (where every row has one): a group's samples share theirs, which is most of
     a short answer's tokens.
     """
-    if not isinstance(getattr(model, "module", model), Policy):  # a transformers model (DDP: inside it)
+    builtin = isinstance(getattr(model, "module", model), Policy)  # else a transformers model (DDP: inside it)
+    if prompt_lengths is not None and bool((prompt_lengths >= 1).all()) and (builtin or hf_shares_prompts(model)):
+        return _continuation_logprobs(model, builtin, ids, valid, prompt_lengths, temperature, top_p)
+    if builtin:
+        logits = model(ids, positions_of(valid), causal_mask(valid, ids.shape[1]))[:, :-1].float()
+        token_logp, entropy = scored(logits, ids[:, 1:], temperature, top_p)
+    else:
         from crucible.ml.policy import hf
 
         token_logp, entropy = hf.sequence_logprobs(model, ids, valid, temperature, top_p)
-    elif prompt_lengths is not None and bool((prompt_lengths >= 1).all()):
-        return _continuation_logprobs(model, ids, valid, prompt_lengths, temperature, top_p)
-    else:
-        logits = model(ids, positions_of(valid), causal_mask(valid, ids.shape[1]))[:, :-1].float()
-        token_logp, entropy = scored(logits, ids[:, 1:], temperature, top_p)
     if prompt_lengths is not None:
         continued = torch.arange(1, ids.shape[1], device=ids.device)[None] >= prompt_lengths[:, None]
         token_logp, entropy = token_logp.masked_fill(~continued, 0.0), entropy.masked_fill(~continued, 0.0)
     return token_logp, entropy
+
+
+def hf_shares_prompts(model) -> bool:
+    """Whether a transformers model can read shared prompts once: it needs its KV cache in training, which
+    gradient checkpointing turns off, and one forward per backward under torch.distributed (DDP)."""
+    return not getattr(model, "is_gradient_checkpointing", False) and not torch.distributed.is_initialized()
 
 
 def scored(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_p) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,33 +272,39 @@ def scored(logits: torch.Tensor, tokens: torch.Tensor, temperature, top_p) -> tu
     return logp.gather(-1, tokens[..., None]).squeeze(-1), entropy
 
 
-def _continuation_logprobs(model, ids, valid, prompt_lengths, temperature, top_p):
-    """sequence_logprobs with `prompt_lengths`, for the built-in policy: each distinct prompt read once."""
+def _continuation_logprobs(model, builtin: bool, ids, valid, prompt_lengths, temperature, top_p):
+    """sequence_logprobs with `prompt_lengths`: each distinct prompt read once, its rows continuing it."""
     lengths = prompt_lengths.long()
     (b, t), device = ids.shape, ids.device
     distinct: dict[tuple[int, ...], int] = {}
     rows = torch.tensor([distinct.setdefault(tuple(row[:n]), len(distinct))
                          for row, n in zip(ids.tolist(), lengths.tolist())], dtype=torch.long, device=device)
-    prompt_ids = torch.zeros((len(distinct), int(lengths.max())), dtype=torch.long)
-    for i, prompt in enumerate(distinct):
-        prompt_ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    prompt_valid = torch.arange(prompt_ids.shape[1]) < torch.tensor([len(p) for p in distinct])[:, None]
-    prompt_ids, prompt_valid = prompt_ids.to(device), prompt_valid.to(device)
-    width = max(1, int((valid.sum(-1) - lengths).max()))  # the longest continuation
-    steps = torch.arange(width, device=device)
+    width = int(lengths.max())
+    prompt_ids = torch.zeros((len(distinct), width), dtype=torch.long)
+    for i, prompt in enumerate(distinct):  # left padding: every prompt ends in the last column
+        prompt_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+    prompt_valid = torch.arange(width) >= width - torch.tensor([len(p) for p in distinct])[:, None]
+    prompts = Prompts(prompt_ids.to(device), prompt_valid.to(device), rows)
+    longest = max(1, int((valid.sum(-1) - lengths).max()))  # the longest continuation
+    steps = torch.arange(longest, device=device)
     where = lengths[:, None] + steps  # each continuation token's column (and position)
     inside = where < t
     where_in = where.clamp(max=t - 1)
     tokens = ids.gather(1, where_in)
     own = valid.gather(1, where_in) & inside
-    visible = (steps[None, :] <= steps[:, None])[None] & own[:, None, :]
-    mask = torch.cat((prompt_valid[rows][:, None, :].expand(b, width, -1), visible), dim=-1)[:, None]
-    logits = model(tokens, where, mask, prompts=Prompts(prompt_ids, prompt_valid, rows)).float()
+    if builtin:
+        visible = (steps[None, :] <= steps[:, None])[None] & own[:, None, :]
+        mask = torch.cat((prompts.valid[rows][:, None, :].expand(b, longest, -1), visible), dim=-1)[:, None]
+        logits = model(tokens, where, mask, prompts=prompts).float()
+    else:
+        from crucible.ml.policy import hf
+
+        logits = hf.continuation_logits(model, prompts, tokens, where, own).float()
     token_logp, entropy = scored(logits, tokens, temperature, top_p)
     token_logp, entropy = token_logp.masked_fill(~own, 0.0), entropy.masked_fill(~own, 0.0)
     # Into sequence_logprobs' layout: the token at column c is scored at c - 1 (columns past T dropped).
     at = where - 1
-    spread = token_logp.new_zeros((b, t - 1 + width))
+    spread = token_logp.new_zeros((b, t - 1 + longest))
     return (spread.scatter(1, at, token_logp)[:, :t - 1], spread.scatter(1, at, entropy)[:, :t - 1])
 
 

@@ -82,14 +82,20 @@ class HFBackend(PolicyBackend):
     def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, generator) -> list[Completion]:
         b, width = len(prompts), max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
-        ids = torch.full((b, width), pad, dtype=torch.long, device=self.device)
-        valid = torch.zeros((b, width), dtype=torch.bool, device=self.device)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+        # Each distinct prompt is read once (a group's samples share theirs); its cache rows are then
+        # copied to every row that continues it.
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=self.device)
+        ids = torch.full((len(distinct), width), pad, dtype=torch.long, device=self.device)
+        valid = torch.zeros((len(distinct), width), dtype=torch.bool, device=self.device)
+        for row, p in enumerate(distinct):  # left padding: every prompt ends at the same column
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             valid[row, width - len(p):] = True
         result = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions_of(valid),
                             use_cache=True)
-        past, logits = result.past_key_values, result.logits[:, -1].float()
+        past, logits = result.past_key_values, result.logits[:, -1].float()[rows]
+        past.reorder_cache(rows)
+        valid = valid[rows]
         next_pos = valid.sum(-1, keepdim=True) - 1
         tokens_out: list[list[int]] = [[] for _ in prompts]
         logps_out: list[list[float]] = [[] for _ in prompts]
