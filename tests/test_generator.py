@@ -208,14 +208,18 @@ async def test_records_nobody_trusted_or_nobody_can_decode_are_dead_lettered_and
     assert messages.decode(ok[0].value, rollout_pb2.RolloutGroup).task.id == "after-the-poison"
 
 
-def test_sampling_services_leave_the_learner_its_cores():
-    """On one machine the generator and evaluator take half the cores for their OpenMP threads (their
-    default, one a core each beside the learner's, oversubscribes the CPU); an operator's own setting
-    stands, and other services are left alone."""
-    from crucible.local.services import sampler_threads
+def test_torch_services_share_the_cores():
+    """On one machine the generator and evaluator take half the cores for their OpenMP threads and the
+    learner the other half (torch's default, one a core each in every process, oversubscribes the
+    CPU); at least one each; an operator's own setting stands, and other services are left alone."""
+    from crucible.local.services import torch_threads
 
-    assert sampler_threads("generator", {}, cores=2) == {"OMP_NUM_THREADS": "1"}
-    assert sampler_threads("evaluator", {}, cores=16) == {"OMP_NUM_THREADS": "8"}
-    assert sampler_threads("generator", {}, cores=1) == {"OMP_NUM_THREADS": "1"}
-    assert sampler_threads("learner", {}, cores=2) == {}
-    assert sampler_threads("generator", {"OMP_NUM_THREADS": "3"}, cores=2) == {}
+    assert torch_threads("generator", {}, cores=2) == {"OMP_NUM_THREADS": "1"}
+    assert torch_threads("evaluator", {}, cores=16) == {"OMP_NUM_THREADS": "8"}
+    assert torch_threads("generator", {}, cores=1) == {"OMP_NUM_THREADS": "1"}
+    assert torch_threads("learner", {}, cores=2) == {"OMP_NUM_THREADS": "1"}
+    assert torch_threads("learner", {}, cores=5) == {"OMP_NUM_THREADS": "3"}
+    assert torch_threads("learner", {}, cores=1) == {"OMP_NUM_THREADS": "1"}
+    assert torch_threads("learner", {"OMP_NUM_THREADS": "2"}, cores=2) == {}
+    assert torch_threads("verifier", {}, cores=2) == {}
+    assert torch_threads("generator", {"OMP_NUM_THREADS": "3"}, cores=2) == {}
