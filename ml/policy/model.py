@@ -239,9 +239,9 @@ def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor,
     tensors aligned with ids[:, 1:].
 
     With `prompt_lengths` [B] (rows right-padded, each its prompt's tokens then a continuation), only
-    the continuations are scored (every other position is 0), and the built-in policy reads each
-    distinct prompt once (where every row has one): a group's samples share theirs, which is most of
-    a short answer's tokens.
+    the continuations are scored (every other position is 0), and each distinct prompt is read once
+    (where every row has one; for a transformers model, where `hf_shares_prompts`): a group's samples
+    share theirs, which is most of a short answer's tokens.
     """
     builtin = isinstance(getattr(model, "module", model), Policy)  # else a transformers model (DDP: inside it)
     if prompt_lengths is not None and bool((prompt_lengths >= 1).all()) and (builtin or hf_shares_prompts(model)):
