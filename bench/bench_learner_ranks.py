@@ -8,7 +8,7 @@ For each rank count it starts torchrun with that many processes; every rank buil
 the same weights, rank 0 hands each batch to the others exactly as the learner service does
 (Trainer.step then checkpoint_state, the collective part of a checkpoint), and rank 0 reports the
 median step time after one warm-up step. The batch is the built-in recipe's shape by default
-(16 groups of 8 samples, 8 completion tokens). Every rank runs one thread (torchrun's default), so
+(16 groups of 8 samples, each group's sharing a prompt, 8 completion tokens). Every rank runs one thread (torchrun's default), so
 on a machine of C cores, 1 rank uses 1 core and C ranks use C: the ratio is what sharding the batch
 buys, communication included. The 1-rank figure is also given with all cores' threads, the
 learner's single-process default. Not a test: nothing gates on these numbers.
@@ -36,12 +36,13 @@ def batch(args, vocab: int):
     rng = random.Random(0)
     samples = []
     for g in range(args.groups):
+        prompt = [rng.randrange(1, vocab) for _ in range(args.prompt)]  # a group's samples share their task's
         for i in range(args.group_size):
             reward = float(rng.random() < 0.5)
             samples.append(trajectory_pb2.Trajectory(
                 id=f"g{g}/{i}", group_id=f"g{g}", sample_index=i, group_size=args.group_size,
                 group_received=args.group_size, policy_version=0,
-                prompt_token_ids=[rng.randrange(1, vocab) for _ in range(args.prompt)],
+                prompt_token_ids=prompt,
                 completion_token_ids=[rng.randrange(1, vocab) for _ in range(args.tokens)],
                 logprobs=[-5.0] * args.tokens, temperature=1.0, top_p=1.0, reward=reward, advantage=reward - 0.5))
     return samples
