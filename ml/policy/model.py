@@ -223,6 +223,22 @@ def causal_mask(valid: torch.Tensor, query_len: int) -> torch.Tensor:
     return allowed | (diag & ~allowed.any(-1, keepdim=True))
 
 
+def distinct_prompts(prompts: list[list[int]], pad: int, device=None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each distinct prompt once, left-padded (each ends in the last column): ids [G, W], their valid
+    marks, and [B] which of them each of `prompts` is. A group's samples share their prompt, so it is
+    read once and its keys and values copied to the rows that continue it."""
+    distinct: dict[tuple[int, ...], int] = {}
+    rows = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    width = max(len(p) for p in distinct)
+    ids = torch.full((len(distinct), width), pad, dtype=torch.long)
+    valid = torch.zeros((len(distinct), width), dtype=torch.bool)
+    for i, p in enumerate(distinct):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, width - len(p):] = True
+    return ids.to(device), valid.to(device), torch.tensor(rows, dtype=torch.long, device=device)
+
+
 def positions_of(valid: torch.Tensor) -> torch.Tensor:
     """Position ids that count real tokens only, whichever side the padding is on."""
     return (valid.long().cumsum(-1) - 1).clamp(min=0)
@@ -276,15 +292,7 @@ def _continuation_logprobs(model, builtin: bool, ids, valid, prompt_lengths, tem
     """sequence_logprobs with `prompt_lengths`: each distinct prompt read once, its rows continuing it."""
     lengths = prompt_lengths.long()
     (b, t), device = ids.shape, ids.device
-    distinct: dict[tuple[int, ...], int] = {}
-    rows = torch.tensor([distinct.setdefault(tuple(row[:n]), len(distinct))
-                         for row, n in zip(ids.tolist(), lengths.tolist())], dtype=torch.long, device=device)
-    width = int(lengths.max())
-    prompt_ids = torch.zeros((len(distinct), width), dtype=torch.long)
-    for i, prompt in enumerate(distinct):  # left padding: every prompt ends in the last column
-        prompt_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-    prompt_valid = torch.arange(width) >= width - torch.tensor([len(p) for p in distinct])[:, None]
-    prompts = Prompts(prompt_ids.to(device), prompt_valid.to(device), rows)
+    prompts = Prompts(*distinct_prompts([row[:n] for row, n in zip(ids.tolist(), lengths.tolist())], 0, device))
     longest = max(1, int((valid.sum(-1) - lengths).max()))  # the longest continuation
     steps = torch.arange(longest, device=device)
     where = lengths[:, None] + steps  # each continuation token's column (and position)
@@ -294,7 +302,7 @@ def _continuation_logprobs(model, builtin: bool, ids, valid, prompt_lengths, tem
     own = valid.gather(1, where_in) & inside
     if builtin:
         visible = (steps[None, :] <= steps[:, None])[None] & own[:, None, :]
-        mask = torch.cat((prompts.valid[rows][:, None, :].expand(b, longest, -1), visible), dim=-1)[:, None]
+        mask = torch.cat((prompts.valid[prompts.rows][:, None, :].expand(b, longest, -1), visible), dim=-1)[:, None]
         logits = model(tokens, where, mask, prompts=prompts).float()
     else:
         from crucible.ml.policy import hf

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crucible.ml.policy.distribution import draw, sampling_logprobs
-from crucible.ml.policy.model import Policy, causal_mask, positions_of
+from crucible.ml.policy.model import Policy, causal_mask, distinct_prompts, positions_of
 from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
 
 
@@ -56,15 +56,7 @@ def sample(model: Policy, prompts: list[list[int]], params: SamplingParams,
     if width + params.max_tokens > model.config.max_position_embeddings:
         raise ValueError(f"prompt of {width} tokens + max_tokens {params.max_tokens} exceeds the model's "
                          f"{model.config.max_position_embeddings} positions")
-    # Each distinct prompt is read once (a group's samples share theirs); its keys and values are then
-    # copied to every row that continues it.
-    distinct: dict[tuple[int, ...], int] = {}
-    rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], dtype=torch.long)
-    ids = torch.full((len(distinct), width), PAD_ID, dtype=torch.long)
-    valid = torch.zeros((len(distinct), width), dtype=torch.bool)
-    for i, p in enumerate(distinct):  # left padding: every prompt ends at the same column
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[i, width - len(p):] = True
+    ids, valid, rows = distinct_prompts(prompts, PAD_ID)  # each read once, then its cache copied to its rows
     positions = positions_of(valid)
     caches: list[dict] = [{"capacity": width + params.max_tokens} for _ in model.model.layers]
     logits = model(ids, positions, causal_mask(valid, width), caches)[:, -1].float()[rows]

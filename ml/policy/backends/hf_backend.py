@@ -9,7 +9,7 @@ from crucible.ml.policy import hf
 from crucible.ml.policy.backends.base import Completion, PolicyBackend
 from crucible.ml.policy.checkpoint import path_from_uri
 from crucible.ml.policy.distribution import draw, sampling_logprobs
-from crucible.ml.policy.model import positions_of
+from crucible.ml.policy.model import distinct_prompts, positions_of
 from crucible.ml.policy.sampling import SamplingParams
 
 
@@ -80,17 +80,8 @@ class HFBackend(PolicyBackend):
         return out
 
     def _sample_batch(self, prompts: list[list[int]], params: SamplingParams, generator) -> list[Completion]:
-        b, width = len(prompts), max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id
-        # Each distinct prompt is read once (a group's samples share theirs); its cache rows are then
-        # copied to every row that continues it.
-        distinct: dict[tuple[int, ...], int] = {}
-        rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=self.device)
-        ids = torch.full((len(distinct), width), pad, dtype=torch.long, device=self.device)
-        valid = torch.zeros((len(distinct), width), dtype=torch.bool, device=self.device)
-        for row, p in enumerate(distinct):  # left padding: every prompt ends at the same column
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid[row, width - len(p):] = True
+        b, pad = len(prompts), self.tokenizer.pad_token_id
+        ids, valid, rows = distinct_prompts(prompts, pad, self.device)  # each read once, its cache copied to its rows
         result = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions_of(valid),
                             use_cache=True)
         past, logits = result.past_key_values, result.logits[:, -1].float()[rows]
