@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from crucible.ml import envs
 from crucible.ml.envs import episode as ep
 from crucible.ml.kinds import registry
@@ -50,7 +52,7 @@ def sampled_rate(message) -> float | None:
 
 
 async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: Verify, *, max_tokens: int,
-                   concurrency: int = 16, execute: Execute | None = None, max_episode_tokens: int = 480,
+                   concurrency: int = 256, execute: Execute | None = None, max_episode_tokens: int = 480,
                    samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> Result:
     """Greedy completions of every task (one backend call), each verified; the pass counts by kind.
     With `samples`, also that many completions of every task drawn at `temperature` and `top_p` (as
@@ -99,15 +101,67 @@ async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: V
 
 
 @contextlib.asynccontextmanager
-async def verifier(target: str, timeout_s: float = 120.0) -> AsyncIterator[Verify]:
-    """A Verify function backed by the Verifier gRPC service at `target`."""
+async def verifier(target: str, timeout_s: float = 120.0, batch_max: int = 256) -> AsyncIterator[Verify]:
+    """A Verify function backed by the Verifier gRPC service at `target`. Requests made at once (in the
+    same turn of the event loop, as a gather of them makes them) travel in one VerifyBatch call of at
+    most `batch_max`; each is answered on its own, and one the verifier refuses raises the
+    AioRpcError its Verify call would have raised."""
     async with rpc.channel(target) as channel:
-        stub = verdict_pb2_grpc.VerifierStub(channel)
+        yield _Batched(verdict_pb2_grpc.VerifierStub(channel), timeout_s, batch_max)
 
-        async def verify(request: verdict_pb2.VerifyRequest) -> verdict_pb2.Verdict:
-            return await stub.Verify(request, timeout=timeout_s)
 
-        yield verify
+class _Batched:
+    def __init__(self, stub: verdict_pb2_grpc.VerifierStub, timeout_s: float, batch_max: int):
+        self.stub, self.timeout_s, self.batch_max = stub, timeout_s, batch_max
+        self._waiting: list[tuple[verdict_pb2.VerifyRequest, asyncio.Future]] = []
+        self._calls: set[asyncio.Task] = set()  # held until done (the loop keeps only weak references)
+
+    async def __call__(self, request: verdict_pb2.VerifyRequest) -> verdict_pb2.Verdict:
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self._waiting.append((request, answer))
+        if len(self._waiting) >= self.batch_max:
+            self._send()
+        elif len(self._waiting) == 1:
+            loop.call_soon(self._send)  # after every request made in this turn has joined
+        return await answer
+
+    def _send(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        if waiting:
+            call = asyncio.ensure_future(self._call(waiting))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _call(self, waiting: list[tuple[verdict_pb2.VerifyRequest, asyncio.Future]]) -> None:
+        try:
+            response = await self.stub.VerifyBatch(
+                verdict_pb2.VerifyBatchRequest(requests=[request for request, _ in waiting]), timeout=self.timeout_s)
+            if len(response.outcomes) != len(waiting):
+                raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"the verifier answered {len(response.outcomes)} of {len(waiting)} "
+                                           "requests")
+        except asyncio.CancelledError:
+            for _, answer in waiting:
+                answer.cancel()
+            raise
+        except Exception as exc:
+            for _, answer in waiting:
+                if not answer.done():
+                    answer.set_exception(exc)
+            return
+        for (_, answer), outcome in zip(waiting, response.outcomes):
+            if answer.done():  # its caller stopped waiting
+                continue
+            if outcome.HasField("verdict"):
+                answer.set_result(outcome.verdict)
+            else:
+                answer.set_exception(grpc.aio.AioRpcError(
+                    _STATUS.get(outcome.refusal.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
+                    grpc.aio.Metadata(), outcome.refusal.message))
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 async def _no_sandbox(request: execution_pb2.ExecuteRequest) -> execution_pb2.ExecutionResult:

@@ -15,6 +15,7 @@ from crucible.services.verifier import handler
 from crucible.services.verifier.consumer import TOPICS, verdict_handler
 from crucible.services.verifier.scorer_pool import ScorerPool
 from crucible.services.verifier.servicer import VerifierServicer
+from crucible.ml import evaluation
 from crucible.shared import bus, integrity, rpc
 from crucible.ml.kinds import builtin_sets
 from crucible.shared.settings import Settings
@@ -218,6 +219,83 @@ async def test_verify_says_when_the_sandbox_is_unreachable(scorer):
     assert "CRUCIBLE_VERIFIER_SANDBOX_TARGET" in err.value.details()
 
 
+class CountingServicer(VerifierServicer):
+    """The verifier, noting the size of every VerifyBatch call it takes."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.batches: list[int] = []
+
+    async def VerifyBatch(self, request, context):
+        self.batches.append(len(request.requests))
+        return await super().VerifyBatch(request, context)
+
+
+def comparable(verdict: verdict_pb2.Verdict) -> tuple:
+    """What a verdict says, without when it was made or how long the run took."""
+    return (verdict.id, verdict.reward, verdict.tampered, list(verdict.tamper_patterns), dict(verdict.components),
+            verdict.sample.passed, [(t.name, t.passed) for t in verdict.execution.tests], verdict.detail)
+
+
+@pytest.mark.sandbox
+async def test_a_batch_is_answered_request_by_request_as_verify_answers_each(verifier):
+    honest = "    return a + b\n"
+    requests = [
+        request("b0", ADD, honest),  # run in the sandbox, paid
+        request("b1", ADD, "    class A:\n        __eq__ = lambda s, o: True\n    return A()\n"),  # tampering
+        verdict_pb2.VerifyRequest(),  # no task
+        request("b3", HALF, "\\boxed{\\frac{2}{4}}"),  # scored without the sandbox
+        verdict_pb2.VerifyRequest(task=ADD, rollout=rollout("b4", honest)),  # a task nobody signed
+        request("b5", ADD, honest, execution=outcome(True)),  # a result no sandbox sealed
+        request("b6", ADD, "   \n"),  # nothing to run
+        request("b7", task_pb2.Task(id="p", kind="poetry"), "x"),  # no such kind
+        request("b8", HALF, "\\boxed{3}"),
+    ]
+    batch = await verifier.VerifyBatch(verdict_pb2.VerifyBatchRequest(requests=requests), timeout=60)
+    assert [o.WhichOneof("outcome") for o in batch.outcomes] == [
+        "verdict", "verdict", "refusal", "verdict", "refusal", "refusal", "verdict", "refusal", "verdict"]
+    rewards = [o.verdict.reward for o in batch.outcomes]
+    assert (rewards[0], rewards[1], rewards[3], rewards[6], rewards[8]) == (1.0, 0.0, 1.0, 0.0, 0.0)
+    assert batch.outcomes[1].verdict.tampered
+    for sent, got in zip(requests, batch.outcomes):
+        try:
+            alone = await verifier.Verify(sent, timeout=30)
+        except grpc.aio.AioRpcError as err:
+            assert got.WhichOneof("outcome") == "refusal", sent.rollout.id
+            assert (got.refusal.code, got.refusal.message) == (err.code().value[0], err.details())
+        else:
+            assert comparable(got.verdict) == comparable(alone), sent.rollout.id
+    refused = {r.rollout.id: o.refusal for r, o in zip(requests, batch.outcomes) if o.HasField("refusal")}
+    assert all(r.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for r in refused.values())
+    assert "carries no task" in refused[""].message and "not signed" in refused["b4"].message
+    assert "execution result" in refused["b5"].message and "unknown kind 'poetry'" in refused["b7"].message
+
+
+async def test_verify_calls_made_at_once_travel_in_batches_and_each_gets_its_own_answer(scorer):
+    servicer = CountingServicer(scorer, f"127.0.0.1:{free_port()}")  # answer kinds only: no sandbox is asked
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", servicer,
+                                        verdict_pb2_grpc.add_VerifierServicer_to_server)])
+    answers = ["\\boxed{\\frac{1}{2}}", "\\boxed{3}"]
+    sent = [request(f"c{i}", HALF, answers[i % 2]) for i in range(10)]
+    sent.insert(5, request("bad", task_pb2.Task(id="p", kind="poetry"), "x"))
+    async with server, evaluation.verifier(server.address, batch_max=4) as verify:
+        got = await asyncio.gather(*(verify(r) for r in sent), return_exceptions=True)
+        alone = await verify(sent[0])
+        async with rpc.channel(server.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # more than the verifier takes in one call
+                await verdict_pb2_grpc.VerifierStub(channel).VerifyBatch(
+                    verdict_pb2.VerifyBatchRequest(requests=[sent[0]] * 1025), timeout=30)
+    await servicer.close()
+    assert sorted(servicer.batches[:3]) == [3, 4, 4] and servicer.batches[3:] == [1, 1025]  # the first three at once
+    refused = got.pop(5)
+    assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown kind 'poetry'" in refused.details()
+    assert [v.id for v in got] == [f"c{i}/verdict" for i in range(10)]
+    assert [v.reward for v in got] == [1.0, 0.0] * 5
+    assert comparable(alone) == comparable(got[0])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in err.value.details()
+
+
 # --- the scoring limit -----------------------------------------------------------------------------
 
 async def test_a_completion_that_hangs_its_scorer_gets_a_failed_verdict():
@@ -245,6 +323,24 @@ async def test_a_group_scored_together_fails_only_the_completion_that_hangs():
         with pytest.raises(handler.Unverifiable):  # one completion of a forged task: the group is refused
             await pool.verify_group([request("c", evil, "Answer: a"),
                                      verdict_pb2.VerifyRequest(task=evil, rollout=rollout("d", "Answer: a"))])
+
+
+async def test_requests_scored_each_on_its_own_cost_each_other_nothing():
+    """verify_each (the batch call's scoring): a completion that hangs its scoring process, or a task
+    nobody signed, costs only that request its verdict; the others are scored as they would be alone."""
+    evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
+    async with ScorerPool(Settings(verifier_workers=2, integrity_key=KEY.hex()), timeout_s=1.0) as pool:
+        outcomes = await pool.verify_each([
+            request("a", evil, "Answer: aa"), request("s", evil, "Answer: " + "a" * 40 + "!"),
+            verdict_pb2.VerifyRequest(task=evil, rollout=rollout("u", "Answer: a")), request("b", evil, "Answer: b"),
+            request("c", evil, "Answer: a")])
+        assert isinstance(outcomes[2], handler.Unverifiable) and "not signed" in str(outcomes[2])
+        verdicts = [o for i, o in enumerate(outcomes) if i != 2]
+        assert [v.id for v in verdicts] == ["a/verdict", "s/verdict", "b/verdict", "c/verdict"]
+        assert [v.reward for v in verdicts] == [1.0, 0.0, 0.0, 1.0]
+        assert verdicts[1].components["scoring_failed"] == 1.0 and "scoring_failed" not in verdicts[2].components
+        assert pool.failures == 1
+        assert await pool.verify_each([]) == []
 
 
 # --- trust ------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from crucible.shared.workers import WorkerFailed, WorkerPool, WorkerTimeout
 log = logging.getLogger(__name__)
 
 READY = encode_reply(OK, b"ready")  # a scoring process's first frame
+GROUP_MAX = 32  # completions sent to one scoring process in one frame by verify_each
 
 
 class ScoringError(RuntimeError):
@@ -77,10 +78,39 @@ class ScorerPool:
         gets a `failed` verdict, after its own limit. Unverifiable or ScoringError as `verify`."""
         for request in requests:
             handler.check_trust(request, self.secret)
-        return await self._score(requests)
+        outcomes = await self._score(requests)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                raise outcome
+        return outcomes
 
-    async def _score(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict]:
-        """verify_group's scoring, for requests already found trustworthy."""
+    async def verify_each(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict | Exception]:
+        """Each request's verdict, or the Unverifiable or ScoringError that says why it has none: for
+        unrelated requests answered one by one (the Verifier's batch call), where one that cannot be
+        scored never costs the others theirs. The trusted ones travel in up to one group per scoring
+        process (of at most GROUP_MAX), scored as verify_group scores a group."""
+        outcomes: list = [None] * len(requests)
+        trusted = []
+        for i, request in enumerate(requests):
+            try:
+                handler.check_trust(request, self.secret)
+            except handler.Unverifiable as exc:
+                outcomes[i] = exc
+            else:
+                trusted.append(i)
+        size = min(GROUP_MAX, -(-len(trusted) // self.size)) or 1
+        groups = [trusted[k:k + size] for k in range(0, len(trusted), size)]
+        scored = await asyncio.gather(*(self._score([requests[i] for i in g]) for g in groups), return_exceptions=True)
+        for group, result in zip(groups, scored):
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # cancelled: not an answer
+            for n, i in enumerate(group):
+                outcomes[i] = result if isinstance(result, Exception) else result[n]
+        return outcomes
+
+    async def _score(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict | Exception]:
+        """The scoring of requests already found trustworthy: each one's verdict, or the Unverifiable or
+        ScoringError its scoring process answered; ScoringError raised for a reply that is broken."""
         if not requests:
             return []
         try:
@@ -103,12 +133,12 @@ class ScorerPool:
         if len(replies) != len(requests):
             raise ScoringError(f"a scoring process answered {len(replies)} of {len(requests)} requests"
                                + (f": {decode_reply(replies[0])[1][:300]!r}" if replies else ""))
-        return [_verdict(*decode_reply(r)) for r in replies]
+        return [_outcome(*decode_reply(r)) for r in replies]
 
 
-def _verdict(status: int, payload: bytes) -> verdict_pb2.Verdict:
+def _outcome(status: int, payload: bytes) -> verdict_pb2.Verdict | Exception:
     if status == OK:
         return verdict_pb2.Verdict.FromString(payload)
     if status == UNVERIFIABLE:
-        raise handler.Unverifiable(payload.decode("utf-8", "replace"))
-    raise ScoringError(payload.decode("utf-8", "replace"))
+        return handler.Unverifiable(payload.decode("utf-8", "replace"))
+    return ScoringError(payload.decode("utf-8", "replace"))

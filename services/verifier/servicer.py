@@ -1,5 +1,9 @@
-"""Verifier gRPC: Verify scores one rollout; a python_tests rollout without an execution is run in the Sandbox first."""
+"""Verifier gRPC: Verify scores one rollout, VerifyBatch many (each judged as Verify would judge it
+alone); a python_tests rollout without an execution is run in the Sandbox first."""
 from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
 
 import grpc
 
@@ -10,6 +14,16 @@ from crucible.shared import integrity, rpc
 
 # Sandbox answers passed on as they are: the caller's request was bad, or the sandbox is full.
 _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+BATCH_MAX = 1024  # requests in one VerifyBatch call
+RUNS_AT_ONCE = 16  # sandbox runs one VerifyBatch call has in flight (a batch never floods the sandbox)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request has no verdict: the status Verify ends its call with."""
+
+    code: grpc.StatusCode
+    message: str
 
 
 class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
@@ -28,32 +42,61 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
             await self._channel.close()
 
     async def Verify(self, request: verdict_pb2.VerifyRequest, context):
+        [outcome] = await self.outcomes([request])
+        if isinstance(outcome, Refusal):
+            await context.abort(outcome.code, outcome.message)
+        return outcome
+
+    async def VerifyBatch(self, request: verdict_pb2.VerifyBatchRequest, context):
+        if len(request.requests) > BATCH_MAX:
+            await rpc.abort_invalid(context, f"a batch of {len(request.requests)} requests; at most {BATCH_MAX} "
+                                             "are taken in one call")
+        outcomes = await self.outcomes(list(request.requests))
+        return verdict_pb2.VerifyBatchResponse(outcomes=[
+            verdict_pb2.VerifyOutcome(refusal=verdict_pb2.VerifyRefusal(code=o.code.value[0], message=o.message))
+            if isinstance(o, Refusal) else verdict_pb2.VerifyOutcome(verdict=o) for o in outcomes])
+
+    async def outcomes(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict | Refusal]:
+        """Each request's verdict or the reason it has none, in order: what needs running is run in the
+        sandbox (RUNS_AT_ONCE at a time), then everything is scored together (ScorerPool.verify_each)."""
+        runs = asyncio.Semaphore(RUNS_AT_ONCE)
+        ready = await asyncio.gather(*(self._executed(r, runs) for r in requests))
+        scorable = [i for i, r in enumerate(ready) if not isinstance(r, Refusal)]
+        scored = await self.scorer.verify_each([ready[i] for i in scorable])
+        for i, outcome in zip(scorable, scored):
+            if isinstance(outcome, handler.Unverifiable):
+                ready[i] = Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(outcome))
+            elif isinstance(outcome, ScoringError):
+                ready[i] = Refusal(grpc.StatusCode.INTERNAL,
+                                   f"scoring rollout {requests[i].rollout.id!r} failed: {outcome}")
+            elif isinstance(outcome, Exception):
+                raise outcome
+            else:
+                ready[i] = outcome
+        return ready
+
+    async def _executed(self, request: verdict_pb2.VerifyRequest,
+                        runs: asyncio.Semaphore) -> verdict_pb2.VerifyRequest | Refusal:
+        """The request with the execution its kind scores (run in the sandbox where it came without
+        one), or why it cannot be scored."""
         try:
             kind = handler.kind_for(request.task, f"rollout {request.rollout.id!r}")
         except handler.Unverifiable as exc:
-            await rpc.abort_invalid(context, str(exc))
-        if kind.needs_execution and not request.HasField("execution"):
-            job = kind.execution(request.task, request.rollout.completion)
-            if not job.code.strip():  # nothing to run: a failure to score, not a bad request
-                nothing = integrity.seal(execution_pb2.ExecutionResult(not_run="the completion holds no program"),
-                                         job, self.scorer.secret)  # the verifier's own finding
-                request = verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=nothing)
-                return await self._score(request, context)
+            return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not kind.needs_execution or request.HasField("execution"):
+            return request
+        job = kind.execution(request.task, request.rollout.completion)
+        if not job.code.strip():  # nothing to run: a failure to score, not a bad request
+            result = integrity.seal(execution_pb2.ExecutionResult(not_run="the completion holds no program"),
+                                    job, self.scorer.secret)  # the verifier's own finding
+        else:
             job.request_id = request.rollout.id
             try:
-                reply = await self._sandbox().Execute(job, timeout=max(30.0, job.timeout_s * 3))
+                async with runs:
+                    result = (await self._sandbox().Execute(job, timeout=max(30.0, job.timeout_s * 3))).result
             except grpc.aio.AioRpcError as exc:
                 code = exc.code() if exc.code() in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, f"the sandbox at {self.sandbox_target} (CRUCIBLE_VERIFIER_SANDBOX_TARGET) "
-                                          f"could not run rollout {request.rollout.id!r}: {exc.code().name}: "
-                                          f"{exc.details()}")
-            request = verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=reply.result)
-        return await self._score(request, context)
-
-    async def _score(self, request: verdict_pb2.VerifyRequest, context):
-        try:
-            return await self.scorer.verify(request)
-        except handler.Unverifiable as exc:
-            await rpc.abort_invalid(context, str(exc))
-        except ScoringError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"scoring rollout {request.rollout.id!r} failed: {exc}")
+                return Refusal(code, f"the sandbox at {self.sandbox_target} (CRUCIBLE_VERIFIER_SANDBOX_TARGET) "
+                                     f"could not run rollout {request.rollout.id!r}: {exc.code().name}: "
+                                     f"{exc.details()}")
+        return verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=result)

@@ -64,3 +64,31 @@ class VerifyRequest(_message.Message):
     rollout: _rollout_pb2.Rollout
     execution: _execution_pb2.ExecutionResult
     def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., rollout: _Optional[_Union[_rollout_pb2.Rollout, _Mapping]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyRefusal(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class VerifyOutcome(_message.Message):
+    __slots__ = ("verdict", "refusal")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    refusal: VerifyRefusal
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., refusal: _Optional[_Union[VerifyRefusal, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[VerifyOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...

@@ -39,12 +39,23 @@ class VerifierStub:
                 request_serializer=crucible_dot_v1_dot_verdict__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=crucible_dot_v1_dot_verdict__pb2.Verdict.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/crucible.v1.Verifier/VerifyBatch',
+                request_serializer=crucible_dot_v1_dot_verdict__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=crucible_dot_v1_dot_verdict__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Verify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=crucible_dot_v1_dot_verdict__pb2.VerifyRequest.FromString,
                     response_serializer=crucible_dot_v1_dot_verdict__pb2.Verdict.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=crucible_dot_v1_dot_verdict__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=crucible_dot_v1_dot_verdict__pb2.VerifyBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class Verifier:
             '/crucible.v1.Verifier/Verify',
             crucible_dot_v1_dot_verdict__pb2.VerifyRequest.SerializeToString,
             crucible_dot_v1_dot_verdict__pb2.Verdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crucible.v1.Verifier/VerifyBatch',
+            crucible_dot_v1_dot_verdict__pb2.VerifyBatchRequest.SerializeToString,
+            crucible_dot_v1_dot_verdict__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
