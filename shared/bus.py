@@ -298,11 +298,15 @@ class Prepared:
     headers: list[tuple[str, bytes]]
 
 
+_FROM_HEADERS = object()
+
+
 def consume_span(topic: str, partition: int, offset: int, headers: Sequence[tuple[str, bytes]] | None,
-                 name: str = "process"):
+                 name: str = "process", parent=_FROM_HEADERS):
     """The consumer span of one record (a `with` block), child of the span that produced it (trace
-    context in the headers)."""
-    parent = telemetry.parent_from_headers(headers)
+    context in the headers; `parent`: what they name, where the caller has read them)."""
+    if parent is _FROM_HEADERS:
+        parent = telemetry.parent_from_headers(headers)
     return telemetry.carried(parent) or telemetry.record_span(
         f"{topic} {name}", trace.SpanKind.CONSUMER,
         {"messaging.system": "kafka", "messaging.destination.name": topic, "messaging.kafka.partition": partition,
@@ -706,8 +710,7 @@ class Consumer(Reader):
             await self._run_transactional(records)
             return {}
         if self.concurrency <= 1:
-            for record in records:
-                pending.extend(await self._process(record))
+            pending = await self._run_in_order(records)
         else:
             slots = asyncio.Semaphore(self.concurrency)
 
@@ -764,42 +767,75 @@ class Consumer(Reader):
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
 
+    async def _run_in_order(self, records: list[ConsumerRecord]) -> list[asyncio.Future]:
+        """Handles records one after another, each under its consumer span (_process); returns the
+        delivery futures of their outputs. Records of one unsampled trace (its context carried on, no
+        span made: telemetry.carried) follow each other under that context, made current once for
+        them all rather than once each."""
+        pending: list[asyncio.Future] = []
+        carrying, scope = None, None  # the unsampled parent whose context is current, and its scope
+        try:
+            for record in records:
+                parent = telemetry.parent_from_headers(record.headers)
+                if parent is None or parent is not carrying:
+                    if scope is not None:
+                        carrying, scope = None, scope.__exit__(None, None, None)
+                    scope = telemetry.carried(parent)
+                    if scope is None:  # a span of its own
+                        with consume_span(record.topic, record.partition, record.offset, record.headers,
+                                          parent=parent):
+                            pending.extend(await self._handle(record))
+                        continue
+                    scope.__enter__()
+                    carrying = parent
+                pending.extend(await self._handle(record))
+        finally:
+            if scope is not None:
+                scope.__exit__(None, None, None)
+        return pending
+
     async def _process(self, record: ConsumerRecord) -> list[asyncio.Future]:
-        """Decodes and handles one record; returns the delivery futures of its outputs."""
+        """Decodes and handles one record under its consumer span; returns the delivery futures of its
+        outputs."""
         with consume_span(record.topic, record.partition, record.offset, record.headers):
-            incoming = self._decoded(record)
-            if isinstance(incoming, str):
-                await self.dead_letter(record, incoming)
+            return await self._handle(record)
+
+    async def _handle(self, record: ConsumerRecord) -> list[asyncio.Future]:
+        """Decodes and handles one record (under its consumer span or carried context, made current
+        by the caller); returns the delivery futures of its outputs."""
+        incoming = self._decoded(record)
+        if isinstance(incoming, str):
+            await self.dead_letter(record, incoming)
+            return []
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                outputs = list(await self.handler(incoming) or ())
+            except Reject as exc:
+                await self.dead_letter(record, f"rejected: {exc}")
                 return []
-            for attempt in range(1, self.max_attempts + 1):
-                try:
-                    outputs = list(await self.handler(incoming) or ())
-                except Reject as exc:
-                    await self.dead_letter(record, f"rejected: {exc}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a handler bug or a transient outage: retry, then DLQ
+                log.warning("handler failed on %s@%d (attempt %d/%d): %r",
+                            record.topic, record.offset, attempt, self.max_attempts, exc)
+                if attempt == self.max_attempts:
+                    where = traceback.extract_tb(exc.__traceback__)[-1]
+                    await self.dead_letter(
+                        record,
+                        f"handler failed {attempt} times: {type(exc).__name__}: {exc} "
+                        f"(at {where.filename}:{where.lineno})",
+                    )
                     return []
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a handler bug or a transient outage: retry, then DLQ
-                    log.warning("handler failed on %s@%d (attempt %d/%d): %r",
-                                record.topic, record.offset, attempt, self.max_attempts, exc)
-                    if attempt == self.max_attempts:
-                        where = traceback.extract_tb(exc.__traceback__)[-1]
-                        await self.dead_letter(
-                            record,
-                            f"handler failed {attempt} times: {type(exc).__name__}: {exc} "
-                            f"(at {where.filename}:{where.lineno})",
-                        )
-                        return []
-                    await asyncio.sleep(0.1 * 2**attempt)
-                    continue
-                self.handled += 1
-                if not outputs:
-                    return []
-                outbox = _OUTBOX.get()
-                if outbox is not None:
-                    outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)
-                    return []
-                return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
+                await asyncio.sleep(0.1 * 2**attempt)
+                continue
+            self.handled += 1
+            if not outputs:
+                return []
+            outbox = _OUTBOX.get()
+            if outbox is not None:
+                outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)
+                return []
+            return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
         return []
 
 

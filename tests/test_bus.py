@@ -432,3 +432,49 @@ async def test_topics_whose_consumers_scale_out_get_the_configured_partitions(se
     finally:
         for m in members:
             await m.stop()
+
+
+async def test_records_handled_in_order_each_run_under_their_own_trace():
+    """A consumer handling a batch in order keeps an unsampled trace's context current across its
+    records that follow each other; every record's handler still sees its own trace (a sampled one
+    under a consumer span of its own, one with no trace context in a new trace), and the context
+    before the batch is the context after it."""
+    from aiokafka.structs import ConsumerRecord
+    from opentelemetry import context as otel_context
+    from crucible.shared.settings import Settings
+
+    telemetry.setup_telemetry("test-bus")  # the SDK's provider, which follows a remote parent's flag
+
+    def traceparent(trace_id: int, flags: int) -> tuple[str, bytes]:
+        return ("traceparent", f"00-{trace_id:032x}-{trace_id + 1:016x}-{flags:02x}".encode())
+
+    a, b, c = traceparent(0xA, 0), traceparent(0xB, 1), traceparent(0xC, 0)
+    sent = [("a1", a), ("a2", a), ("b1", b), ("n1", None), ("a3", a), ("c1", c), ("x1", ("traceparent", b"00-zz")),
+            ("a4", a)]
+    topic = "in-order.tasks"
+    records = [ConsumerRecord(topic, 0, offset, 0, 0, None, messages.encode(task_pb2.Task(id=name, kind="exact")),
+                              None, 0, 0, bus.publish_headers(task_pb2.Task()) + ([header] if header else []))
+               for offset, (name, header) in enumerate(sent)]
+    seen = {}
+
+    async def handler(incoming):
+        await asyncio.sleep(0)  # other tasks run meanwhile, as they do
+        span = trace.get_current_span()
+        seen[incoming.message.id] = (span.get_span_context(), span.is_recording(), getattr(span, "parent", None),
+                                     dict(telemetry.inject_headers()))
+
+    consumer = bus.Consumer(["tasks"], "in-order", handler, settings=Settings(topic_prefix="in-order."))
+    before = otel_context.get_current()
+    assert await consumer._run_batch(records) == {(topic, 0): len(sent)}
+    assert otel_context.get_current() is before and consumer.handled == len(sent)
+    for name in ("a1", "a2", "a3", "a4", "c1"):  # unsampled: the producer's context as it came, no span made
+        context, recording, _, headers = seen[name]
+        header = a if name[0] == "a" else c
+        assert not recording and headers == {"traceparent": header[1]}, name
+        assert (context.trace_id, context.span_id) == (int(name[0], 16), int(name[0], 16) + 1), name
+    context, recording, parent, headers = seen["b1"]  # sampled: a consumer span, child of the producer's
+    assert recording and context.trace_id == 0xB and context.span_id != 0xC and parent.span_id == 0xC
+    assert headers["traceparent"] != b[1]
+    for name in ("n1", "x1"):  # no (readable) trace context: a trace of its own
+        context, _, parent, _ = seen[name]
+        assert parent is None and context.trace_id not in (0xA, 0xB, 0xC), name
