@@ -807,36 +807,47 @@ class Consumer(Reader):
         if isinstance(incoming, str):
             await self.dead_letter(record, incoming)
             return []
+        try:
+            outputs = await self.handler(incoming)
+        except Exception as exc:
+            return await self._handle_failed(record, incoming, exc)
+        self.handled += 1
+        return await self._send(outputs) if outputs else []
+
+    async def _handle_failed(self, record: ConsumerRecord, incoming: Incoming, exc: Exception) -> list[asyncio.Future]:
+        """After the handler raised `exc` on a record: Reject dead-letters it at once; anything else (a
+        handler bug or a transient outage) is retried, then dead-lettered."""
         for attempt in range(1, self.max_attempts + 1):
-            try:
-                outputs = list(await self.handler(incoming) or ())
-            except Reject as exc:
+            if isinstance(exc, Reject):
                 await self.dead_letter(record, f"rejected: {exc}")
                 return []
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a handler bug or a transient outage: retry, then DLQ
-                log.warning("handler failed on %s@%d (attempt %d/%d): %r",
-                            record.topic, record.offset, attempt, self.max_attempts, exc)
-                if attempt == self.max_attempts:
-                    where = traceback.extract_tb(exc.__traceback__)[-1]
-                    await self.dead_letter(
-                        record,
-                        f"handler failed {attempt} times: {type(exc).__name__}: {exc} "
-                        f"(at {where.filename}:{where.lineno})",
-                    )
-                    return []
-                await asyncio.sleep(0.1 * 2**attempt)
+            log.warning("handler failed on %s@%d (attempt %d/%d): %r",
+                        record.topic, record.offset, attempt, self.max_attempts, exc)
+            if attempt == self.max_attempts:
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                await self.dead_letter(
+                    record,
+                    f"handler failed {attempt} times: {type(exc).__name__}: {exc} "
+                    f"(at {where.filename}:{where.lineno})",
+                )
+                return []
+            await asyncio.sleep(0.1 * 2**attempt)
+            try:
+                outputs = await self.handler(incoming)
+            except Exception as again:
+                exc = again
                 continue
             self.handled += 1
-            if not outputs:
-                return []
-            outbox = _OUTBOX.get()
-            if outbox is not None:
-                outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)
-                return []
-            return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
+            return await self._send(outputs) if outputs else []
         return []
+
+    async def _send(self, outputs: Iterable[Outgoing]) -> list[asyncio.Future]:
+        """A handler's outputs sent (their delivery futures), or held in the transaction's outbox."""
+        outbox = _OUTBOX.get()
+        if outbox is not None:
+            outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)
+            return []
+        return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
 
 
 async def _settle(commit: asyncio.Task) -> None:
