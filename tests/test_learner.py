@@ -63,6 +63,47 @@ def test_importance_ratio_is_one_on_fresh_samples_at_their_temperature_and_top_p
     assert abs(wrong.metrics["mismatch_kl"]) > 0.05
 
 
+def test_a_batch_lays_out_each_sample_where_the_loss_reads_it():
+    """completion_batch, row by row: prompt then completion from column 0, padded after; position t
+    (scoring token t + 1) holds a completion token's sampling log-prob and its loss weight (an
+    episode's mask, else 1), nothing anywhere else."""
+    import random
+
+    import torch
+
+    from crucible.services.learner.trainer import completion_batch
+
+    rng = random.Random(5)
+    for _ in range(50):
+        samples = []
+        for i in range(rng.randint(1, 9)):
+            completion = [rng.randrange(1, 500) for _ in range(rng.randint(0, 7))]
+            samples.append(trajectory_pb2.Trajectory(
+                id=str(i), prompt_token_ids=[rng.randrange(1, 500) for _ in range(rng.randint(1, 6))],
+                completion_token_ids=completion, logprobs=[-rng.random() - 0.01 for _ in completion],
+                loss_mask=[rng.random() < 0.5 for _ in completion] if rng.random() < 0.4 else [],
+                advantage=rng.gauss(0, 1), temperature=rng.uniform(0.5, 1), top_p=rng.uniform(0.5, 1)))
+        batch = completion_batch(samples)
+        width = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
+        assert batch.ids.shape == batch.valid.shape == (len(samples), width)
+        assert batch.mask.shape == batch.old_logp.shape == (len(samples), width - 1)
+        for row, s in enumerate(samples):
+            tokens = [*s.prompt_token_ids, *s.completion_token_ids]
+            p = len(s.prompt_token_ids)
+            assert batch.ids[row].tolist() == tokens + [0] * (width - len(tokens))
+            assert batch.valid[row].tolist() == [True] * len(tokens) + [False] * (width - len(tokens))
+            weights = [float(m) for m in s.loss_mask] if len(s.loss_mask) else [1.0] * len(s.completion_token_ids)
+            assert batch.mask[row].tolist() == [0.0] * (p - 1) + weights + [0.0] * (width - len(tokens))
+            assert batch.old_logp[row].tolist() == pytest.approx(
+                [0.0] * (p - 1) + list(s.logprobs) + [0.0] * (width - len(tokens)))
+            assert int(batch.prompt_lengths[row]) == p
+        for field in ("advantage", "temperature", "top_p"):
+            column = batch.advantages if field == "advantage" else getattr(batch, field)
+            assert column.dtype == torch.float32
+            assert column.tolist() == pytest.approx([getattr(s, field) for s in samples])
+        assert batch.ids.dtype == batch.prompt_lengths.dtype == torch.long and batch.valid.dtype == torch.bool
+
+
 def test_an_all_stale_batch_takes_no_step_and_counts_what_it_skipped():
     trainer = fresh_trainer(max_policy_lag=0)
     trainer.version = 3

@@ -60,25 +60,30 @@ def model_tokens(s: trajectory_pb2.Trajectory) -> int:
 
 
 def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
-    rows = [(list(s.prompt_token_ids), list(s.completion_token_ids), list(s.logprobs)) for s in samples]
-    width = max(len(p) + len(c) for p, c, _ in rows)
-    n = len(rows)
-    ids = torch.zeros((n, width), dtype=torch.long)  # padding is masked out; 0 is in every vocabulary
-    valid = torch.zeros((n, width), dtype=torch.bool)
-    mask = torch.zeros((n, width - 1))
-    old = torch.zeros((n, width - 1))
-    for i, (p, c, lp) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        valid[i, : len(p) + len(c)] = True
-        own = samples[i].loss_mask  # an episode: only the model's own tokens carry loss
-        mask[i, len(p) - 1: len(p) + len(c) - 1] = torch.tensor(list(own), dtype=torch.float32) if len(own) else 1.0
-        old[i, len(p) - 1: len(p) + len(c) - 1] = torch.tensor(lp)
+    prompts = [s.prompt_token_ids for s in samples]
+    completions = [s.completion_token_ids for s in samples]
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    lengths = prompt_lengths + torch.tensor([len(c) for c in completions], dtype=torch.long)
+    width = int(lengths.max())
+    # Each row's tokens, then its scored positions, filled in one assignment each: True positions in
+    # row-major order are the rows' values one after another.
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+    ids = torch.zeros((len(samples), width), dtype=torch.long)  # padding is masked out; 0 is in every vocabulary
+    ids[valid] = torch.tensor([t for p, c in zip(prompts, completions) for part in (p, c) for t in part],
+                              dtype=torch.long)
+    position = torch.arange(width - 1)[None, :]  # position t scores token t + 1
+    scored = (position >= prompt_lengths[:, None] - 1) & (position < lengths[:, None] - 1)
+    old = torch.zeros((len(samples), width - 1))
+    old[scored] = torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32)
+    mask = torch.zeros((len(samples), width - 1))
+    # an episode: only the model's own tokens carry loss
+    mask[scored] = torch.tensor([m for s, c in zip(samples, completions)
+                                 for m in (s.loss_mask if len(s.loss_mask) else (1.0,) * len(c))], dtype=torch.float32)
     return Batch(ids, valid, mask, old,
                  advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
                  temperature=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
                  top_p=torch.tensor([s.top_p for s in samples], dtype=torch.float32),
-                 prompt_lengths=torch.tensor([len(p) for p, _, _ in rows], dtype=torch.long))
-
+                 prompt_lengths=prompt_lengths)
 
 
 def scheduled_lr(config: RunConfig, step: int) -> float:
