@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from crucible.ml import evaluation
-from crucible.shared import integrity, rpc, store
+from crucible.shared import bus, integrity, rpc, store
 from crucible.shared.settings import Settings
 from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
 
@@ -167,7 +167,7 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
 async def local_verifier(settings: Settings, echo=print) -> AsyncIterator[evaluation.Verify]:
     """A Verifier service (and the sandbox it runs code in) started for this command and stopped after."""
     from crucible.cli.recipe import builtin
-    from crucible.cli.train import Run
+    from crucible.cli.train import Run, run_prefixes
 
     run = Run(settings, builtin(), echo=echo, name="rescore")
     run.start_services("", names=("sandbox_executor", "verifier"))
@@ -177,6 +177,8 @@ async def local_verifier(settings: Settings, echo=print) -> AsyncIterator[evalua
             yield verify
     finally:
         run.stop_services()
+        with contextlib.suppress(Exception):  # the verifier's topics, unused here: a broker gone keeps them
+            await bus.delete_topics(run_prefixes(run.run_id), settings=run.settings)
 
 
 async def _wait_ready(run, timeout_s: float = 60.0) -> None:

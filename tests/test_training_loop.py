@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 
 from crucible.cli import recipe as recipes
-from crucible.cli.train import train
+from crucible.cli.train import run_prefixes, train
 from crucible.shared import store
+from tests.test_run_topics import topics
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store]
 
@@ -67,6 +68,9 @@ async def test_dynamic_sampling_keeps_the_loop_fed_and_counts_what_it_filtered(s
     report = await train(settings, recipe, echo=lines.append)
     assert report.steps >= 12
     assert not any("no new policy version" in line for line in lines), lines
+    # finished: its topics are gone (its results are in the store)
+    assert not [t for t in await topics(settings) if t.startswith(run_prefixes(report.run_id))]
+    assert any("deleted the" in line and "topics of 1 finished run" in line for line in lines), lines[-5:]
     client = store.connect(settings)
     rows = client.query("SELECT version, metrics['filtered_groups'] FROM policy_versions FINAL "
                         "WHERE run_id = {r:String} AND version > 0", parameters={"r": report.run_id}).result_rows
