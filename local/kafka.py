@@ -174,6 +174,9 @@ class LocalKafka:
             "group.initial.rebalance.delay.ms=0",
             "message.max.bytes=17825792",
             "log.retention.hours=168",
+            # a deleted topic's files (a finished run's) go a second later, not a minute: the broker of a
+            # short run is stopped before a minute passes, and its next start would carry them again
+            "file.delete.delay.ms=1000",
             "",
         ]))
 

@@ -57,6 +57,74 @@ def test_tampered_samples_earn_zero_and_weights_apply():
 
 @pytest.mark.kafka
 @pytest.mark.store
+class HandedOver:
+    """The parts of a faust stream `batches` uses, handing over what the test puts in one by one (as
+    faust's passive drainer does), each after the event loop has run once."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.enable_acks, self.should_stop, self.current_event = True, False, None
+        self._processors, self.acked = [], []
+
+    def add_processor(self, processor):
+        self._processors.append(processor)
+
+    @property
+    def channel(self):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.queue.get()
+
+    def _enable_passive(self, events):
+        async def drain():
+            async for event in events:
+                await asyncio.sleep(0)
+                self.current_event = event
+                for processor in self._processors:
+                    await processor(event)
+        self._drainer = asyncio.ensure_future(drain())
+
+    async def wait(self, event):
+        await event.wait()
+
+    async def wait_for_stopped(self, event, timeout=None):
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return False
+
+    async def ack(self, event):
+        self.acked.append(event)
+
+
+async def test_a_burst_handed_over_one_by_one_is_one_batch_and_a_pause_closes_it():
+    from crucible.services.reward_aggregator.batches import batches
+
+    stream, got = HandedOver(), []
+    for i in range(40):  # a burst: handed over one per turn of the loop
+        stream.queue.put_nowait(i)
+
+    async def later():
+        await asyncio.sleep(0.5)  # a pause well past idle_s
+        for i in range(40, 43):
+            stream.queue.put_nowait(i)
+
+    feeder = asyncio.ensure_future(later())
+    async for batch in batches(stream, max_events=32, linger_s=2.0, idle_s=0.1):
+        got.append(list(batch))
+        if sum(map(len, got)) == 43:
+            break
+    await feeder
+    stream._drainer.cancel()
+    assert got == [list(range(32)), list(range(32, 40)), [40, 41, 42]]  # full at 32; the rest of the burst; after the pause
+    assert stream.acked == list(range(40))  # each batch acked once the next one is asked for
+
+
 async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(stack_settings):
     settings = stack_settings.model_copy(update={"group_timeout_s": 2.0})
     stop = asyncio.Event()

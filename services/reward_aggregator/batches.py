@@ -3,7 +3,9 @@
 faust's `Stream.take_events(n, within)` wakes every `within` seconds whether or not an event came:
 with the join's 10 ms it woke a hundred times a second, and an idle aggregator spent 40 ms of CPU
 a second on it (py-spy: half its samples in take_events' wait). Here a batch opens at its first
-event, however long that takes, and closes `linger_s` later or as soon as it holds `max_events`.
+event, however long that takes, and closes once no event has come for `idle_s` (a burst read at
+once is one batch, however long faust takes to hand its events over), `linger_s` after its first at
+the latest, or as soon as it holds `max_events`.
 
 A batch's events are acked only after the caller's loop body for that batch has finished, and
 only if it finished: faust commits nothing the body has not done. A body may leave work running
@@ -32,8 +34,11 @@ class Batch(list):
         self.unfinished.append(work)
 
 
-async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[Batch]:
-    """The stream's events in lists of at most `max_events`, each closed `linger_s` after its first."""
+async def batches(stream, max_events: int, linger_s: float, idle_s: float | None = None) -> AsyncIterator[Batch]:
+    """The stream's events in lists of at most `max_events`, each closed once `idle_s` (default:
+    `linger_s`) passes without an event, and `linger_s` after its first at the latest."""
+    idle_s = linger_s if idle_s is None else min(idle_s, linger_s)
+    loop = asyncio.get_running_loop()
     pending: list = []
     acking: set[asyncio.Task] = set()  # batches waiting for their body's unfinished work (held: tasks are weak)
     last_acking: asyncio.Future | None = None  # the latest of them: the next batch is acked after it
@@ -76,8 +81,12 @@ async def batches(stream, max_events: int, linger_s: float) -> AsyncIterator[Bat
         while not stream.should_stop:
             if await stream.wait_for_stopped(opened):
                 break
-            if not full.is_set():
-                await stream.wait_for_stopped(full, timeout=linger_s)
+            closes = loop.time() + linger_s
+            while not full.is_set() and (left := closes - loop.time()) > 0:
+                seen = len(pending)
+                await stream.wait_for_stopped(full, timeout=min(idle_s, left))
+                if len(pending) == seen:
+                    break  # none came meanwhile: the burst is over
             batch = Batch(pending)
             del pending[:]
             opened.clear()
