@@ -52,7 +52,7 @@ def sampled_rate(message) -> float | None:
 
 
 async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: Verify, *, max_tokens: int,
-                   concurrency: int = 256, execute: Execute | None = None, max_episode_tokens: int = 480,
+                   concurrency: int = 64, execute: Execute | None = None, max_episode_tokens: int = 480,
                    samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> Result:
     """Greedy completions of every task (one backend call), each verified; the pass counts by kind.
     With `samples`, also that many completions of every task drawn at `temperature` and `top_p` (as
@@ -101,11 +101,13 @@ async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: V
 
 
 @contextlib.asynccontextmanager
-async def verifier(target: str, timeout_s: float = 120.0, batch_max: int = 256) -> AsyncIterator[Verify]:
+async def verifier(target: str, timeout_s: float = 120.0, batch_max: int = 64) -> AsyncIterator[Verify]:
     """A Verify function backed by the Verifier gRPC service at `target`. Requests made at once (in the
     same turn of the event loop, as a gather of them makes them) travel in one VerifyBatch call of at
     most `batch_max`; each is answered on its own, and one the verifier refuses raises the
-    AioRpcError its Verify call would have raised."""
+    AioRpcError its Verify call would have raised. `timeout_s` holds for a whole call: the verifier
+    runs 16 programs at a time, so a batch of python_tests completions takes up to batch_max / 16
+    times their time limit."""
     async with rpc.channel(target) as channel:
         yield _Batched(verdict_pb2_grpc.VerifierStub(channel), timeout_s, batch_max)
 

@@ -102,6 +102,9 @@ MALFORMED = {
     "Generate": generator_pb2.GenerateRequest(),
     "GetPolicy": policy_pb2.GetPolicyRequest(run_id="\x00" * 300),
     "Verify": verdict_pb2.VerifyRequest(),
+    # each request of a batch is answered on its own (a refusal each, tested in test_verifier_service);
+    # the call itself is refused for holding more than a call takes
+    "VerifyBatch": verdict_pb2.VerifyBatchRequest(requests=[verdict_pb2.VerifyRequest()] * 1025),
 }
 
 

@@ -15,7 +15,7 @@ from crucible.shared import integrity, rpc
 # Sandbox answers passed on as they are: the caller's request was bad, or the sandbox is full.
 _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 BATCH_MAX = 1024  # requests in one VerifyBatch call
-RUNS_AT_ONCE = 16  # sandbox runs one VerifyBatch call has in flight (a batch never floods the sandbox)
+RUNS_AT_ONCE = 16  # sandbox runs in flight from this verifier, whatever the calls: none floods the sandbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
         self.scorer = scorer
         self.sandbox_target = sandbox_target
         self._channel = None
+        self._runs = asyncio.Semaphore(RUNS_AT_ONCE)
 
     def _sandbox(self) -> execution_pb2_grpc.SandboxStub:
         if self._channel is None:
@@ -59,8 +60,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
     async def outcomes(self, requests: list[verdict_pb2.VerifyRequest]) -> list[verdict_pb2.Verdict | Refusal]:
         """Each request's verdict or the reason it has none, in order: what needs running is run in the
         sandbox (RUNS_AT_ONCE at a time), then everything is scored together (ScorerPool.verify_each)."""
-        runs = asyncio.Semaphore(RUNS_AT_ONCE)
-        ready = await asyncio.gather(*(self._executed(r, runs) for r in requests))
+        ready = await asyncio.gather(*(self._executed(r) for r in requests))
         scorable = [i for i, r in enumerate(ready) if not isinstance(r, Refusal)]
         scored = await self.scorer.verify_each([ready[i] for i in scorable])
         for i, outcome in zip(scorable, scored):
@@ -75,8 +75,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
                 ready[i] = outcome
         return ready
 
-    async def _executed(self, request: verdict_pb2.VerifyRequest,
-                        runs: asyncio.Semaphore) -> verdict_pb2.VerifyRequest | Refusal:
+    async def _executed(self, request: verdict_pb2.VerifyRequest) -> verdict_pb2.VerifyRequest | Refusal:
         """The request with the execution its kind scores (run in the sandbox where it came without
         one), or why it cannot be scored."""
         try:
@@ -92,7 +91,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
         else:
             job.request_id = request.rollout.id
             try:
-                async with runs:
+                async with self._runs:
                     result = (await self._sandbox().Execute(job, timeout=max(30.0, job.timeout_s * 3))).result
             except grpc.aio.AioRpcError as exc:
                 code = exc.code() if exc.code() in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
