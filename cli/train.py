@@ -139,8 +139,12 @@ async def forget_finished_runs(settings: Settings, echo=print) -> None:
     finished = [p.name for p in (settings.home / "runs").glob("*") if (p / REPORT).exists()]
     if not finished:
         return
-    deleted = await bus.delete_topics([prefix for run_id in finished for prefix in run_prefixes(run_id)],
-                                      settings=settings)
+    try:
+        deleted = await bus.delete_topics([prefix for run_id in finished for prefix in run_prefixes(run_id)],
+                                          settings=settings)
+    except Exception as exc:  # the broker gone: a finished run stays finished, the next run deletes them
+        echo(f"      could not delete finished runs' topics ({type(exc).__name__}: {exc}); the next run will")
+        return
     if deleted:
         runs = {run_id for run_id in finished for t in deleted if t.startswith(run_prefixes(run_id))}
         echo(f"      deleted the {len(deleted)} topics of {len(runs)} finished run(s) (their results are in "

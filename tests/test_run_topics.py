@@ -51,3 +51,14 @@ async def test_the_topics_of_finished_runs_go_and_those_of_others_stay(settings)
         resumable(settings, finished)
     with pytest.raises(ValueError, match="each must name something"):
         await bus.delete_topics(["crucible.", ""], settings=settings)
+
+
+async def test_a_broker_that_cannot_be_reached_leaves_a_finished_run_finished(settings):
+    from crucible.shared.procs import free_port
+
+    gone = settings.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{free_port()}"})
+    (gone.home / "runs" / "train-x-1").mkdir(parents=True)
+    (gone.home / "runs" / "train-x-1" / REPORT).write_text("{}")
+    lines = []
+    await forget_finished_runs(gone, echo=lines.append)
+    assert len(lines) == 1 and "could not delete finished runs' topics" in lines[0] and "the next run will" in lines[0]
