@@ -1,13 +1,18 @@
 """Step time and wall time to a held-out target: the five-service pipeline, a loop in one process, and TRL.
 
     python bench/bench_pipeline.py [--steps 30] [--seeds 0] [--target 0.85] [--recipe recipes/digits.toml]
-                                   [--runs in-process sync async trl]
+                                   [--runs in-process in-process-lag1 sync async trl]
 
 Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and reward for both:
   - in-process: the project's own pieces with no bus and no services: the torch backend samples a
     step's tasks, the verifier's handler scores every completion, the aggregator's handler turns
     each group into trajectories with advantages, the learner's Trainer steps on them (the backend
     samples with the very model the trainer updates, so no weights are copied);
+  - in-process-lag1: the same loop one version behind, as the pipeline's async mode trains: each
+    step's batch is sampled with the weights from before the previous step (a second copy of the
+    model, loaded after every step). It tells what asynchrony does to learning apart from what the
+    services and the bus do (in one process, a seed runs in about 20 s here, a third of a pipeline run;
+    its step also copies the weights into the second model: compare its learning, not its step time);
   - pipeline: `crucible train` (generator, sandbox, verifier, aggregator, learner, evaluator as
     processes over Kafka) at max_policy_lag 0 (sync) and 1 (async), whatever the recipe says.
 Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
@@ -60,7 +65,7 @@ TRL_VERSION = "1.16.0"
 # The project's packages TRL uses or would otherwise upgrade: the TRL environment keeps the project's versions.
 SHARED_WITH_TRL = ("torch", "transformers", "accelerate", "tokenizers", "safetensors", "huggingface-hub", "numpy",
                    "click", "protobuf")
-RUNS = {"in-process": "in-process", "sync": "pipeline sync", "async": "pipeline async (lag 1)", "trl": "TRL GRPOTrainer"}
+RUNS = {"in-process": "in-process", "in-process-lag1": "in-process (lag 1)", "sync": "pipeline sync", "async": "pipeline async (lag 1)", "trl": "TRL GRPOTrainer"}
 
 
 def initial_checkpoint(recipe: recipes.Recipe, seed: int, folder: Path) -> Path:
@@ -72,13 +77,17 @@ def initial_checkpoint(recipe: recipes.Recipe, seed: int, folder: Path) -> Path:
     return save_checkpoint(model, folder / "init", {"version": 0})
 
 
-def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, folder: Path) -> dict:
-    """The loop in one process; its step times and the wall time (evaluations left out) to the target."""
+def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, folder: Path, lag: int = 0) -> dict:
+    """The loop in one process; its step times and the wall time (evaluations left out) to the target.
+    With `lag` 1, every batch is sampled with the weights one version older than those it trains."""
     config = recipe.run_config(run_id="bench").model_copy(update={"seed": seed})
+    if lag and 0 <= config.max_policy_lag < lag:  # its batches would all be dropped as stale
+        config = config.model_copy(update={"max_policy_lag": lag})
     init = initial_checkpoint(recipe, seed, folder)
-    backend = backend_for(Settings(seed=seed, chat_template=recipe.model.chat_template,
-                                   system_prompt=recipe.model.system_prompt), init.as_uri())
-    trainer = Trainer(backend.model, config)  # one model: sampled from and trained
+    settings = Settings(seed=seed, chat_template=recipe.model.chat_template, system_prompt=recipe.model.system_prompt)
+    backend = backend_for(settings, init.as_uri())
+    trainer = Trainer(backend.model, config)  # one model: sampled from and trained (lag 0)
+    sampler = backend_for(settings, init.as_uri()) if lag else backend  # lag 1: the weights a version behind
     train_tasks, heldout = task_sources.streams(
         recipe.tasks.sources, seed=seed, group_size=recipe.sampling.group_size,
         heldout_fraction=recipe.heldout.fraction, heldout_file=None, heldout_size=recipe.heldout.size,
@@ -95,11 +104,12 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
     def sampled_groups(step: int, count: int) -> list[list]:
         """`count` new tasks sampled, scored and turned into trajectories with advantages, by group."""
         tasks = [next(train_tasks) for _ in range(count)]
-        completions = backend.sample([registry.render_prompt(t) for t in tasks], recipe.sampling.group_size, params)
+        completions = sampler.sample([registry.render_prompt(t) for t in tasks], recipe.sampling.group_size, params)
         groups = []
         for task, group in zip(tasks, completions):
-            message = rollout_group(task, f"s{step}-g{next(group_ids)}", group, params, policy_version=trainer.version,
-                                    backend=backend.name, generator_id="bench", sample_ms=0.0)
+            message = rollout_group(task, f"s{step}-g{next(group_ids)}", group, params,
+                                    policy_version=max(trainer.version - lag, 0),
+                                    backend=sampler.name, generator_id="bench", sample_ms=0.0)
             verdicts = [verifier.in_group(verifier.verify(r), message) for r in verifier.requests_for(message)]
             groups.append(group_trajectories(verdicts, rewards, complete=True))
         return groups
@@ -127,7 +137,10 @@ def in_process(recipe: recipes.Recipe, seed: int, steps: int, target: float, fol
     step_s, reached, working, cpu_s = [], None, 0.0, 0.0
     for step in range(1, steps + 1):
         started, cpu_started = time.perf_counter(), process_cpu_s()
+        start_weights = {k: v.clone() for k, v in trainer.model.state_dict().items()} if lag else None
         trainer.step(*batch(step))
+        if lag:  # the next batch is drawn with the weights this step started from
+            sampler.model.load_state_dict(start_weights)
         step_s.append(time.perf_counter() - started)
         cpu_s += process_cpu_s() - cpu_started
         working += step_s[-1]
@@ -246,8 +259,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             for run in args.runs:
-                if run == "in-process":
-                    result = in_process(recipe, seed, args.steps, args.target, folder)
+                if run in ("in-process", "in-process-lag1"):
+                    result = in_process(recipe, seed, args.steps, args.target, folder, lag=int(run == "in-process-lag1"))
                 elif run == "trl":
                     result = trl(args.recipe, recipe, seed, args.steps, args.target, folder)
                 else:
@@ -266,7 +279,7 @@ def main() -> None:
         times = [r["to_target_s"] for r in results if r["to_target_s"] is not None]
         print(f"  {name:<24}: {s * 1000:6.0f} ms   {s / base:5.2f}x             {len(times)}/{len(results)} seeds"
               f"      {'%.1f s' % statistics.median(times) if times else '-'}")
-    for name in ("in-process", "pipeline sync", "pipeline async (lag 1)"):
+    for name in ("in-process", "in-process (lag 1)", "pipeline sync", "pipeline async (lag 1)"):
         for r in rows.get(name, [])[-1:]:
             if r.get("breakdown"):
                 print(f"  {name} breakdown (median ms): "
