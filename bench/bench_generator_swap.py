@@ -29,7 +29,7 @@ from crucible.local.kafka import LocalKafka
 from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.shared import bus
-from crucible.shared.procs import free_port, stop_processes
+from crucible.shared.procs import free_port, free_ports, stop_processes
 from crucible.shared.settings import Settings
 from crucible.v1 import policy_pb2
 
@@ -110,7 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="crucible-bench-swap-") as tmp:
         root = Path(tmp)
-        broker = LocalKafka(root / "kafka", port=free_port(), controller_port=free_port(), heap="512m",
+        ports = free_ports(2)
+        broker = LocalKafka(root / "kafka", port=ports[0], controller_port=ports[1], heap="512m",
                             settings=Settings(home=root))
         broker.start(echo=lambda *_: None)  # (it waits for the broker with an event loop of its own)
         try:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from crucible.local.kafka import LocalKafka
 from crucible.local.store.launcher import spawn_store, stop_store, wait_ready
-from crucible.shared.procs import free_port
+from crucible.shared.procs import free_port, free_ports
 from crucible.shared.settings import Settings
 
 
@@ -79,7 +79,8 @@ def main() -> None:
         child(mode, bootstrap, store, args.messages, tag)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        broker = LocalKafka(Path(tmp) / "kafka", port=free_port(), controller_port=free_port(), settings=Settings())
+        ports = free_ports(2)
+        broker = LocalKafka(Path(tmp) / "kafka", port=ports[0], controller_port=ports[1], settings=Settings())
         broker.start(echo=lambda *_: None)
         port = free_port()
         store_proc = spawn_store(Path(tmp) / "store", port=port, log_path=Path(tmp) / "store.log")

@@ -32,7 +32,7 @@ from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.services.learner.groups import Buffered, GroupBuffer, informative
 from crucible.services.learner.trainer import UNINFORMATIVE
 from crucible.shared import bus, integrity, rpc, store
-from crucible.shared.procs import free_port
+from crucible.shared.procs import free_ports
 from crucible.shared.settings import Settings, run_id_problem
 from crucible.shared.store import queries
 from crucible.v1 import alert_pb2
@@ -176,7 +176,8 @@ class Run:
             # the learning rate decays over the whole job, unless the recipe says otherwise
             "lr_decay_steps": s.lr_decay_steps or self.recipe.budget.steps,
         })
-        ports = {name: free_port() for name in ("control", "sandbox", "verifier", "generator", "learner")}
+        names = ("control", "sandbox", "verifier", "generator", "learner")
+        ports = dict(zip(names, free_ports(len(names))))
         run_settings = {
             **config.environment(),
             "CRUCIBLE_TOPIC_PREFIX": s.topic_prefix,

@@ -12,9 +12,23 @@ from typing import Iterable
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it); good enough for tests and local runs."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` different ports that were free a moment ago. Each is held until all are chosen: ports
+    asked for one after another can repeat (the OS hands a port it just had back again), and two
+    services of one run were once given the same one."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def host_port(address: str) -> tuple[str, int]:

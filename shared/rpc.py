@@ -256,6 +256,10 @@ class RpcServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # A port another server holds is an error here, not a port shared with it: with gRPC's
+                # default SO_REUSEPORT, a run's generator and verifier once both bound one port, and
+                # half the calls for either went to the other (NOT_FOUND) without a word.
+                ("grpc.so_reuseport", 0),
             ],
         )
         self.health = HealthServicer()
@@ -265,11 +269,14 @@ class RpcServer:
         names = [s.name for s in self.services] + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                                     reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        if security.tls_cert:
-            credentials = grpc.ssl_server_credentials([(security.tls_key, security.tls_cert)])
-            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
-        else:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            if security.tls_cert:
+                credentials = grpc.ssl_server_credentials([(security.tls_key, security.tls_cert)])
+                self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            self.port = 0
         if self.port == 0:
             raise OSError(f"could not bind gRPC on {host}:{port}: is the port taken?")
         self.address = f"{host}:{self.port}"

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from crucible.local.kafka import LocalKafka
-from crucible.shared.procs import free_port
+from crucible.shared.procs import free_ports
 from crucible.shared.settings import Settings
 
 pytest_plugins = ["tests.fixtures_store", "tests.checkout_guard"]
@@ -38,8 +38,9 @@ def kafka_broker(tmp_path_factory) -> LocalKafka | None:
     if os.environ.get("CRUCIBLE_TEST_KAFKA_BOOTSTRAP"):
         yield None
         return
-    broker = LocalKafka(tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(),
-                        heap="512m", settings=Settings(), sasl_port=free_port(),
+    port, controller_port, sasl_port = free_ports(3)
+    broker = LocalKafka(tmp_path_factory.mktemp("kafka"), port=port, controller_port=controller_port,
+                        heap="512m", settings=Settings(), sasl_port=sasl_port,
                         sasl_users={SASL_USER: SASL_PASSWORD})
     broker.start(echo=lambda *_: None)
     try:

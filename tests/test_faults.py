@@ -18,7 +18,7 @@ from crucible.cli import recipe as recipes
 from crucible.cli.train import resumable, train
 from crucible.local.services import SERVICES, recorded
 from crucible.shared import rpc, store
-from crucible.shared.procs import free_port
+from crucible.shared.procs import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.store, pytest.mark.sandbox]
 VICTIMS = ("generator", "verifier", "sandbox_executor", "learner", "reward_aggregator")
@@ -43,7 +43,8 @@ def own_stack(tmp_path, stack_settings):
 
     if external_clickhouse_url() or os.environ.get("CRUCIBLE_TEST_KAFKA_BOOTSTRAP"):
         pytest.skip("restarts its own broker and store")
-    broker = LocalKafka(tmp_path / "kafka", port=free_port(), controller_port=free_port(), heap="512m",
+    port, controller_port = free_ports(2)
+    broker = LocalKafka(tmp_path / "kafka", port=port, controller_port=controller_port, heap="512m",
                         settings=stack_settings)
     broker.start(echo=lambda *_: None)
     data = tmp_path / "store" / "data"
@@ -211,7 +212,8 @@ async def test_a_stopped_run_resumes_where_it_stopped(stack_settings, tmp_path):
 @pytest.mark.timeout(300)
 async def test_crucible_up_runs_every_service_and_starts_a_killed_one_again(stack_settings, tmp_path):
     s = stack_settings
-    ports = {name: free_port() for name in ("control", "sandbox", "verifier", "generator", "learner")}
+    names = ("control", "sandbox", "verifier", "generator", "learner")
+    ports = dict(zip(names, free_ports(len(names))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRUCIBLE_")}
     env.update({
         "CRUCIBLE_HOME": str(tmp_path), "CRUCIBLE_KAFKA_BOOTSTRAP": s.kafka_bootstrap,

@@ -31,7 +31,7 @@ from crucible.services.learner import checkpoints
 from crucible.services.learner.__main__ import run
 from crucible.services.learner.ranks import launch_args
 from crucible.shared import rpc, store
-from crucible.shared.procs import free_port, stop_processes
+from crucible.shared.procs import free_port, free_ports, stop_processes
 from tests.test_learner import SEED, policies, publish, trajectories_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ async def test_a_learner_across_two_machines_steps_together_and_each_pod_is_read
     node 0. Here two "machines" of one rank each on this host: node 1's rank answers gRPC health on its
     own learner port (its pod's readiness) and takes each step with rank 0."""
     settings = service_settings(stack_settings, tmp_path)
-    master, ports = free_port(), [free_port(), free_port()]
+    master, *ports = free_ports(3)
     launchers = []
     for node in (0, 1):
         env = {**learner_env(settings, 1), "CRUCIBLE_LEARNER_GRPC_PORT": str(ports[node])}

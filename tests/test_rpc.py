@@ -85,9 +85,10 @@ async def test_submit_tasks_validates_and_publishes(settings):
     assert got[0].id == reply.task_ids[0] and got[0].prompt == "2+2?" and got[0].HasField("created_at")
 
 
-def _learner_server(host: str = "127.0.0.1", security: rpc.Security | None = None) -> rpc.RpcServer:
+def _learner_server(host: str = "127.0.0.1", security: rpc.Security | None = None, port: int = 0) -> rpc.RpcServer:
     return rpc.RpcServer([rpc.Service("crucible.v1.Learner", _TraceEchoLearner(),
-                                      policy_pb2_grpc.add_LearnerServicer_to_server)], host=host, security=security)
+                                      policy_pb2_grpc.add_LearnerServicer_to_server)], host=host, port=port,
+                         security=security)
 
 
 async def test_a_token_guards_every_call_but_health_checks():
@@ -102,6 +103,22 @@ async def test_a_token_guards_every_call_but_health_checks():
                 assert "s3cret" not in err.value.details()
         async with rpc.channel(server.address, rpc.Security(token="s3cret-token")) as ch:
             await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+
+
+async def test_a_port_another_server_holds_is_refused_not_shared():
+    """With gRPC's default SO_REUSEPORT a second server bound the first one's port and took half of
+    its calls (a run's verifier and generator were once given one port: the verifier's health check
+    met the generator, NOT_FOUND, for two minutes)."""
+    from crucible.shared.procs import free_ports
+
+    ports = free_ports(16)
+    assert len(set(ports)) == 16  # chosen together, never twice
+    first = _learner_server()
+    async with first:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match="is the port taken"):
+            _learner_server(port=port)
+        assert await rpc.health_status(first.address, "crucible.v1.Learner") == "SERVING"
 
 
 async def test_a_server_beyond_loopback_needs_a_token():

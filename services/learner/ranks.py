@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from crucible.shared.procs import free_port
+
 log = logging.getLogger("crucible.learner")
 
 SHARDINGS = ("ddp", "fsdp")
@@ -61,7 +63,7 @@ class Ranks:
             _die_with_launcher()
         if not torch.distributed.is_initialized():
             if "MASTER_ADDR" not in os.environ:  # FSDP on one process, started without torchrun
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -160,10 +162,3 @@ def _die_with_launcher() -> None:
     except (OSError, AttributeError):  # not Linux: the launcher's own shutdown has to do
         pass
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
