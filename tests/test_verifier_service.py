@@ -19,7 +19,7 @@ from crucible.ml import evaluation
 from crucible.shared import bus, integrity, rpc
 from crucible.ml.kinds import builtin_sets
 from crucible.shared.settings import Settings
-from tests.conftest import free_port
+from crucible.shared.procs import free_port
 from tests.test_bus import read_raw
 
 ADD = task_pb2.Task(id="add", kind="python_tests", prompt="def add(a, b):\n    '''a + b'''\n", group_size=2,
