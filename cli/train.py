@@ -176,8 +176,8 @@ class Run:
             # the learning rate decays over the whole job, unless the recipe says otherwise
             "lr_decay_steps": s.lr_decay_steps or self.recipe.budget.steps,
         })
-        names = ("control", "sandbox", "verifier", "generator", "learner")
-        ports = dict(zip(names, free_ports(len(names))))
+        served = ("control", "sandbox", "verifier", "generator", "learner")  # the gRPC ports, chosen together
+        ports = dict(zip(served, free_ports(len(served))))
         run_settings = {
             **config.environment(),
             "CRUCIBLE_TOPIC_PREFIX": s.topic_prefix,

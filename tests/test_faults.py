@@ -212,8 +212,8 @@ async def test_a_stopped_run_resumes_where_it_stopped(stack_settings, tmp_path):
 @pytest.mark.timeout(300)
 async def test_crucible_up_runs_every_service_and_starts_a_killed_one_again(stack_settings, tmp_path):
     s = stack_settings
-    names = ("control", "sandbox", "verifier", "generator", "learner")
-    ports = dict(zip(names, free_ports(len(names))))
+    served = ("control", "sandbox", "verifier", "generator", "learner")
+    ports = dict(zip(served, free_ports(len(served))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRUCIBLE_")}
     env.update({
         "CRUCIBLE_HOME": str(tmp_path), "CRUCIBLE_KAFKA_BOOTSTRAP": s.kafka_bootstrap,
