@@ -80,7 +80,7 @@ def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Train
     return trainer, meta
 
 
-def policy_message(settings: Settings, trainer: Trainer, uri: str, result: StepResult | None
+def policy_message(settings: Settings, version: int, step: int, uri: str, result: StepResult | None
                    ) -> policy_pb2.PolicyVersion:
     """The PolicyVersion announcing the checkpoint folder at `uri`, with the folder's content hash; with
     checkpoint_base_uri set, the folder is first copied to base/<run_id>/ and the message names the copy.
@@ -90,8 +90,8 @@ def policy_message(settings: Settings, trainer: Trainer, uri: str, result: StepR
     if settings.checkpoint_base_uri:
         uri = transfer.publish(folder, transfer.join(settings.checkpoint_base_uri, settings.run_id),
                                settings.checkpoint_storage_options)
-    pv = policy_pb2.PolicyVersion(run_id=settings.run_id, version=trainer.version, checkpoint_uri=uri,
-                                  step=trainer.step_count, checkpoint_sha256=sha256)
+    pv = policy_pb2.PolicyVersion(run_id=settings.run_id, version=version, checkpoint_uri=uri, step=step,
+                                  checkpoint_sha256=sha256)
     if result is not None:
         fields = policy_pb2.StepMetrics.DESCRIPTOR.fields_by_name
         pv.metrics.CopyFrom(policy_pb2.StepMetrics(
@@ -157,6 +157,8 @@ class Learner:
         self.on_publish = on_publish or (lambda pv: None)
         self.tracer = telemetry.tracer("crucible.learner")
         self.beat = time.monotonic()  # when the other ranks last heard from this one
+        # The last version's hand-over (announce, record, commit), which runs while the next step trains.
+        self.handing_over: asyncio.Future | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         await self._run(stop)
@@ -173,13 +175,16 @@ class Learner:
             # Hashing (and uploading, with a remote checkpoint base) takes a while: off the event loop.
             record = self.step_record
             last = StepResult(True, record["metrics"], Counter(record["skipped"])) if record else None
-            pv = await asyncio.to_thread(policy_message, self.settings, self.trainer, start_uri, last)
+            pv = await asyncio.to_thread(policy_message, self.settings, self.trainer.version,
+                                         self.trainer.step_count, start_uri, last)
             await self._publish(pv)
             if record:  # killed after its checkpoint, the last step may not have its rows yet: write them (again)
                 await asyncio.to_thread(record_step, self.store, pv, record["metrics"], record["samples"])
             log.info("learner ready: run %s, version %d, %d groups per step, objective %s", self.settings.run_id,
                      self.trainer.version, self.settings.groups_per_step, self.settings.objective)
             while not stop.is_set():
+                if self.handing_over is not None and self.handing_over.done():
+                    await self._handed_over()  # a hand-over that failed stops the service now, not at the next step
                 for incoming in await self.evaluations.fetch(timeout_ms=0):
                     ev = incoming.message
                     if ev.run_id == self.settings.run_id and ev.tasks:
@@ -207,6 +212,7 @@ class Learner:
                 if time.monotonic() - self.beat > IDLE_BEAT_S:
                     await asyncio.to_thread(self.trainer.keepalive)
                     self.beat = time.monotonic()
+            await self._handed_over()  # the last version announced, recorded and committed before the reader closes
 
     def _next_batch(self) -> tuple[list[list[Buffered]], list[list[Buffered]]] | None:
         """The next step's groups to train on and the uninformative ones it filtered, once there are
@@ -253,6 +259,9 @@ class Learner:
         finally:
             for span in spans:
                 span.end()
+        # The previous version's hand-over has long ended (it had this whole step): waiting for it keeps
+        # versions announced and positions committed in order, with at most one hand-over under way.
+        await self._handed_over()
         taken = [m for g in groups for m in g]
         positions = self.buffer.resume_positions(self.reader.positions)
         if not result.stepped:
@@ -269,25 +278,43 @@ class Learner:
         record = {"metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
                   "skipped": dict(result.skipped), "samples": samples}
         began = time.perf_counter()
+        # The weights on disk before the next step changes them; the rest of the hand-over (hashing the
+        # folder, announcing it, the step's rows and alerts, the commit) runs while the next step trains.
         folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
                                          {p: o for (t, p), o in positions.items() if t == self.topic},
                                          sorted({*self.trained_past, *self.restored}), self.reference_uri, record,
                                          self.recent.steps())
-        saved = time.perf_counter()
-        pv = await asyncio.to_thread(policy_message, self.settings, trainer, folder.as_uri(), result)
+        result.metrics["checkpoint_ms"] = (time.perf_counter() - began) * 1000
+        self.handing_over = asyncio.ensure_future(self._hand_over(
+            trainer.version, trainer.step_count, folder, result, samples, positions))
+
+    async def _handed_over(self) -> None:
+        """Waits for the last hand-over to end (raising what it raised)."""
+        if self.handing_over is not None:
+            handing_over, self.handing_over = self.handing_over, None
+            await handing_over
+
+    async def _hand_over(self, version: int, step: int, folder, result: StepResult, samples: list[str],
+                         positions: dict) -> None:
+        """A checkpointed version announced (crucible.policy), its step recorded (rows, alerts), and the
+        positions it trained up to committed. A learner stopped before this ends announces and records
+        its newest checkpoint again when it starts (`_run`); positions not committed are read again and
+        skipped (the checkpoint names what they trained)."""
+        began = time.perf_counter()
+        pv = await asyncio.to_thread(policy_message, self.settings, version, step, folder.as_uri(), result)
         await self._publish(pv)
         # The step's own time is step_ms; what it costs to hand the version over comes after it.
-        result.metrics.update(checkpoint_ms=(saved - began) * 1000, publish_ms=(time.perf_counter() - saved) * 1000)
+        result.metrics["publish_ms"] = (time.perf_counter() - began) * 1000
         observe_step(result.metrics)
         await asyncio.to_thread(record_step, self.store, pv, result.metrics, samples)
-        for alert in self.monitor.check(trainer.step_count, trainer.version, result.metrics):
+        for alert in self.monitor.check(step, version, result.metrics):
             log.warning("alert %s: %s", alert.kind, alert.message)
             await self.producer.send_and_wait("alerts", alert, key=alert.kind)
             await asyncio.to_thread(record_alert, self.store, alert)
         await self.reader.commit(positions)
         m = result.metrics
         log.info("step %d -> version %d: reward %.3f pass %.3f loss %.4f kl %.4f mismatch-kl %.2e (%d samples, "
-                 "skipped %s, %.0f ms; %d duplicates not trained again so far)", trainer.step_count, trainer.version,
+                 "skipped %s, %.0f ms; %d duplicates not trained again so far)", step, version,
                  m["reward_mean"], m["pass_rate"], m["loss"], m["kl"], m.get("mismatch_kl", 0.0), m["samples"],
                  dict(result.skipped), m["step_ms"], self.duplicates)
 
