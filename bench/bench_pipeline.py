@@ -242,6 +242,27 @@ def trl(recipe_path: Path, recipe: recipes.Recipe, seed: int, steps: int, target
     return json.loads(out.read_text())
 
 
+def _time_key(result: dict) -> tuple[bool, float]:
+    """Orders runs by wall time to the target, every run that missed it after every run that reached it."""
+    return result["to_target_s"] is None, result["to_target_s"] or 0.0
+
+
+def median_to_target(results: list[dict]) -> float | None:
+    """The median wall time to the target over every seed, a seed that missed it counting as slower than any
+    that reached it (a median over the seeds that reached it alone would drop the slowest); None where the
+    median falls on a miss."""
+    ordered = sorted(results, key=_time_key)
+    middle = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
+    if any(r["to_target_s"] is None for r in middle):
+        return None
+    return (middle[0]["to_target_s"] + middle[1]["to_target_s"]) / 2
+
+
+def faster_than(results: list[dict], others: list[dict]) -> int:
+    """On how many seeds (the same seeds, in the same order) a run reached the target sooner than the other's."""
+    return sum(_time_key(a) < _time_key(b) for a, b in zip(results, others, strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
@@ -273,12 +294,17 @@ def main() -> None:
                       flush=True)
     baseline = next(iter(rows))
     base = statistics.median(r["step_s"] for r in rows[baseline])
-    print(f"\nmedian over seeds           step time   vs {baseline:<14} reached target   time to target (median of those)")
+    print(f"\nmedian over seeds           step time   vs {baseline:<14} reached target   time to target"
+          f"{'   faster than TRL' if RUNS['trl'] in rows and len(rows) > 1 else ''}")
     for name, results in rows.items():
         s = statistics.median(r["step_s"] for r in results)
-        times = [r["to_target_s"] for r in results if r["to_target_s"] is not None]
-        print(f"  {name:<24}: {s * 1000:6.0f} ms   {s / base:5.2f}x             {len(times)}/{len(results)} seeds"
-              f"      {'%.1f s' % statistics.median(times) if times else '-'}")
+        reached = sum(r["to_target_s"] is not None for r in results)
+        to_target = median_to_target(results)
+        line = (f"  {name:<24}: {s * 1000:6.0f} ms   {s / base:5.2f}x             {reached}/{len(results)} seeds"
+                f"      {'%.1f s' % to_target if to_target is not None else 'not reached'}")
+        if RUNS["trl"] in rows and name != RUNS["trl"]:
+            line += f"      on {faster_than(results, rows[RUNS['trl']])}/{len(results)} seeds"
+        print(line)
     for name in ("in-process", "in-process (lag 1)", "pipeline sync", "pipeline async (lag 1)"):
         for r in rows.get(name, [])[-1:]:
             if r.get("breakdown"):
