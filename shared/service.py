@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable
 
@@ -13,6 +14,10 @@ from crucible.shared.settings import Settings, get_settings
 def setup(name: str) -> Settings:
     """Settings for the service `name`, with logging and OpenTelemetry configured for it."""
     settings = get_settings()
+    if settings.cpu_nice:
+        # Before any thread starts (telemetry's exporters, torch's pool, to_thread's workers): each
+        # thread takes its priority from the one that started it.
+        os.nice(settings.cpu_nice)
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     telemetry.setup_telemetry(name, settings)
     metrics.setup_metrics(name, settings)

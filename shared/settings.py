@@ -274,6 +274,9 @@ class Settings(BaseSettings, RunConfig):
     metrics_port: int = Field(default=9464, ge=0, le=65535, description="Its port; 0: any free port (logged, and "
                               "written to metrics_port_file).")
     metrics_port_file: Path | None = Field(default=None, description="Where a service writes the metrics port it got.")
+    cpu_nice: int = Field(default=0, ge=0, le=19, description="How far below normal this service's CPU priority "
+                          "is (Unix nice, applied to the whole process as it starts). `crucible train` and "
+                          "`crucible up` lower the evaluator's, whose work no policy step waits for.")
     otel_store_spans: bool = Field(default=True, description="Write every span into the store's otel_traces "
                                    "table (the embedded setup); turn off where a collector writes them.")
     otel_trace_ratio: float = Field(default=0.125, ge=0, le=1, description="The share of traces kept (head "

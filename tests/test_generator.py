@@ -223,3 +223,36 @@ def test_torch_services_share_the_cores():
     assert torch_threads("learner", {"OMP_NUM_THREADS": "2"}, cores=2) == {}
     assert torch_threads("verifier", {}, cores=2) == {}
     assert torch_threads("generator", {"OMP_NUM_THREADS": "3"}, cores=2) == {}
+
+
+def test_background_services_yield_the_cpu():
+    """The evaluator, whose work no policy step waits for, starts below normal CPU priority on one
+    machine (an operator's own setting stands; services on a step's path are left alone), and the
+    priority holds for every thread the service starts afterwards, not its first thread alone."""
+    import os
+    import subprocess
+    import sys
+
+    from crucible.local.services import cpu_priority
+
+    assert cpu_priority("evaluator", {}) == {"CRUCIBLE_CPU_NICE": "15"}
+    assert cpu_priority("evaluator", {"CRUCIBLE_CPU_NICE": "3"}) == {}
+    for name in ("generator", "learner", "verifier", "reward_aggregator", "sandbox_executor", "control"):
+        assert cpu_priority(name, {}) == {}
+
+    probe = ("import os, threading\n"
+             "from crucible.shared import service\n"
+             "service.setup('probe')\n"
+             "seen = []\n"
+             "t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))\n"
+             "t.start(); t.join()\n"
+             "print(os.getpriority(os.PRIO_PROCESS, 0), seen[0])\n")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    env = {**os.environ, "CRUCIBLE_CPU_NICE": "7", "CRUCIBLE_METRICS_PORT": "0"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    main, thread = map(int, out.stdout.split()[-2:])
+    assert main == thread == min(base + 7, 19), out.stdout
+    bad = subprocess.run([sys.executable, "-c", probe], env={**env, "CRUCIBLE_CPU_NICE": "-5"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "cpu_nice" in bad.stderr, bad.stderr[-2000:]
