@@ -148,6 +148,26 @@ def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
     return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
 
 
+def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Message]]) -> list[Message | None]:
+    """The messages of records as publish_headers writes them (protobuf, their topic's schema named),
+    a topic's decoded together in one parse (messages.decode_protobuf_many); None for any other
+    record, and for every record of a topic where one of them does not decode cleanly: decode_record
+    decodes those one by one, and says which cannot be decoded and why."""
+    out: list[Message | None] = [None] * len(records)
+    by_topic: dict[str, list[int]] = {}
+    for i, record in enumerate(records):
+        schema, headers = schemas.get(record.topic), record.headers
+        if schema is not None and record.value is not None and headers and len(headers) > 1 \
+                and headers[1] == _PROTOBUF_HEADER and headers[0] == (H_SCHEMA, _schema_header(schema)):
+            by_topic.setdefault(record.topic, []).append(i)
+    for topic, indices in by_topic.items():
+        if len(indices) > 1:
+            decoded = messages.decode_protobuf_many([records[i].value for i in indices], schemas[topic])
+            for i, message in zip(indices, decoded or ()):
+                out[i] = message
+    return out
+
+
 _ABSENT = object()
 _PROTOBUF_HEADER = (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode())
 
@@ -535,30 +555,34 @@ class Reader:
     async def fetch(self, *, max_records: int = 500, timeout_ms: int = 200) -> list[Incoming]:
         """The next decodable records, each with its consumer span's context (the span ends here)."""
         out = []
-        for record in await self.fetch_raw(max_records=max_records, timeout_ms=timeout_ms):
+        records = await self.fetch_raw(max_records=max_records, timeout_ms=timeout_ms)
+        for record, message in zip(records, decode_records(records, self.schemas)):
             with consume_span(record.topic, record.partition, record.offset, record.headers, "receive"):
-                incoming = await self.decode(record)
+                incoming = await self.decode(record, message)
                 if incoming is not None:
                     out.append(incoming)
         return out
 
-    async def decode(self, record: ConsumerRecord) -> Incoming | None:
-        """The record decoded (inside the caller's consumer span), or None once it is dead-lettered."""
-        incoming = self._decoded(record)
+    async def decode(self, record: ConsumerRecord, message: Message | None = None) -> Incoming | None:
+        """The record decoded (inside the caller's consumer span), or None once it is dead-lettered;
+        `message`: its value decoded already (decode_records)."""
+        incoming = self._decoded(record, message)
         if isinstance(incoming, str):
             await self.dead_letter(record, incoming)
             return None
         return incoming
 
-    def _decoded(self, record: ConsumerRecord) -> Incoming | str:
-        """The record decoded (inside the caller's consumer span), or why it cannot be (a dead letter's
-        reason). Not a coroutine: a record that decodes, nearly every one, awaits nothing."""
-        try:
-            message = decode_record(record.value, record.headers, self.schemas[record.topic])
-        except messages.MessageDecodeError as exc:
-            return f"undecodable: {exc}"
-        except Exception as exc:  # whatever a decoder raises on some input: that record, never the partition
-            return f"undecodable: {type(exc).__name__}: {str(exc)[:300]}"
+    def _decoded(self, record: ConsumerRecord, message: Message | None = None) -> Incoming | str:
+        """The record decoded (inside the caller's consumer span) unless `message` is its value decoded
+        already, or why it cannot be (a dead letter's reason). Not a coroutine: a record that decodes,
+        nearly every one, awaits nothing."""
+        if message is None:
+            try:
+                message = decode_record(record.value, record.headers, self.schemas[record.topic])
+            except messages.MessageDecodeError as exc:
+                return f"undecodable: {exc}"
+            except Exception as exc:  # whatever a decoder raises on some input: that record, never the partition
+                return f"undecodable: {type(exc).__name__}: {str(exc)[:300]}"
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
                         tuple(record.headers or ()), otel_context.get_current())
 
@@ -713,25 +737,26 @@ class Consumer(Reader):
         (none: a transactional batch commits its own)."""
         offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
         pending: list[asyncio.Future] = []
+        decoded = decode_records(records, self.schemas)
         if self.transactional:
-            await self._run_transactional(records)
+            await self._run_transactional(records, decoded)
             return {}
         if self.concurrency <= 1:
-            pending = await self._run_in_order(records)
+            pending = await self._run_in_order(records, decoded)
         else:
             slots = asyncio.Semaphore(self.concurrency)
 
-            async def bounded(record):
+            async def bounded(record, message):
                 async with slots:
-                    return await self._process(record)
+                    return await self._process(record, message)
 
-            for futures in await asyncio.gather(*(bounded(r) for r in records)):
+            for futures in await asyncio.gather(*(bounded(r, m) for r, m in zip(records, decoded))):
                 pending.extend(futures)
         if pending:
             await asyncio.gather(*pending)
         return offsets
 
-    async def _run_transactional(self, records: list[ConsumerRecord]) -> None:
+    async def _run_transactional(self, records: list[ConsumerRecord], decoded: list[Message | None]) -> None:
         """Handles a batch concurrently; whenever the records handled form a longer prefix of the batch,
         that prefix's outputs and offsets are committed in one transaction. A handler that waits (the
         generator's policy-lag bound) holds back only what follows it, never what went before."""
@@ -753,7 +778,7 @@ class Consumer(Reader):
             outbox: list[Prepared] = []
             _OUTBOX.set(outbox)  # this task's own context: the handler's outputs and dead letters land here
             async with slots:
-                await self._process(record)
+                await self._process(record, decoded[index])
             finished[index] = outbox
             progress.set()
             async with lock:
@@ -781,7 +806,7 @@ class Consumer(Reader):
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
 
-    async def _run_in_order(self, records: list[ConsumerRecord]) -> list[asyncio.Future]:
+    async def _run_in_order(self, records: list[ConsumerRecord], decoded: list[Message | None]) -> list[asyncio.Future]:
         """Handles records one after another, each under its consumer span (_process); returns the
         delivery futures of their outputs. Records of one unsampled trace (its context carried on, no
         span made: telemetry.carried) follow each other under that context, made current once for
@@ -789,7 +814,7 @@ class Consumer(Reader):
         pending: list[asyncio.Future] = []
         carrying, scope = None, None  # the unsampled parent whose context is current, and its scope
         try:
-            for record in records:
+            for record, message in zip(records, decoded):
                 parent = telemetry.parent_from_headers(record.headers)
                 if parent is None or parent is not carrying:
                     if scope is not None:
@@ -798,26 +823,27 @@ class Consumer(Reader):
                     if scope is None:  # a span of its own
                         with consume_span(record.topic, record.partition, record.offset, record.headers,
                                           parent=parent):
-                            pending.extend(await self._handle(record))
+                            pending.extend(await self._handle(record, message))
                         continue
                     scope.__enter__()
                     carrying = parent
-                pending.extend(await self._handle(record))
+                pending.extend(await self._handle(record, message))
         finally:
             if scope is not None:
                 scope.__exit__(None, None, None)
         return pending
 
-    async def _process(self, record: ConsumerRecord) -> list[asyncio.Future]:
-        """Decodes and handles one record under its consumer span; returns the delivery futures of its
-        outputs."""
+    async def _process(self, record: ConsumerRecord, message: Message | None) -> list[asyncio.Future]:
+        """Decodes (unless `message` is its value decoded) and handles one record under its consumer
+        span; returns the delivery futures of its outputs."""
         with consume_span(record.topic, record.partition, record.offset, record.headers):
-            return await self._handle(record)
+            return await self._handle(record, message)
 
-    async def _handle(self, record: ConsumerRecord) -> list[asyncio.Future]:
-        """Decodes and handles one record (under its consumer span or carried context, made current
-        by the caller); returns the delivery futures of its outputs."""
-        incoming = self._decoded(record)
+    async def _handle(self, record: ConsumerRecord, message: Message | None) -> list[asyncio.Future]:
+        """Decodes (unless `message` is its value decoded) and handles one record (under its consumer
+        span or carried context, made current by the caller); returns the delivery futures of its
+        outputs."""
+        incoming = self._decoded(record, message)
         if isinstance(incoming, str):
             await self.dead_letter(record, incoming)
             return []

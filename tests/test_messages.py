@@ -65,3 +65,54 @@ def test_json_only_for_tasks():
 def test_oversized_value_rejected():
     with pytest.raises(messages.MessageDecodeError, match="exceeds"):
         messages.decode(b"\x00" * (messages.MAX_MESSAGE_BYTES + 1), task_pb2.Task)
+
+
+def _record(topic, offset, value, headers):
+    from aiokafka import ConsumerRecord
+
+    return ConsumerRecord(topic, 0, offset, 0, 0, None, value, None, 0, 0, headers)
+
+
+def test_a_batch_decodes_together_as_each_value_alone():
+    """A consumer's batch is parsed in one call (decode_protobuf_many); whatever is in it, each record
+    ends up as decode_protobuf makes it alone or is decoded alone, so the same records are refused for
+    the same reasons."""
+    import gc
+
+    from crucible.shared import bus
+
+    tasks = [task_pb2.Task(id=f"t{i}", kind="exact", prompt="p" * i, group_size=i, metadata={"k": str(i)})
+             for i in range(200)] + [task_pb2.Task()]
+    values = [messages.encode(t) for t in tasks]
+    together = messages.decode_protobuf_many(values, task_pb2.Task)
+    assert together == tasks and all(type(m) is task_pb2.Task for m in together)
+    together[0].prompt = "changed"  # each is a message of its own, and outlives the batch it came in
+    del values
+    gc.collect()
+    assert together[1] == tasks[1] and together[-1] == tasks[-1] and together[0].id == "t0"
+
+    good = [messages.encode(t) for t in tasks[:5]]
+    overlong = b"\x38\x83\x80\x00" + messages.encode(task_pb2.Task(id="t"))  # decodes alone, not canonical
+    for bad in (good[1] + b"\x98\x06\x01", good[1][:-1], b"\xff\xff\xff", overlong,
+                b"\x00" * (messages.MAX_MESSAGE_BYTES + 1)):
+        assert messages.decode_protobuf_many([*good, bad, *good], task_pb2.Task) is None
+
+    headers = bus.publish_headers(task_pb2.Task())
+    verdict_headers = bus.publish_headers(verdict_pb2.Verdict())
+    schemas = {"tasks": task_pb2.Task, "verdicts": verdict_pb2.Verdict}
+    verdicts = [verdict_pb2.Verdict(id=f"v{i}") for i in range(3)]
+    records = [_record("tasks", i, v, headers) for i, v in enumerate(good)]
+    records += [_record("verdicts", 10 + i, messages.encode(v), verdict_headers) for i, v in enumerate(verdicts)]
+    records += [_record("tasks", 20, b'{"id": "j"}', [(bus.H_CONTENT_TYPE, b"application/json")]),  # JSON: alone
+                _record("tasks", 21, None, headers),                                                  # a tombstone
+                _record("tasks", 22, good[0], verdict_headers),                                       # wrong schema
+                _record("tasks", 23, good[0], [])]                                                    # no headers
+    decoded = bus.decode_records(records, schemas)
+    assert decoded[:8] == [*tasks[:5], *verdicts] and decoded[8:] == [None] * 4
+    # One record that does not decode cleanly: its topic's records are all left to be decoded alone
+    # (where it is found, and why), another topic's are not.
+    poisoned = records[:2] + [_record("tasks", 30, overlong + b"\x98\x06\x01", headers)] + records[2:8]
+    decoded = bus.decode_records(poisoned, schemas)
+    assert decoded[:6] == [None] * 6 and decoded[6:] == verdicts
+    with pytest.raises(messages.MessageDecodeError, match="field #99"):
+        bus.decode_record(poisoned[2].value, poisoned[2].headers, task_pb2.Task)
