@@ -8,6 +8,7 @@ lowerCamel or snake_case).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 
 from google.protobuf import json_format
@@ -122,10 +123,11 @@ def decode_protobuf_many(values: list[bytes], expected: type[Message]) -> list[M
     field (protobuf parses an embedded message as it parses the message alone), so the parse, the
     discarding of unknown fields and the size check run once in C, not once a value with Python
     between. Each message shares its batch's memory until the last of the batch is dropped."""
-    if not values or any(len(v) > MAX_MESSAGE_BYTES for v in values):
+    lengths = list(map(len, values))
+    if not values or max(lengths) > MAX_MESSAGE_BYTES:
         return None
     holder = _holder(expected)()
-    data = b"".join(piece for v in values for piece in (_ITEM_TAG, _varint(len(v)), v))
+    data = b"".join(itertools.chain.from_iterable(zip(map(_item_prefix, lengths), values)))
     try:
         holder.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError):
@@ -138,21 +140,15 @@ def decode_protobuf_many(values: list[bytes], expected: type[Message]) -> list[M
     return list(holder.items)
 
 
-_ITEM_TAG = bytes([1 << 3 | 2])  # field 1, length-delimited
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _SMALL_VARINTS[n]
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
+@functools.lru_cache(maxsize=4096)
+def _item_prefix(length: int) -> bytes:
+    """Field 1, length-delimited (the holder's `items`), and the item's length as a varint."""
+    out = bytearray([1 << 3 | 2])
+    while length >= 0x80:
+        out.append(length & 0x7F | 0x80)
+        length >>= 7
+    out.append(length)
     return bytes(out)
-
-
-_SMALL_VARINTS = [bytes([n]) for n in range(0x80)]
 
 
 @functools.cache

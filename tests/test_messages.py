@@ -82,7 +82,7 @@ def test_a_batch_decodes_together_as_each_value_alone():
     from crucible.shared import bus
 
     tasks = [task_pb2.Task(id=f"t{i}", kind="exact", prompt="p" * i, group_size=i, metadata={"k": str(i)})
-             for i in range(200)] + [task_pb2.Task()]
+             for i in range(200)] + [task_pb2.Task(), task_pb2.Task(id="long", prompt="q" * 70_000)]
     values = [messages.encode(t) for t in tasks]
     together = messages.decode_protobuf_many(values, task_pb2.Task)
     assert together == tasks and all(type(m) is task_pb2.Task for m in together)
