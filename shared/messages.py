@@ -50,6 +50,7 @@ TOPIC_SCHEMAS: dict[str, type[Message]] = {
 SCHEMAS: dict[str, type[Message]] = {cls.DESCRIPTOR.full_name: cls for cls in TOPIC_SCHEMAS.values()}
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_BATCH_BYTES = 64 * 1024 * 1024  # values decoded together at most (decode_protobuf_many)
 
 
 class MessageDecodeError(ValueError):
@@ -124,8 +125,8 @@ def decode_protobuf_many(values: list[bytes], expected: type[Message]) -> list[M
     discarding of unknown fields and the size check run once in C, not once a value with Python
     between. Each message shares its batch's memory until the last of the batch is dropped."""
     lengths = list(map(len, values))
-    if not values or max(lengths) > MAX_MESSAGE_BYTES:
-        return None
+    if not values or max(lengths) > MAX_MESSAGE_BYTES or sum(lengths) > MAX_BATCH_BYTES:
+        return None  # (a batch this large is copied once more here: each is decoded alone instead)
     holder = _holder(expected)()
     data = b"".join(itertools.chain.from_iterable(zip(map(_item_prefix, lengths), values)))
     try:

@@ -96,6 +96,9 @@ def test_a_batch_decodes_together_as_each_value_alone():
     for bad in (good[1] + b"\x98\x06\x01", good[1][:-1], b"\xff\xff\xff", overlong,
                 b"\x00" * (messages.MAX_MESSAGE_BYTES + 1)):
         assert messages.decode_protobuf_many([*good, bad, *good], task_pb2.Task) is None
+    big = messages.encode(task_pb2.Task(id="big", prompt="b" * (messages.MAX_MESSAGE_BYTES - 100)))
+    assert messages.decode_protobuf_many([big] * 3, task_pb2.Task) == [task_pb2.Task.FromString(big)] * 3
+    assert messages.decode_protobuf_many([big] * 5, task_pb2.Task) is None  # too much to copy at once
 
     headers = bus.publish_headers(task_pb2.Task())
     verdict_headers = bus.publish_headers(verdict_pb2.Verdict())
