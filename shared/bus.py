@@ -136,8 +136,7 @@ def publish_headers(message: Message) -> list[tuple[str, bytes]]:
 def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None,
                   schema: type[Message]) -> Message:
     """One consumed value as `schema`, checked against its headers; MessageDecodeError says why not."""
-    if value is not None and headers and len(headers) > 1 and headers[1] == _PROTOBUF_HEADER \
-            and headers[0] == (H_SCHEMA, _schema_header(schema)):
+    if _as_published(value, headers, schema):
         return messages.decode_protobuf(value, schema)  # as publish_headers writes them: nothing to look for
     named = content_type = _ABSENT  # each header's first value, as header_value finds it
     for key, header in headers or ():
@@ -156,9 +155,8 @@ def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Me
     out: list[Message | None] = [None] * len(records)
     by_topic: dict[str, list[int]] = {}
     for i, record in enumerate(records):
-        schema, headers = schemas.get(record.topic), record.headers
-        if schema is not None and record.value is not None and headers and len(headers) > 1 \
-                and headers[1] == _PROTOBUF_HEADER and headers[0] == (H_SCHEMA, _schema_header(schema)):
+        schema = schemas.get(record.topic)
+        if schema is not None and _as_published(record.value, record.headers, schema):
             by_topic.setdefault(record.topic, []).append(i)
     for topic, indices in by_topic.items():
         if len(indices) > 1:
@@ -166,6 +164,12 @@ def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Me
             for i, message in zip(indices, decoded or ()):
                 out[i] = message
     return out
+
+
+def _as_published(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None, schema: type[Message]) -> bool:
+    """Whether a record is as publish_headers writes it: a value, protobuf, this schema named first."""
+    return value is not None and bool(headers) and len(headers) > 1 and headers[1] == _PROTOBUF_HEADER \
+        and headers[0] == (H_SCHEMA, _schema_header(schema))
 
 
 _ABSENT = object()
