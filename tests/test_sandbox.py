@@ -41,24 +41,32 @@ def processes_of(uids: set[int]) -> list[int]:
 def leftovers(pool: SandboxPool, wait_s: float = 5.0) -> list[int]:
     """Processes of the pool's job uids that a job left behind, once its teardown had `wait_s` to finish.
 
-    Each worker keeps one jail ready for the next job, already under the job uid: the one child of its
-    zygote (the worker's child; the workers are this process's), with its candidate's process beside it.
-    Anything else of those uids (a second jail of a zygote, or more processes in the prepared one) is left
-    over from a job."""
+    Each worker keeps one jail ready for the next job, already under the job uid: a child of its zygote
+    (the worker's child; the workers are this process's) in one of the worker's cgroup slots. Each slot
+    may also have its harness: a child of the zygote in none of them. Neither has children of its own.
+    Anything else of those uids (a second jail of a zygote, a child of a jail or a harness) is left over
+    from a job."""
     deadline = time.monotonic() + wait_s
     while True:
         found = set(processes_of(sandbox_uids(pool)))
         for worker in children_of(os.getpid()):
             for zygote in children_of(worker):
-                jails = set(children_of(zygote)) & found
-                if len(jails) == 1:
-                    (jail,) = jails
-                    beside = set(children_of(jail)) & found
-                    if len(beside) <= 1 and not any(children_of(c) for c in beside):
-                        found -= {jail, *beside}
+                idle = {c for c in set(children_of(zygote)) & found if not children_of(c)}
+                jails = {c for c in idle if in_a_slot(c)}
+                harnesses = idle - jails
+                if len(jails) <= 1 and len(harnesses) <= 3:
+                    found -= idle
         if not found or time.monotonic() > deadline:
             return sorted(found)
         time.sleep(0.02)
+
+
+def in_a_slot(pid: int) -> bool:
+    """Whether the process is in one of a pool's cgroup slots (a jail is; a harness is not)."""
+    try:
+        return pool_module.RUNTIME_PREFIX in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -203,6 +211,44 @@ async def test_tests_report_per_test_outcomes(pool):
     tests = "def test_one():\n    assert add(1, 2) == 3\n\ndef test_two():\n    assert add(2, 2) == 5\n"
     r = await pool.execute(Job(code="def add(a, b):\n    return a + b\n", tests=tests))
     assert {t["name"]: t["passed"] for t in r.tests} == {"test_one": True, "test_two": False}
+
+
+async def test_the_candidate_sees_no_process_but_its_own(pool):
+    """A tested job's candidate is pid 1 of its own pid namespace; the harness that runs its tests is in
+    another, so no pid the candidate can name is the harness's (or anything else's)."""
+    probe = ("import os\ndef alive():\n    found = []\n    for pid in range(1, 4097):\n        try:\n"
+             "            os.kill(pid, 0)\n        except ProcessLookupError:\n            continue\n"
+             "        except PermissionError:\n            pass\n        found.append(pid)\n    return found\n")
+    r = await pool.execute(Job(code=probe, tests="def test_alone():\n    assert alive() == [1]\n"))
+    assert [t["passed"] for t in r.tests] == [True], r.tests
+
+
+async def test_a_harness_that_did_not_finish_is_replaced_and_the_next_tested_job_runs(pool):
+    """Tests that never end are stopped by the wall clock; the slot's harness, stuck inside them, is
+    replaced, and the tested jobs after it are judged as before, with nothing left over."""
+    adds = "def add(a, b):\n    return a + b\n"
+    r = await run(pool, adds, tests="def test_forever():\n    assert add(1, 2) == 3\n    while True:\n        pass\n",
+                  timeout_s=1.0)
+    assert r.violation == "timeout" and not any(t["passed"] for t in r.tests), (r.violation, r.tests)
+    for _ in range(4):  # every slot's harness, whichever ran the stuck one
+        r = await pool.execute(Job(code=adds, tests="def test_add():\n    assert add(2, 2) == 4\n"))
+        assert [t["passed"] for t in r.tests] == [True] and not r.violation, (r.tests, r.violation)
+
+
+async def test_a_harness_killed_from_outside_costs_no_job():
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        adds = "def add(a, b):\n    return a + b\n"
+        tests = "def test_add():\n    assert add(2, 2) == 4\n"
+        assert [t["passed"] for t in (await small.execute(Job(code=adds, tests=tests))).tests] == [True]
+        [worker] = set(jail_workers()) - others
+        harnesses = [c for c in children_of(zygote_of(worker)) if not in_a_slot(c)]
+        assert harnesses, "the worker's zygote has no harness child"
+        for pid in harnesses:
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(4):
+            r = await asyncio.wait_for(small.execute(Job(code=adds, tests=tests)), 30)
+            assert [t["passed"] for t in r.tests] == [True] and not r.violation, (r.tests, r.violation)
 
 
 async def test_tests_and_prelude_compiled_by_the_supervisor_behave_as_written(pool):

@@ -1,8 +1,8 @@
 """The candidate's side of a tested job: runs the program, then answers the harness's calls.
 
-This process is forked by the jail (whose pid 1 becomes the harness) before
-any job exists, so the tests are never in its memory; it never holds the
-report descriptor or the job pipe. It gets calls (function name and
+This process is the job's jail (pid 1 of its own pid namespace, forked before
+any job existed); the tests never come here (the slot's harness, a process in
+another pid namespace, has them and the report pipe). It gets calls (function name and
 plain-data arguments) on one pipe and answers with plain data on another.
 Nothing it does here can make the harness record a pass: the harness compares
 what comes back, rebuilt as exact builtin values, in its own process.

@@ -1,13 +1,15 @@
-"""The trusted test harness: pid 1 of a tested job's jail, where the candidate cannot reach.
+"""The trusted test harness: a slot's process of its own, where the candidate cannot reach.
 
-    harness (pid 1: holds the report descriptor, reads the tests, runs them)
-      └─ candidate (forked before any job existed: runs the program, answers calls)
+    harness   (one per cgroup slot, long-lived, pid 1 of a pid namespace of its own: runs the tests
+               of the slot's tested jobs one after another, each job's report on a pipe only it holds)
+    candidate (each job's jail, a fresh fork, in another pid namespace: runs the program, answers calls)
 
-Order matters. The jail forks the candidate's process while it is prepared,
-before any job exists, without the job pipe or the report descriptor; at job
-time it hands the candidate the program and leaves the tests in the job pipe
-(in the kernel, not in any process's memory). Only then does the harness read
-the tests. The tests call the program's
+The candidate's process never has the tests: the supervisor sends them to the
+harness with the job's descriptors (the call channel, the report pipe, the
+candidate's pidfd), and sends the jail only the program. The candidate cannot
+name the harness's pid (it is in no namespace the candidate sees), read its memory
+or take its descriptors (not dumpable; seccomp forbids ptrace, process_vm_* and
+pidfd_getfd). The tests call the program's
 functions through proxies: arguments go over a pipe as plain data, and
 results come back as JSON rebuilt into exact builtin values (`plain.py`). So
 exiting early, objects whose `__eq__` is always true, patched builtins,
@@ -19,8 +21,15 @@ Helpers the tests use that the task's prompt defines (HumanEval's
 `encode_cyclic`, `poly`, ...) come from running the trusted prompt (the
 `prelude`) here, never from the candidate's copy.
 
-Report lines (JSON, fd 3): one per test {"name", "passed", "message"}, one per
-tamper signal {"tamper", "detail"}, and {"candidate": {"exit_code", "signal"}}.
+Report lines (JSON, on the job's report pipe): the tests about to run {"declared"}, one per test
+{"name", "passed", "message"}, one per tamper signal {"tamper", "detail"}, {"gone": stage} when the
+candidate's process left on its own (the supervisor, which reaps it, names an exit with code 0),
+and {"done": ...} last.
+
+Each job's tests run in a namespace of their own; the harness is replaced after any job it did not
+see through (the wall clock, a forbidden call, its own failure) and after Harness.JOBS jobs. Tests are
+the task's, from a trusted submitter: one that changes a module it imports changes it for the jobs
+after it in the same harness, as it would in any test runner that keeps its process.
 
 Stdlib only: this module is loaded into the sandbox worker, which has no site-packages.
 """
@@ -35,7 +44,7 @@ import marshal
 import os
 import resource
 import select
-import signal
+import socket
 
 from crucible.services.sandbox_executor import candidate, plain
 from crucible.shared import framing, tamper_patterns
@@ -92,8 +101,10 @@ class Report:
         run short, the tests that never reported count as failed."""
         self._line({"declared": [str(n)[:200] for n in names[:1000]]})
 
-    def candidate_status(self, exit_code: int, sig: int) -> None:
-        self._line({"candidate": {"exit_code": exit_code, "signal": sig}})
+    def gone(self, stage: str) -> None:
+        """The candidate's process ended, or stopped answering, on its own: before the tests or during
+        them. The supervisor, which reaps it, reads its exit status: an exit with code 0 is named."""
+        self._line({"gone": stage})
 
     def done(self, exit_code: int, usage: tuple[float, float, int]) -> None:
         """The last line: the supervisor sends the result on it, without waiting for the jail to vanish."""
@@ -102,18 +113,14 @@ class Report:
 
 
 class Candidate:
-    """The harness's end of the call channel to the candidate's process."""
+    """The harness's end of the call channel to a job's candidate process (the job's jail, in another
+    pid namespace: it is watched by a pidfd the supervisor passed, never signalled or reaped here)."""
 
-    def __init__(self, pid: int, call_w: int, reply_r: int, report: Report):
-        self.pid, self.call_w, self.reply_r, self.report = pid, call_w, reply_r, report
+    def __init__(self, pidfd: int, call_w: int, reply_r: int, report: Report):
+        self.pidfd, self.call_w, self.reply_r, self.report = pidfd, call_w, reply_r, report
         self.gone: str | None = None
-        self.status: tuple[int, int] | None = None
         self.finishing = False
         self.usage = (0.0, 0.0, 0)  # what the candidate last said it used (informational only)
-        try:
-            self.pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self.pidfd = -1
 
     def ready(self) -> dict:
         """The candidate's first message: whether its program loaded, and the functions it defines."""
@@ -153,19 +160,14 @@ class Candidate:
         raise CandidateGone("the candidate broke the call protocol")
 
     def finish(self) -> None:
-        """Ends the candidate and everything it started. Its last tamper signals came with its last
-        reply (it checks after every call), so ending costs no round trip."""
+        """Done with the candidate: its channel closes, so it leaves (the supervisor ends its jail once
+        the report says done). Its last tamper signals came with its last reply."""
         self.finishing = True
-        if self.status:  # it ended on its own: the supervisor classifies a limit by how
-            self.report.candidate_status(*self.status)
-        # Killed now, the candidate tears its memory down while this process does the same,
-        # instead of after it (as pid 1, the jail's exit would end it and its children anyway).
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        if os.getpid() != 1:
-            self._reap(block=True)  # weak isolation, no pid namespace: nothing else will
+        for fd in (self.call_w, self.reply_r, self.pidfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # --- wire ---
 
@@ -178,8 +180,8 @@ class Candidate:
         except OSError:
             self._lost(before_tests=False)
 
-    def _receive(self, before_tests: bool, timeout: float | None = None) -> dict:
-        header = self._read(framing.HEADER_SIZE, before_tests, timeout)
+    def _receive(self, before_tests: bool) -> dict:
+        header = self._read(framing.HEADER_SIZE, before_tests)
         try:
             n = framing.decode_length(header, candidate.MAX_FRAME)
         except framing.FrameTooLarge as exc:
@@ -188,7 +190,7 @@ class Candidate:
             self.gone = "the candidate broke the call protocol"
             raise CandidateGone(self.gone) from None
         try:
-            reply = plain.loads(self._read(n, before_tests, timeout))
+            reply = plain.loads(self._read(n, before_tests))
         except ValueError as exc:
             self.report.tamper("forged_reply", f"the call channel carried something that is not a reply: {exc}")
             self.gone = "the candidate broke the call protocol"
@@ -211,13 +213,11 @@ class Candidate:
                         self.report.tamper("forged_reply", f"the call channel carried a signal named {pattern[:40]!r}")
         return reply
 
-    def _read(self, n: int, before_tests: bool, timeout: float | None) -> bytes:
+    def _read(self, n: int, before_tests: bool) -> bytes:
         chunks, left = [], n
         watched = [self.reply_r] + ([self.pidfd] if self.pidfd >= 0 else [])
         while left:
-            readable, _, _ = select.select(watched, [], [], timeout)
-            if not readable:
-                self._lost(before_tests, why="did not answer in time")
+            readable, _, _ = select.select(watched, [], [])
             if self.reply_r in readable:
                 chunk = os.read(self.reply_r, min(left, 1 << 20))
                 if chunk:
@@ -239,61 +239,52 @@ class Candidate:
             self._lost(before_tests)
         return b"".join(chunks)
 
-    def _lost(self, before_tests: bool, why: str = "") -> None:
-        """The candidate stopped answering: say how it ended and name an exit that claims success."""
-        if not why:
-            self._reap(block=True, grace_s=0.2)
-        status = self.status
-        if status and status[1] == 0 and status[0] == 0 and not self.finishing:
-            stage = "exit_before_tests" if before_tests else "exit_during_tests"
-            self.report.tamper(stage, "the program ended its own process with exit code 0 "
-                                      + ("before the tests ran" if before_tests else "while a test was calling it"))
-        if why:
-            self.gone = f"the candidate {why}"
-        elif status and status[1]:
-            self.gone = f"the candidate was killed by signal {_signal_name(status[1])}"
-        elif status:
-            self.gone = f"the candidate exited with code {status[0]}"
-        else:
-            self.gone = "the candidate closed the call channel"
+    def _lost(self, before_tests: bool) -> None:
+        """The candidate stopped answering: say so (the supervisor, which reaps it, names an exit that
+        claims success) and fail this call and every later one."""
+        if not self.finishing and self.gone is None:
+            self.report.gone("before_tests" if before_tests else "during_tests")
+        self.gone = "the candidate's process ended" if self.gone is None else self.gone
         raise CandidateGone(self.gone)
 
-    def _reap(self, block: bool, grace_s: float = 0.0) -> None:
-        if self.status is not None:
-            return
-        if grace_s and self.pidfd >= 0:
-            if not select.select([self.pidfd], [], [], grace_s)[0]:
-                try:
-                    os.kill(self.pid, signal.SIGKILL)  # it closed the channel but lingers
-                except OSError:
-                    pass
-        try:
-            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid:
-            code = os.waitstatus_to_exitcode(status)
-            self.status = (code, 0) if code >= 0 else (128 - code, -code)
 
-
-def run(job: dict, report_fd: int, tests_fd: int, candidate_pid: int, call_w: int, reply_r: int) -> int:
-    """Runs a tested job as the jail's pid 1; returns the jail's exit code (0: every test passed, nothing flagged).
-
-    The candidate's process (`candidate_pid`, forked by the jail before any job existed) has the
-    program already and never had `tests_fd`; only now are the tests read.
-    """
+def serve(control: int, workdir: str) -> None:
+    """A slot's harness: runs the tests of one tested job after another, as the supervisor sends them on
+    `control` (a stream socket): the job's descriptors (the candidate's call channel, the report pipe,
+    the candidate's pidfd) with one byte, then the job and its tests as two frames. Returns when the
+    socket closes. Each job's tests run in a namespace of their own; nothing of the candidate's but
+    plain data ever reaches this process."""
     _harden()
-    report = Report(report_fd)
-    tests = _read_tests(tests_fd)
-    child = Candidate(candidate_pid, call_w, reply_r, report)
+    sock = socket.socket(fileno=control)
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, 1, 4)
+        if not message:
+            return
+        if len(fds) != 4:
+            raise RuntimeError(f"a job came with {len(fds)} descriptors, not 4")
+        call_w, reply_r, report_fd, pidfd = fds
+        job, tests = framing.read(control), framing.read(control, TESTS_FRAME_LIMIT)
+        if job is None or tests is None:
+            return
+        os.chdir(workdir)  # the job's own /work, mounted by its jail (the slot's mount namespace)
+        run(marshal.loads(job), report_fd, marshal.loads(tests), Candidate(pidfd, call_w, reply_r, Report(report_fd)))
+        os.close(report_fd)
+        os.chdir("/")
+
+
+def run(job: dict, report_fd: int, tests: dict, child: Candidate) -> int:
+    """Runs a tested job's tests against its candidate; writes the report, `done` last; returns 0 when
+    every test passed and nothing was flagged, else 1."""
+    report = child.report
+    before = resource.getrusage(resource.RUSAGE_SELF)
     try:
         _run_tests(job, tests, child, report)
     finally:
         child.finish()
     code = 1 if report.failed or report.tampered else 0
     own = resource.getrusage(resource.RUSAGE_SELF)
-    report.done(code, (own.ru_utime + child.usage[0], own.ru_stime + child.usage[1],
-                       max(own.ru_maxrss * 1024, child.usage[2])))
+    report.done(code, (own.ru_utime - before.ru_utime + child.usage[0], own.ru_stime - before.ru_stime + child.usage[1],
+                       child.usage[2]))
     return code
 
 
@@ -369,14 +360,6 @@ def _code(part):
     if type(part) is dict:
         raise _DidNotCompile(part.get("error", "did not compile"))
     return part
-
-
-def _read_tests(fd: int) -> dict:
-    frame = framing.read(fd, TESTS_FRAME_LIMIT)
-    os.close(fd)
-    if frame is None:
-        raise RuntimeError("the job pipe closed before the tests arrived")
-    return marshal.loads(frame)
 
 
 def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None:
@@ -513,10 +496,3 @@ def _exception(name: str, message: str) -> BaseException:
         except Exception:
             pass  # e.g. UnicodeDecodeError wants five arguments
     return CandidateError(f"{name}: {message}")
-
-
-def _signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)

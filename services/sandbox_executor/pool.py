@@ -216,6 +216,7 @@ class SandboxPool:
             "cgroups": self.make_cgroups(index),
             "preload": PRELOAD,
             "work_bytes": self.limits.work_bytes,
+            "harness_memory_bytes": self.limits.memory_bytes,
         }
         proc = await asyncio.create_subprocess_exec(
             isolation.base_python(), "-I", "-S", "-B", "-c", BOOT,

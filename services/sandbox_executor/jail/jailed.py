@@ -1,22 +1,18 @@
-"""The processes inside a jail: its pid 1, and for a tested job the candidate's process beside it.
+"""The confined processes the zygote forks: a job's jail, and a slot's harness.
 
-    jail (pid 1 of fresh pid and ipc namespaces, in its slot's net, uts and mount ones: fresh /work,
-      │   a non-root uid, seccomp, then the job's rlimits; runs an untested program in the
-      │   already-loaded interpreter, or, for a tested job, is the test harness)
-      └─ candidate  (a tested job's program, answering the harness's calls; idle otherwise)
+    jail     (pid 1 of fresh pid and ipc namespaces, in its slot's net, uts and mount ones: fresh
+              /work, a non-root uid, seccomp, then the job's rlimits; runs an untested program in
+              the already-loaded interpreter, or is a tested job's candidate, answering the calls
+              of the slot's harness)
+    harness  (run_harness: pid 1 of a pid namespace of its own, confined the same way; runs the
+              tests of the slot's tested jobs, one after another: harness.serve)
 
-Both are set up before any job exists (the supervisor forks the jail while the
-previous job runs); only then do they wait for the job. The jail drops its uid and
-installs the seccomp filter before it forks the candidate's process, which inherits
-both (one filter, one listener, for every process of the job). The candidate's process is
-forked ahead when the supervisor expects a tested job (the last one was); otherwise
-it is forked once a job turns out to be tested, still before its tests are read. The job arrives as two
-frames on one pipe: the program, then (for a tested job) the tests. The jail
-reads only the first and passes it to the candidate's process, which never held
-the job pipe; the harness reads the tests after that (harness.py), so the
-process running the candidate's code never has them. Both frames are marshalled by the
-supervisor (trusted, and before any job code runs): in a freshly forked process the first
-json.loads costs some 200 us of copied pages, marshal.loads half that.
+A jail is set up before any job exists (the supervisor forks it while the previous job runs):
+its uid dropped and its seccomp filter installed, which every process of the job inherits (one
+filter, one listener). The job arrives as one frame, marshalled by the supervisor (trusted,
+and before any job code runs: in a freshly forked process the first json.loads costs some
+200 us of copied pages, marshal.loads half that). A tested job's tests never come here: the
+supervisor gives them to the slot's harness, with this process's end of the call channel.
 """
 from __future__ import annotations
 
@@ -44,21 +40,19 @@ _DEFAULT_SIGNALS = (int(signal.SIGXFSZ), int(signal.SIGPIPE), int(signal.SIGINT)
 JOB_ENVIRONMENT = {"HOME": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8"}
 
 
-def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int,
+def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, call_r: int, reply_w: int,
         ready_w: int, attached_r: int, calls_w: int) -> None:
-    """The jail process: prepares its root, confines itself and forks its candidate process before any
-    job exists, then runs one job; never returns."""
+    """The jail process: prepares its root and confines itself before any job exists, then runs one
+    job (an untested program, or a tested job's candidate, answering its harness); never returns."""
     code = 120
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")  # the supervisor's death ends the jail
-        # Wait until the supervisor has put us in our cgroups: the candidate forked below inherits
-        # them. The byte says whether it expects a tested job ("t"), or an untested one ("u").
-        expected = os.read(attached_r, 1)
-        if expected not in (b"t", b"u"):
+        # Wait until the supervisor has put us in our cgroups: every process of the job inherits them.
+        if os.read(attached_r, 1) != ATTACHED:
             os._exit(0)
         os.close(attached_r)
-        # Not dumpable (nor after the uid drop): a tested job's candidate runs under the same uid as
-        # this process, its harness, and must not read its memory or take its descriptors.
+        # Not dumpable (nor after the uid drop): no process of the job's uid may read its memory or
+        # take its descriptors (the slot's harness runs under that uid too, in another pid namespace).
         prctl(PR_SET_DUMPABLE, 0, "prctl(DUMPABLE)")
         os.setsid()
         if cfg["isolate"]:
@@ -67,38 +61,29 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
             os.chdir(cfg["root_dir"])
             if os.geteuid() == 0:  # the job's files are written after the uid drop, by the job's uid
                 os.chown(".", cfg["uid"], cfg["uid"])
-        # From here on this process, and every process it forks (the candidate's, the program's
-        # children), is the job's uid under the job's seccomp filter.
+        # From here on this process, and every process it forks (the program's children), is the
+        # job's uid under the job's seccomp filter.
         confine(cfg, calls_w)
-        # The candidate's process, when a tested job is expected: forked now, off the job's latency.
-        candidate = fork_candidate(cfg, job_r, stdin_r, out_w, err_w, report_w, ready_w) \
-            if expected == b"t" else None
         os.write(ready_w, b"r")
         os.close(ready_w)
-        # Blocks until the supervisor has a job for us. Only the program's frame is read here; a
-        # tested job's tests stay in the pipe for the harness.
+        # Blocks until the supervisor has a job for us. A tested job's tests never come here: the
+        # supervisor gives them to the slot's harness, which calls this process over call_r/reply_w.
         program = framing.read(job_r)
         if program is None:
             os._exit(0)  # the worker is shutting down
+        os.close(job_r)
         job = marshal.loads(program)
         write_files(job)
         tested = bool(job.get("has_tests"))
-        if tested and candidate is None:  # not expected: forked now, before the tests leave the pipe
-            candidate = fork_candidate(cfg, job_r, stdin_r, out_w, err_w, report_w, -1)
-        candidate_pid, call_w, reply_r = candidate or (0, -1, -1)
+        # Final places: 0-2 stdio and, for a tested job, 5 and 6 the call channel. Everything else closes.
+        keep = [(stdin_r, 0), (out_w, 1), (err_w, 2)]
         if tested:
-            framing.write(call_w, program)  # the program (no tests in this frame) to the candidate's process
-        # Final places: 0-2 stdio, 3 report, and for a tested job 4 the rest of the job pipe (the
-        # tests), 5 and 6 the call channel. Everything else closes; untested, the candidate's
-        # process sees its channel close and leaves.
-        keep = [(stdin_r, 0), (out_w, 1), (err_w, 2), (report_w, 3)]
-        if tested:
-            keep += [(job_r, 4), (call_w, 5), (reply_r, 6)]
+            keep += [(call_r, 5), (reply_w, 6)]
         place_fds(keep)
-        if not tested and candidate_pid:  # its channel is closed: it leaves, and the program has no
-            os.waitpid(candidate_pid, 0)    # child it did not make
         set_limits(cfg, job)
-        code = harness.run(job, 3, 4, candidate_pid, 5, 6) if tested else execute(job)
+        if tested:
+            candidate.serve(job, 5, 6)  # never returns
+        code = execute(job)
     except BaseException as exc:  # setup failures must surface, not hang
         try:
             os.write(2, f"sandbox setup failed: {type(exc).__name__}: {exc}\n".encode())
@@ -109,47 +94,45 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: i
         os._exit(code)
 
 
-def fork_candidate(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, report_w: int,
-                   ready_w: int) -> tuple[int, int, int]:
-    """Forks a tested job's candidate process (confined already: it inherits the jail's uid, seccomp
-    filter and signal dispositions); (its pid, the call pipe's write end, the reply pipe's read end).
-    It holds neither the job pipe nor the report pipe, ever (nor `ready_w`, where open)."""
-    call_r, call_w = os.pipe()
-    reply_r, reply_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        for fd in (job_r, report_w, ready_w, call_w, reply_r):
-            if fd >= 0:
-                os.close(fd)
-        run_candidate(cfg, call_r, reply_w, stdin_r, out_w, err_w)
-    os.close(call_r)
-    os.close(reply_w)
-    return pid, call_w, reply_r
-
-
-def run_candidate(cfg: dict, call_r: int, reply_w: int, stdin_r: int, out_w: int, err_w: int) -> None:
-    """A tested job's candidate process: waits (in the jail, confined) for the program, takes the
-    job's limits and runs it; never returns."""
-    code = 122
+def run_harness(cfg: dict, control: int, ready_w: int, attached_r: int, calls_w: int) -> None:
+    """A slot's harness process: confined as a jail is (the job's uid and seccomp filter, in a pid
+    namespace of its own, where no job's process is), it runs the tests of the slot's tested jobs
+    one after another (harness.serve); never returns."""
+    code = 120
     try:
-        if not cfg["isolate"]:  # in a pid namespace the harness's death (its pid 1) ends this process
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")
-        program = framing.read(call_r)
-        if program is None:
-            os._exit(0)  # the job is untested: nothing to do
-        job = marshal.loads(program)
-        place_fds([(stdin_r, 0), (out_w, 1), (err_w, 2), (call_r, 5), (reply_w, 6)])
-        set_limits(cfg, job)
-        candidate.serve(job, 5, 6)
-    except EOFError:
-        code = 0  # the harness left in the middle of a frame
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl(PDEATHSIG)")
+        if os.read(attached_r, 1) != ATTACHED:
+            os._exit(0)
+        os.close(attached_r)
+        prctl(PR_SET_DUMPABLE, 0, "prctl(DUMPABLE)")
+        os.setsid()
+        os.chdir("/" if cfg["isolate"] else cfg["root_dir"])
+        confine(cfg, calls_w)
+        for res, value in harness_limits(cfg):
+            _lower_limit(res, value, value)
+        os.write(ready_w, b"r")
+        os.close(ready_w)
+        harness.serve(control, "/work" if cfg["isolate"] else cfg["root_dir"])
+        code = 0
     except BaseException as exc:
         try:
-            os.write(2, f"sandbox setup failed (candidate): {type(exc).__name__}: {exc}\n".encode())
+            os.write(2, f"sandbox harness failed: {type(exc).__name__}: {exc}\n".encode())
         except OSError:
             pass
+        code = 121
     finally:
         os._exit(code)
+
+
+ATTACHED = b"a"  # the supervisor's go-ahead: the jail is in its cgroups
+
+
+def harness_limits(cfg: dict) -> list[tuple[int, int]]:
+    """A harness's rlimits: the service's memory limit, no core, no file of its own beyond the job's
+    folder size. CPU is the wall clock's (a harness that overruns it is replaced)."""
+    return [(resource.RLIMIT_AS, cfg["harness_memory_bytes"]), (resource.RLIMIT_CORE, 0),
+            (resource.RLIMIT_FSIZE, cfg["work_bytes"]), (resource.RLIMIT_MEMLOCK, 0),
+            (resource.RLIMIT_MSGQUEUE, 0)]
 
 
 def write_files(job: dict) -> None:

@@ -28,9 +28,10 @@ def harness_done(report: bytes) -> dict | None:
 
 
 def parse_report(data: bytes) -> dict:
-    """What the harness wrote to fd 3: per-test outcomes, tamper signals and how the candidate's
-    process ended; malformed lines are dropped."""
-    tests, tamper, candidate, declared = [], [], {}, []
+    """What the harness wrote to the report pipe: per-test outcomes, tamper signals and whether the
+    candidate's process left before the tests were done ("gone": "before_tests" or "during_tests");
+    malformed lines are dropped."""
+    tests, tamper, gone, declared = [], [], "", []
     for line in data.splitlines()[:2000]:
         try:
             item = json.loads(line)
@@ -38,15 +39,14 @@ def parse_report(data: bytes) -> dict:
                 declared = [str(n)[:200] for n in item["declared"]][:1000]
             elif "tamper" in item:
                 tamper.append({"pattern": str(item["tamper"])[:64], "detail": str(item.get("detail", ""))[:500]})
-            elif "candidate" in item:
-                candidate = {"exit_code": int(item["candidate"]["exit_code"]),
-                             "signal": int(item["candidate"]["signal"])}
+            elif "gone" in item:
+                gone = "before_tests" if item["gone"] == "before_tests" else "during_tests"
             else:
                 tests.append({"name": str(item["name"])[:200], "passed": item["passed"] is True,
                               "message": str(item.get("message", ""))[:1000]})
         except (ValueError, KeyError, TypeError):
             continue
-    return {"tests": tests[:1000], "tamper": tamper[:100], "candidate": candidate, "declared": declared}
+    return {"tests": tests[:1000], "tamper": tamper[:100], "gone": gone, "declared": declared}
 
 
 PROCESS_LIMIT_SIGNS = (b"[Errno 11] Resource temporarily unavailable", b"can't start new thread")

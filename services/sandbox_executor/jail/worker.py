@@ -1,14 +1,14 @@
 """The worker: builds what every jail inherits, forks the zygote, then supervises jobs until stdin closes.
 
     worker   (root; after start-up the supervisor: supervisor.py)
-    └─ zygote  (zygote.py: forks jails, never holds a job)
-         └─ jail  (jailed.py; for a tested job the harness, with the candidate's process beside it)
+    └─ zygote  (zygote.py: forks jails and harnesses, never holds a job)
+         ├─ jail     (jailed.py: one job; a tested job's candidate process)
+         └─ harness  (jailed.run_harness: one per cgroup slot, runs the slot's tested jobs' tests)
 
-The next jail and its candidate process are forked and set up (namespaces,
-root, cgroups) while the current job runs, so a job's latency holds no fork,
-unshare or mount. Each worker has three cgroup slots: the prepared jail sits in
-one, the running job fills another, the last job's teardown (after its result
-was sent) empties the third.
+The next jail is forked and set up (namespaces, root, cgroups) while the current
+job runs, so a job's latency holds no fork, unshare or mount. Each worker has three
+cgroup slots: the prepared jail sits in one, the running job fills another, the
+last job's teardown (after its result was sent) empties the third.
 """
 from __future__ import annotations
 

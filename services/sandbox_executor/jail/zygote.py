@@ -2,8 +2,8 @@
 
     supervisor (the worker's own process: reads jobs, runs them, sends results; supervisor.py)
     zygote     (this module: forked from it before any job existed)
-      └─ jail  (jailed.py; pid 1 of fresh namespaces; for a tested job the harness, with the
-                candidate's process beside it)
+      ├─ jail     (jailed.py; pid 1 of fresh namespaces; one job, a tested job's candidate)
+      └─ harness  (jailed.run_harness; a slot's, runs its tested jobs' tests: harness.serve)
 
 Every jail is a fork of this process, so whatever this process's memory holds,
 every job's memory holds too. It therefore never reads a job, a test or a
@@ -38,7 +38,9 @@ from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_N
                                                            unshare)
 
 # The order of the descriptors passed with each prepared jail (the supervisor reads them by name).
-PASSED = ("pidfd", "job_w", "in_w", "out_r", "err_r", "report_r", "ready_r", "attached_w", "calls")
+PASSED = ("pidfd", "job_w", "in_w", "out_r", "err_r", "call_w", "reply_r", "ready_r", "attached_w", "calls")
+# The same for a prepared harness (harness.serve): the supervisor's end of its control socket.
+PASSED_HARNESS = ("pidfd", "control", "ready_r", "attached_w", "calls")
 MESSAGE_BYTES = 4096
 
 
@@ -90,10 +92,11 @@ def serve(cfg: dict, channel: socket.socket) -> None:
             request = channel.recv(MESSAGE_BYTES)
             if not request:
                 return
-            slot = int(request.split()[1])
-            pid, passed = fork_jail(cfg, own_pid_ns, shared[slot], [channel.fileno(), *live, *kept])
+            kind, slot = request.split()
+            fork = fork_jail if kind == b"prepare" else fork_harness
+            pid, passed = fork(cfg, own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
             live[os.dup(passed["pidfd"])] = pid
-            _send(channel, {"prepared": pid}, [passed[name] for name in PASSED])
+            _send(channel, {"prepared": pid}, [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
             for fd in passed.values():
                 os.close(fd)
 
@@ -122,13 +125,37 @@ def slot_namespaces(cfg: dict, count: int) -> list[tuple[int, ...]]:
 
 
 def fork_jail(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int]) -> tuple[int, dict]:
-    """Forks a jail as pid 1 of a fresh pid namespace, in its slot's network, UTS and mount namespaces
-    (`slot_ns`) and a fresh IPC one; (its pid, the descriptors for the supervisor)."""
+    """Forks a jail (jailed.run) as pid 1 of a fresh pid namespace, in its slot's network, UTS and mount
+    namespaces (`slot_ns`) and a fresh IPC one; (its pid, the descriptors for the supervisor).
+    For a tested job the jail is the candidate's process: its call channel's other ends (call_w,
+    reply_r) go to the slot's harness, by way of the supervisor."""
     job_r, job_w = os.pipe()
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    report_r, report_w = os.pipe()
+    call_r, call_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    theirs = {"job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r, "call_w": call_w, "reply_r": reply_r}
+    ours = (job_r, in_r, out_w, err_w, call_r, reply_w)
+    return _fork(cfg, own_pid_ns, slot_ns, close_in_child, theirs, ours, jailed.run, SLOT_NAMESPACES)
+
+
+def fork_harness(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int]) -> tuple[int, dict]:
+    """Forks a slot's harness (jailed.run_harness): confined as a jail is, in a pid namespace of its own,
+    it runs the tests of the slot's tested jobs one after another (harness.serve); the candidate's
+    process of each is the job's jail. Its control socket carries each job's tests and call channel."""
+    control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Only the slot's mount namespace (the harness sees each job's /work, as the job's process does);
+    # network and UTS namespaces of its own: nothing it makes in them outlives it, and no job reaches them.
+    return _fork(cfg, own_pid_ns, slot_ns[2:], close_in_child, {"control": control.detach()},
+                 (control_theirs.detach(),), jailed.run_harness, SLOT_NAMESPACES[2:], CLONE_NEWNET | CLONE_NEWUTS)
+
+
+def _fork(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int], theirs: dict[str, int],
+          ours: tuple[int, ...], main, joined: tuple, fresh: int = 0) -> tuple[int, dict]:
+    """Forks `main(cfg, *ours, ready_w, attached_r, calls_w)` in fresh pid and ipc namespaces (and
+    `fresh` ones), joining the slot's `joined` (slot_ns holds their descriptors); `theirs` (the
+    supervisor's ends) close in it, `ours` here."""
     ready_r, ready_w = os.pipe()
     attached_r, attached_w = os.pipe()
     calls, calls_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # seccomp listeners come in here
@@ -141,23 +168,25 @@ def fork_jail(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[i
     if pid == 0:
         try:
             if cfg["isolate"]:
-                for fd, (kind, flag) in zip(slot_ns, SLOT_NAMESPACES):
+                for fd, (kind, flag) in zip(slot_ns, joined):
                     setns(fd, flag, f"setns(slot {kind} namespace)")
-                unshare(CLONE_NEWIPC, "unshare(CLONE_NEWIPC)")
+                unshare(CLONE_NEWIPC | fresh, "unshare(CLONE_NEWIPC)")
+                if fresh & CLONE_NEWUTS:
+                    set_hostname(b"sandbox")
         except BaseException as exc:  # never back into the zygote's loop
             os.write(2, f"sandbox setup failed: {exc}\n".encode())
             os._exit(121)
-        for fd in (job_w, in_w, out_r, err_r, report_r, ready_r, attached_w, *close_in_child):
+        for fd in (*theirs.values(), ready_r, attached_w, *close_in_child):
             os.close(fd)
         if own_pid_ns >= 0:
             os.close(own_pid_ns)
         calls.close()
-        jailed.run(cfg, job_r, in_r, out_w, err_w, report_w, ready_w, attached_r, calls_w.detach())
-    for fd in (job_r, in_r, out_w, err_w, report_w, ready_w, attached_r):
+        main(cfg, *ours, ready_w, attached_r, calls_w.detach())
+    for fd in (*ours, ready_w, attached_r):
         os.close(fd)
     calls_w.close()
-    return pid, {"pidfd": os.pidfd_open(pid), "job_w": job_w, "in_w": in_w, "out_r": out_r, "err_r": err_r,
-                 "report_r": report_r, "ready_r": ready_r, "attached_w": attached_w, "calls": calls.detach()}
+    return pid, {"pidfd": os.pidfd_open(pid), **theirs, "ready_r": ready_r, "attached_w": attached_w,
+                 "calls": calls.detach()}
 
 
 def _send(channel: socket.socket, message: dict, fds: list[int] = ()) -> None:
