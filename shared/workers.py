@@ -15,19 +15,28 @@ restart.
 
 Callers that wait for a busy pool are bounded (`max_waiting`): past the bound a
 request is refused with PoolFull at once, the pool's backpressure point.
+
+A worker may take `depth` requests at once (the sandbox's workers prepare the next
+job's jail while one runs, and take two, so none waits for the round trip of a
+result and the next request). Its replies then come in the order its requests
+finish: each names its request (`key_of(reply)`, the key the caller gave with it),
+and a reader per worker hands each to its caller. A request cancelled there leaves
+the stream whole (its late reply is dropped); anything else that goes wrong still
+replaces the worker, and fails the other requests it held.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Hashable
 
 from crucible.shared import framing
 
 log = logging.getLogger(__name__)
 
 Spawn = Callable[[int], Awaitable[asyncio.subprocess.Process]]  # worker index -> its started process
+KeyOf = Callable[[bytes], Hashable]  # a reply -> the key of the request it answers
 
 
 class PoolFull(Exception):
@@ -45,10 +54,17 @@ class WorkerTimeout(WorkerFailed):
 class Worker:
     """One worker process: request frames to its stdin, reply frames from its stdout."""
 
-    def __init__(self, name: str, index: int, spawn: Spawn, ready: Callable[[bytes], bool], frame_limit: int):
+    def __init__(self, name: str, index: int, spawn: Spawn, ready: Callable[[bytes], bool], frame_limit: int,
+                 key_of: KeyOf | None = None):
         self.name, self.index = name, index
         self.process: asyncio.subprocess.Process | None = None
         self._spawn, self._ready, self._limit = spawn, ready, frame_limit
+        self.generation = 0  # counts starts: a pool's tokens for an earlier process are stale
+        self.restarting = False
+        # Keyed replies (several requests at once): each waiting request's future, by its key.
+        self._key_of = key_of
+        self._pending: dict[Hashable, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
 
     def __repr__(self) -> str:
         return f"{self.name} {self.index}"
@@ -59,18 +75,25 @@ class Worker:
         hello = await self._receive()
         if not self._ready(hello):
             raise WorkerFailed(f"{self} did not start: {hello[:300]!r}")
+        self.generation += 1
+        if self._key_of is not None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_replies())
 
-    async def ask(self, *frames: bytes, timeout: float | None = None) -> bytes:
-        """Sends `frames` (one request) and returns the reply frame; WorkerFailed or WorkerTimeout
-        if none comes."""
+    async def ask(self, *frames: bytes, timeout: float | None = None, key: Hashable = None) -> bytes:
+        """Sends `frames` (one request; with keyed replies, `key` names it) and returns the reply
+        frame; WorkerFailed or WorkerTimeout if none comes."""
         try:
-            return await asyncio.wait_for(self._exchange(frames), timeout)
+            return await asyncio.wait_for(self._exchange(frames, key), timeout)
         except TimeoutError:
             raise WorkerTimeout(f"{self} did not answer within {timeout:g}s") from None
 
     async def stop(self, grace_s: float) -> None:
         """Closes its input (a worker leaves when it ends), kills it after `grace_s`, reaps it."""
         process, self.process = self.process, None
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
         if process is None:
             return
         if process.stdin is not None:
@@ -86,14 +109,49 @@ class Worker:
                     process.kill()
         await process.wait()
 
-    async def _exchange(self, frames: tuple[bytes, ...]) -> bytes:
+    async def _exchange(self, frames: tuple[bytes, ...], key: Hashable) -> bytes:
         request = b"".join(framing.encode(frame, self._limit) for frame in frames)
+        if self._key_of is None:
+            await self._send(request)
+            return await self._receive()
+        if self._reader is None or self._reader.done():
+            raise WorkerFailed(f"{self} is not reading replies (it exited or was stopped)")
+        if key is None or key in self._pending:
+            raise ValueError(f"a request to {self} needs a key no waiting request has, not {key!r}")
+        future = self._pending[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(request)
+            return await future
+        finally:
+            self._pending.pop(key, None)  # cancelled: its reply, when it comes, is dropped
+
+    async def _send(self, request: bytes) -> None:
         try:
             self.process.stdin.write(request)
             await self.process.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise WorkerFailed(f"{self} stopped reading its input: {exc!r}") from None
-        return await self._receive()
+
+    async def _read_replies(self) -> None:
+        """Hands each reply to the request it names, until the worker fails; then fails every waiting one."""
+        failure: BaseException = WorkerFailed(f"{self} was stopped")
+        try:
+            while True:
+                frame = await self._receive()
+                try:
+                    key = self._key_of(frame)
+                except Exception as exc:
+                    raise WorkerFailed(f"{self} sent a reply that names no request: {exc}") from None
+                future = self._pending.pop(key, None)
+                if future is not None and not future.done():
+                    future.set_result(frame)
+        except WorkerFailed as exc:
+            failure = exc
+        finally:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(failure)
+            self._pending.clear()
 
     async def _receive(self) -> bytes:
         try:
@@ -110,28 +168,34 @@ class WorkerPool:
 
     def __init__(self, name: str, size: int, spawn: Spawn, *, ready: Callable[[bytes], bool],
                  max_waiting: int | None = None, stop_grace_s: float = 5.0,
-                 frame_limit: int = framing.DEFAULT_LIMIT):
+                 frame_limit: int = framing.DEFAULT_LIMIT, depth: int = 1, key_of: KeyOf | None = None):
+        if depth < 1 or (depth > 1 and key_of is None):
+            raise ValueError("a worker takes at least one request; more than one only with keyed replies (key_of)")
         self.name = name  # "sandbox worker": used in logs and errors
         self.size = size
+        self.depth = depth  # requests a worker takes at once
+        self._key_of = key_of
         self.max_waiting = max_waiting
         self.stop_grace_s = stop_grace_s  # how long a worker whose input closed may take to leave
         self.restarts = 0
         self._spawn, self._ready, self._frame_limit = spawn, ready, frame_limit
         self._workers: list[Worker] = []
-        self._idle: asyncio.Queue[Worker | None] = asyncio.Queue()
+        # One token per request a worker may take: (worker, its generation); None once the pool closes.
+        self._idle: asyncio.Queue[tuple[Worker, int] | None] = asyncio.Queue()
         self._waiting = 0
         self._restarting: set[asyncio.Task] = set()
         self._closed = False
 
     async def start(self) -> "WorkerPool":
-        self._workers = [Worker(self.name, i, self._spawn, self._ready, self._frame_limit) for i in range(self.size)]
+        self._workers = [Worker(self.name, i, self._spawn, self._ready, self._frame_limit, self._key_of)
+                         for i in range(self.size)]
         outcomes = await asyncio.gather(*(w.start() for w in self._workers), return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:
             await asyncio.gather(*(w.stop(0) for w in self._workers), return_exceptions=True)
             raise failed[0]
         for worker in self._workers:
-            self._idle.put_nowait(worker)
+            self._add_tokens(worker)
         return self
 
     async def close(self) -> None:
@@ -157,27 +221,42 @@ class WorkerPool:
             raise PoolFull(f"all {self.size} {self.name}s are busy and {self._waiting} requests are waiting")
         self._waiting += 1
         try:
-            worker = await self._idle.get()
+            while True:
+                token = await self._idle.get()
+                if token is None or self._closed:  # close() put None in for the waiters; each passes it on
+                    self._idle.put_nowait(None)
+                    raise RuntimeError(f"the {self.name} pool was closed")
+                worker, generation = token
+                if generation == worker.generation and not worker.restarting:
+                    break  # else a token of a process since replaced: its restart added fresh ones
         finally:
             self._waiting -= 1
-        if worker is None or self._closed:  # close() put None in for the waiters; each passes it on
-            self._idle.put_nowait(None)
-            raise RuntimeError(f"the {self.name} pool was closed")
         try:
             yield worker
+        except asyncio.CancelledError as exc:
+            if self.depth > 1 and not worker.restarting:  # keyed: the stream is whole, the reply will be dropped
+                self._idle.put_nowait(token)
+            else:
+                self._replace(worker, exc)
+            raise
         except BaseException as exc:
             self._replace(worker, exc)
             raise
-        self._idle.put_nowait(worker)
+        self._idle.put_nowait(token)
 
-    async def ask(self, *frames: bytes, timeout: float | None = None) -> bytes:
+    async def ask(self, *frames: bytes, timeout: float | None = None, key: Hashable = None) -> bytes:
         """One request to an idle worker: its reply frame (see Worker.ask)."""
         async with self.worker() as worker:
-            return await worker.ask(*frames, timeout=timeout)
+            return await worker.ask(*frames, timeout=timeout, key=key)
+
+    def _add_tokens(self, worker: Worker) -> None:
+        for _ in range(self.depth):
+            self._idle.put_nowait((worker, worker.generation))
 
     def _replace(self, worker: Worker, why: BaseException) -> None:
-        if self._closed:
-            return  # close() stops every worker
+        if self._closed or worker.restarting:
+            return  # close() stops every worker; a restart under way serves every request that failed with it
+        worker.restarting = True
         self.restarts += 1
         reason = "the request was cancelled" if isinstance(why, asyncio.CancelledError) else (
             str(why) or type(why).__name__)
@@ -198,5 +277,6 @@ class WorkerPool:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 30.0)
                 continue
-            self._idle.put_nowait(worker)
+            worker.restarting = False
+            self._add_tokens(worker)
             return

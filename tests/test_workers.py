@@ -142,3 +142,92 @@ async def test_a_worker_that_does_not_say_ready_fails_the_start():
     with pytest.raises(WorkerFailed, match="did not start"):
         await workers.start()
     assert all(w.process is None for w in workers._workers)
+
+
+# Keyed replies: each request is "<key>:<what>", each reply "<key>:<pid>:<what>". A "slow" request is
+# answered only after the request that follows it, so replies come out of order; "die" exits.
+KEYED_WORKER = """
+import os
+from crucible.shared import framing
+framing.write(1, b"ready %d" % os.getpid())
+held = None
+while (request := framing.read(0)) is not None:
+    key, _, what = request.partition(b":")
+    if what == b"die":
+        os._exit(1)
+    if what == b"slow" and held is None:
+        held = request
+        continue
+    framing.write(1, b"%s:%d:%s" % (key, os.getpid(), what))
+    if held is not None:
+        k, _, w = held.partition(b":")
+        framing.write(1, b"%s:%d:%s" % (k, os.getpid(), w))
+        held = None
+"""
+
+
+async def spawn_keyed(index: int) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(sys.executable, "-c", KEYED_WORKER, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)
+
+
+def keyed_pool(size: int = 1) -> WorkerPool:
+    return WorkerPool("keyed worker", size, spawn_keyed, ready=lambda hello: hello.startswith(b"ready "),
+                      stop_grace_s=1, depth=2, key_of=lambda reply: reply.partition(b":")[0])
+
+
+async def keyed(workers: WorkerPool, key: bytes, what: bytes) -> tuple[int, bytes]:
+    reply = await workers.ask(key + b":" + what, key=key, timeout=30)
+    got, pid, echoed = reply.split(b":")
+    assert got == key
+    return int(pid), echoed
+
+
+async def test_a_worker_taking_two_requests_answers_each_its_own_in_any_order():
+    async with asyncio.timeout(60):
+        workers = await keyed_pool().start()
+        try:
+            slow = asyncio.ensure_future(keyed(workers, b"1", b"slow"))
+            await asyncio.sleep(0.1)
+            assert not slow.done()  # held by the worker until the next request is answered
+            fast = await keyed(workers, b"2", b"fast")
+            assert fast[1] == b"fast" and (await slow)[1] == b"slow" and fast[0] == (await slow)[0]
+            assert workers.restarts == 0
+            with pytest.raises(ValueError):
+                WorkerPool("w", 1, spawn_keyed, ready=bool, depth=2)  # more than one needs key_of
+        finally:
+            await workers.close()
+
+
+async def test_a_cancelled_request_to_a_keyed_worker_keeps_the_worker_and_drops_its_reply():
+    async with asyncio.timeout(60):
+        workers = await keyed_pool().start()
+        try:
+            slow = asyncio.ensure_future(keyed(workers, b"1", b"slow"))
+            await asyncio.sleep(0.1)
+            slow.cancel()
+            pid, echoed = await keyed(workers, b"2", b"next")  # the held reply to 1 comes after it, unread
+            assert echoed == b"next"
+            for i in range(3, 7):
+                assert await keyed(workers, b"%d" % i, b"more") == (pid, b"more")
+            assert workers.restarts == 0
+        finally:
+            await workers.close()
+
+
+async def test_a_keyed_worker_that_dies_fails_every_request_it_held_and_is_replaced_once():
+    async with asyncio.timeout(60):
+        workers = await keyed_pool().start()
+        try:
+            first, _ = await keyed(workers, b"0", b"hello")
+            slow = asyncio.ensure_future(keyed(workers, b"1", b"slow"))
+            await asyncio.sleep(0.1)
+            with pytest.raises(WorkerFailed):
+                await keyed(workers, b"2", b"die")
+            with pytest.raises(WorkerFailed):
+                await slow
+            second, echoed = await keyed(workers, b"3", b"again")
+            assert echoed == b"again" and second != first and workers.restarts == 1
+            assert await gone(first)
+        finally:
+            await workers.close()

@@ -39,6 +39,13 @@ PRELOAD = ("typing", "math", "random", "copy", "string", "collections", "re", "h
            "functools", "heapq", "bisect", "json", "fractions", "decimal", "statistics", "datetime",
            "traceback", "operator", "dataclasses")
 MAX_JOB_BYTES = 8 * 1024 * 1024
+# Jobs a worker takes at once: with two, the next job is already in its pipe when one ends, so no
+# worker idles through a result's round trip (its replies name their jobs: shared.workers' keyed replies).
+DEPTH = 2
+# A worker's cgroup slots: each running job holds one until its teardown (after its result) has
+# emptied it, and the jail prepared for the next job waits in another: DEPTH running and DEPTH torn
+# down, plus the prepared one, so no job waits for a slot and reaping never touches another job.
+SLOTS = "abcde"
 # The worker's command line (`python -I -S -B -c BOOT`): reads the length-prefixed configuration from
 # stdin and runs jail/__main__.py with it; nothing of the host is on the command line.
 BOOT = """import json, os
@@ -148,7 +155,7 @@ class SandboxPool:
         # over and reaped; the grace covers that, a kill follows it.
         self._workers = WorkerPool("sandbox worker", self.size, self._spawn, ready=_ready,
                                    max_waiting=self.settings.sandbox_queue_size or 4 * self.size,
-                                   stop_grace_s=5.0)
+                                   stop_grace_s=5.0, depth=DEPTH, key_of=_job_of)
         self._ids = itertools.count()
         self._cgroup_dirs: list[Path] = []
         self._leases: UidLeases | None = None
@@ -253,7 +260,7 @@ class SandboxPool:
                   "work_bytes": limits.work_bytes}
         async with self._workers.worker() as worker:
             try:
-                raw = json.loads(await worker.ask(json.dumps(header).encode(), payload))
+                raw = json.loads(await worker.ask(json.dumps(header).encode(), payload, key=header["job_id"]))
             except WorkerFailed as exc:
                 raise RuntimeError(f"sandbox failure: {exc}") from None
             if "error" in raw:  # raised inside the block: the worker is restarted
@@ -287,18 +294,13 @@ class SandboxPool:
     # --- cgroups ---
 
     def make_cgroups(self, index: int) -> list[dict[str, str]]:
-        """Creates this worker's three cgroup slots with the service's limits; [{}] * 3 where the host has none.
-
-        The jail prepared for the next job waits (with its candidate process, already inside)
-        in one slot, the running job fills another, and the last job's teardown, which follows
-        its result, empties the third: reaping after a job never touches another job.
-        """
+        """Creates this worker's cgroup slots (SLOTS) with the service's limits; empty ones where the host has none."""
         try:
-            return [self._make_slot(f"w{index}{slot}") for slot in "abc"]
+            return [self._make_slot(f"w{index}{slot}") for slot in SLOTS]
         except OSError as exc:
             for ctrl in ("memory", "pids", "cpu"):
                 self.report.missing.setdefault(f"cgroup_{ctrl}", f"could not set up cgroups: {exc}")
-            return [{}, {}, {}]
+            return [{} for _ in SLOTS]
 
     def _make_slot(self, leaf: str) -> dict[str, str]:
         version, controllers = isolation.cgroup_controllers()
@@ -401,6 +403,20 @@ def sweep_abandoned(tmp: Path = Path("/tmp")) -> int:
 
 def _ready(hello: bytes) -> bool:
     return json.loads(hello).get("ready") is True
+
+
+_JOB_PREFIX = b'{"job_id": '
+
+
+def _job_of(reply: bytes):
+    """The job a worker's reply answers: the supervisor writes its id first (read without parsing the
+    whole reply, which may hold megabytes of output)."""
+    if reply.startswith(_JOB_PREFIX):
+        try:
+            return int(reply[len(_JOB_PREFIX):reply.index(b",", len(_JOB_PREFIX))])
+        except ValueError:
+            pass
+    return json.loads(reply).get("job_id")
 
 
 def _write(path: Path, value) -> None:

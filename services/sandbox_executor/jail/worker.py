@@ -6,9 +6,10 @@
          └─ harness  (jailed.run_harness: one per cgroup slot, runs the slot's tested jobs' tests)
 
 The next jail is forked and set up (namespaces, root, cgroups) while the current
-job runs, so a job's latency holds no fork, unshare or mount. Each worker has three
-cgroup slots: the prepared jail sits in one, the running job fills another, the
-last job's teardown (after its result was sent) empties the third.
+job runs, so a job's latency holds no fork, unshare or mount. Each worker has five
+cgroup slots (pool.SLOTS): the prepared jail sits in one, each of the two jobs it
+takes at once fills one, and each job's teardown (after its result was sent) empties
+its own.
 """
 from __future__ import annotations
 
