@@ -104,16 +104,17 @@ class Zygote:
                                                      max(len(zygote.PASSED), len(zygote.PASSED_HARNESS)))
                 if not message:
                     break
-                note = json.loads(message)
-                if "prepared" in note:
+                kind, *fields = message.split()  # b"prepared <pid>", b"exit <pid> <status> <user s> <system s> <peak bytes>"
+                if kind == b"prepared":
                     names = zygote.PASSED if len(fds) == len(zygote.PASSED) else zygote.PASSED_HARNESS
-                    self.prepared.put((note["prepared"], dict(zip(names, fds))))
+                    self.prepared.put((int(fields[0]), dict(zip(names, fds))))
                 else:
+                    pid, status = int(fields[0]), int(fields[1])
                     with self.changed:
-                        if note["exit"] in self.forgotten:
-                            self.forgotten.discard(note["exit"])
+                        if pid in self.forgotten:
+                            self.forgotten.discard(pid)
                         else:
-                            self.exits[note["exit"]] = (note["status"], tuple(note["usage"]))
+                            self.exits[pid] = (status, (float(fields[2]), float(fields[3]), int(fields[4])))
                             self.changed.notify_all()
         except (OSError, ValueError):
             pass

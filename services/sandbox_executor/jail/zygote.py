@@ -25,8 +25,8 @@ their makers.
 """
 from __future__ import annotations
 
-import json
 import os
+import _socket
 import select
 import signal
 import socket
@@ -86,8 +86,7 @@ def serve(cfg: dict, channel: socket.socket) -> None:
             pid = live.pop(pidfd)
             _, status, usage = os.wait4(pid, 0)
             os.close(pidfd)
-            _send(channel, {"exit": pid, "status": status,
-                            "usage": [usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024]})
+            channel.send(b"exit %d %d %r %r %d" % (pid, status, usage.ru_utime, usage.ru_stime, usage.ru_maxrss * 1024))
         if channel.fileno() in readable:
             request = channel.recv(MESSAGE_BYTES)
             if not request:
@@ -96,7 +95,8 @@ def serve(cfg: dict, channel: socket.socket) -> None:
             fork = fork_jail if kind == b"prepare" else fork_harness
             pid, passed = fork(cfg, own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
             live[os.dup(passed["pidfd"])] = pid
-            _send(channel, {"prepared": pid}, [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
+            socket.send_fds(channel, [b"prepared %d" % pid],
+                            [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
             for fd in passed.values():
                 os.close(fd)
 
@@ -158,7 +158,8 @@ def _fork(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int],
     supervisor's ends) close in it, `ours` here."""
     ready_r, ready_w = os.pipe()
     attached_r, attached_w = os.pipe()
-    calls, calls_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # seccomp listeners come in here
+    # Seccomp listeners come in here (the C-level pair: no Python socket objects made and dropped per jail).
+    calls, calls_w = _socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if cfg["isolate"]:
         # A process may unshare its children's pid namespace once; joining its own again first
         # lets it do so for every jail. The other namespaces the jail joins or makes itself.
@@ -188,6 +189,3 @@ def _fork(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int],
     return pid, {"pidfd": os.pidfd_open(pid), **theirs, "ready_r": ready_r, "attached_w": attached_w,
                  "calls": calls.detach()}
 
-
-def _send(channel: socket.socket, message: dict, fds: list[int] = ()) -> None:
-    socket.send_fds(channel, [json.dumps(message).encode()], list(fds))
