@@ -262,6 +262,28 @@ async def test_a_harness_killed_from_outside_costs_no_job():
             assert [t["passed"] for t in r.tests] == [True] and not r.violation, (r.tests, r.violation)
 
 
+async def test_a_job_that_swelled_its_harness_leaves_the_next_jobs_a_fresh_one():
+    """A job whose data took its harness's memory far above where it started (here the tests' own; a
+    candidate's replies do the same) retires that harness: no later job's tests run in its heap."""
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        adds = "def add(a, b):\n    return a + b\n"
+        tests = "def test_add():\n    assert add(2, 2) == 4\n"
+        assert [t["passed"] for t in (await small.execute(Job(code=adds, tests=tests))).tests] == [True]
+        [worker] = set(jail_workers()) - others
+        before = {c for c in children_of(zygote_of(worker)) if not in_a_slot(c)}
+        heavy = "def test_heavy():\n    block = bytearray(200 << 20)\n    assert add(len(block), 0) == 200 << 20\n"
+        r = await small.execute(Job(code=adds, tests=heavy))
+        assert [t["passed"] for t in r.tests] == [True], r.tests
+        deadline = time.monotonic() + 10
+        while not any(ended(pid) for pid in before) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert any(ended(pid) for pid in before), "no harness retired after the job that swelled it"
+        for _ in range(3):
+            r = await small.execute(Job(code=adds, tests=tests))
+            assert [t["passed"] for t in r.tests] == [True] and not r.violation, (r.tests, r.violation)
+
+
 async def test_tests_and_prelude_compiled_by_the_supervisor_behave_as_written(pool):
     """The supervisor compiles a job's tests and prelude (harness.CompiledTests): a text that does not
     compile is the harness's load_tests failure, in order (a prelude that raises is reported before

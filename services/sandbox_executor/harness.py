@@ -27,7 +27,8 @@ candidate's process left on its own (the supervisor, which reaps it, names an ex
 and {"done": ...} last.
 
 Each job's tests run in a namespace of their own; the harness is replaced after any job it did not
-see through (the wall clock, a forbidden call, its own failure) and after Harness.JOBS jobs. Tests are
+see through (the wall clock, a forbidden call, its own failure), after a job that swelled its memory
+(RETIRE_GROWTH_BYTES) and after Harness.JOBS jobs. Tests are
 the task's, from a trusted submitter: one that changes a module it imports changes it for the jobs
 after it in the same harness, as it would in any test runner that keeps its process.
 
@@ -106,10 +107,11 @@ class Report:
         them. The supervisor, which reaps it, reads its exit status: an exit with code 0 is named."""
         self._line({"gone": stage})
 
-    def done(self, exit_code: int, usage: tuple[float, float, int]) -> None:
-        """The last line: the supervisor sends the result on it, without waiting for the jail to vanish."""
+    def done(self, exit_code: int, usage: tuple[float, float, int], retire: bool = False) -> None:
+        """The last line: the supervisor sends the result on it, without waiting for the jail to vanish.
+        `retire`: this harness takes no more jobs (the supervisor starts a fresh one for the slot)."""
         self._line({"done": True, "exit_code": exit_code, "cpu_user_s": usage[0], "cpu_system_s": usage[1],
-                    "max_rss_bytes": usage[2]})
+                    "max_rss_bytes": usage[2], "retire": retire})
 
 
 class Candidate:
@@ -256,6 +258,7 @@ def serve(control: int, workdir: str) -> None:
     plain data ever reaches this process."""
     _harden()
     sock = socket.socket(fileno=control)
+    start_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     while True:
         message, fds, _, _ = socket.recv_fds(sock, 1, 4)
         if not message:
@@ -267,14 +270,22 @@ def serve(control: int, workdir: str) -> None:
         if job is None or tests is None:
             return
         os.chdir(workdir)  # the job's own /work, mounted by its jail (the slot's mount namespace)
-        run(marshal.loads(job), report_fd, marshal.loads(tests), Candidate(pidfd, call_w, reply_r, Report(report_fd)))
+        retired = run(marshal.loads(job), report_fd, marshal.loads(tests),
+                      Candidate(pidfd, call_w, reply_r, Report(report_fd)), start_peak)
         os.close(report_fd)
+        if retired:
+            return
         os.chdir("/")
 
 
-def run(job: dict, report_fd: int, tests: dict, child: Candidate) -> int:
-    """Runs a tested job's tests against its candidate; writes the report, `done` last; returns 0 when
-    every test passed and nothing was flagged, else 1."""
+# A job whose data took the harness's peak memory this far above where it started retires it: a later
+# job's tests never run in a heap an earlier candidate's replies bloated or fragmented.
+RETIRE_GROWTH_BYTES = 64 << 20
+
+
+def run(job: dict, report_fd: int, tests: dict, child: Candidate, start_peak: int = 0) -> bool:
+    """Runs a tested job's tests against its candidate; writes the report, `done` last (its exit code: 0
+    when every test passed and nothing was flagged, else 1); whether this harness retires after it."""
     report = child.report
     before = resource.getrusage(resource.RUSAGE_SELF)
     try:
@@ -283,9 +294,10 @@ def run(job: dict, report_fd: int, tests: dict, child: Candidate) -> int:
         child.finish()
     code = 1 if report.failed or report.tampered else 0
     own = resource.getrusage(resource.RUSAGE_SELF)
+    retire = own.ru_maxrss * 1024 > start_peak + RETIRE_GROWTH_BYTES
     report.done(code, (own.ru_utime - before.ru_utime + child.usage[0], own.ru_stime - before.ru_stime + child.usage[1],
-                       child.usage[2]))
-    return code
+                       child.usage[2]), retire)
+    return retire
 
 
 def _harden() -> None:

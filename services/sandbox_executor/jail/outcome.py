@@ -15,13 +15,15 @@ DONE_PREFIX = b'{"done": '  # the start of the harness's last report line (harne
 
 
 def harness_done(report: bytes) -> dict | None:
-    """The harness's last line, once it is whole: {"exit_code", "cpu_user_s", "cpu_system_s", "max_rss_bytes"}."""
+    """The harness's last line, once it is whole: {"exit_code", "cpu_user_s", "cpu_system_s", "max_rss_bytes",
+    "retire"} (retire: the harness takes no more jobs)."""
     for line in report.splitlines()[::-1]:
         if line.startswith(DONE_PREFIX):
             try:
                 done = json.loads(line)
                 return {"exit_code": int(done["exit_code"]), "cpu_user_s": float(done["cpu_user_s"]),
-                        "cpu_system_s": float(done["cpu_system_s"]), "max_rss_bytes": int(done["max_rss_bytes"])}
+                        "cpu_system_s": float(done["cpu_system_s"]), "max_rss_bytes": int(done["max_rss_bytes"]),
+                        "retire": done.get("retire") is True}
             except (ValueError, KeyError, TypeError):
                 return None
     return None

@@ -345,7 +345,7 @@ class Supervisor:
             except Exception as exc:
                 jail.kill()
                 result, teardown = {"error": f"{type(exc).__name__}: {exc}"}, cgroups.reap
-            if tested and not result.get("harness_finished"):  # it may be inside a test: a fresh one next
+            if tested and not result.get("harness_finished"):  # inside a test, or retiring: a fresh one next
                 self._drop_harness(slot)
             result.pop("harness_finished", None)
             self.send({"job_id": job["job_id"], **result})
@@ -572,7 +572,7 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups, harness_: Harness | None = 
         "tests": report["tests"],
         "tests_declared": report["declared"],
         "tamper": report["tamper"],
-        "harness_finished": finished,
+        "harness_finished": finished and not done["retire"],
     }, teardown
 
 
