@@ -64,6 +64,8 @@ class Worker:
         # Keyed replies (several requests at once): each waiting request's future, by its key.
         self._key_of = key_of
         self._pending: dict[Hashable, asyncio.Future] = {}
+        self._abandoned: set[Hashable] = set()  # cancelled requests whose replies are still to come
+        self.on_dropped_reply: Callable[[], None] | None = None  # called as each such reply is dropped
         self._reader: asyncio.Task | None = None
 
     def __repr__(self) -> str:
@@ -77,7 +79,7 @@ class Worker:
             raise WorkerFailed(f"{self} did not start: {hello[:300]!r}")
         self.generation += 1
         if self._key_of is not None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+            self._reader = asyncio.get_running_loop().create_task(self._read_replies(self.process.stdout))
 
     async def ask(self, *frames: bytes, timeout: float | None = None, key: Hashable = None) -> bytes:
         """Sends `frames` (one request; with keyed replies, `key` names it) and returns the reply
@@ -90,24 +92,26 @@ class Worker:
     async def stop(self, grace_s: float) -> None:
         """Closes its input (a worker leaves when it ends), kills it after `grace_s`, reaps it."""
         process, self.process = self.process, None
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
-        if process is None:
-            return
-        if process.stdin is not None:
-            process.stdin.close()
+        reader, self._reader = self._reader, None  # hands on the replies still coming until the output ends
         try:
-            if process.returncode is None and grace_s > 0:
-                await asyncio.wait_for(process.wait(), grace_s)
-        except TimeoutError:
-            pass
-        finally:  # also when cancelled while waiting: the process must not outlive its pool
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-        await process.wait()
+            if process is None:
+                return
+            if process.stdin is not None:
+                process.stdin.close()
+            try:
+                if process.returncode is None and grace_s > 0:
+                    await asyncio.wait_for(process.wait(), grace_s)
+            except TimeoutError:
+                pass
+            finally:  # also when cancelled while waiting: the process must not outlive its pool
+                if process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+            await process.wait()
+        finally:
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
 
     async def _exchange(self, frames: tuple[bytes, ...], key: Hashable) -> bytes:
         request = b"".join(framing.encode(frame, self._limit) for frame in frames)
@@ -122,8 +126,15 @@ class Worker:
         try:
             await self._send(request)
             return await future
+        except asyncio.CancelledError:
+            # (Cancelling the task awaiting the future cancels the future too: done, with no reply.)
+            if not future.done() or future.cancelled():  # the worker still runs it: its reply is dropped
+                self._abandoned.add(key)                  # when it comes
+            elif self.on_dropped_reply is not None:  # answered as it was cancelled: its place is free now
+                self.on_dropped_reply()
+            raise
         finally:
-            self._pending.pop(key, None)  # cancelled: its reply, when it comes, is dropped
+            self._pending.pop(key, None)
 
     async def _send(self, request: bytes) -> None:
         try:
@@ -132,18 +143,22 @@ class Worker:
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise WorkerFailed(f"{self} stopped reading its input: {exc!r}") from None
 
-    async def _read_replies(self) -> None:
+    async def _read_replies(self, stream: asyncio.StreamReader) -> None:
         """Hands each reply to the request it names, until the worker fails; then fails every waiting one."""
         failure: BaseException = WorkerFailed(f"{self} was stopped")
         try:
             while True:
-                frame = await self._receive()
+                frame = await self._receive(stream)
                 try:
                     key = self._key_of(frame)
                 except Exception as exc:
                     raise WorkerFailed(f"{self} sent a reply that names no request: {exc}") from None
                 future = self._pending.pop(key, None)
-                if future is not None and not future.done():
+                if key in self._abandoned:
+                    self._abandoned.discard(key)
+                    if self.on_dropped_reply is not None:
+                        self.on_dropped_reply()
+                elif future is not None and not future.done():
                     future.set_result(frame)
         except WorkerFailed as exc:
             failure = exc
@@ -152,10 +167,11 @@ class Worker:
                 if not future.done():
                     future.set_exception(failure)
             self._pending.clear()
+            self._abandoned.clear()
 
-    async def _receive(self) -> bytes:
+    async def _receive(self, stream: asyncio.StreamReader | None = None) -> bytes:
         try:
-            frame = await framing.read_stream(self.process.stdout, self._limit)
+            frame = await framing.read_stream(stream or self.process.stdout, self._limit)
         except (framing.TruncatedFrame, framing.FrameTooLarge, ConnectionResetError) as exc:
             raise WorkerFailed(f"{self} broke the framing: {exc}") from None
         if frame is None:
@@ -189,6 +205,8 @@ class WorkerPool:
     async def start(self) -> "WorkerPool":
         self._workers = [Worker(self.name, i, self._spawn, self._ready, self._frame_limit, self._key_of)
                          for i in range(self.size)]
+        for worker in self._workers:  # a cancelled request's place is free once the worker has answered it
+            worker.on_dropped_reply = lambda w=worker: self._idle.put_nowait((w, w.generation))
         outcomes = await asyncio.gather(*(w.start() for w in self._workers), return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:
@@ -213,8 +231,9 @@ class WorkerPool:
 
     @contextlib.asynccontextmanager
     async def worker(self) -> AsyncIterator[Worker]:
-        """An idle worker for one request; if the block raises (anything, cancellation included),
-        the worker is replaced rather than handed to the next caller."""
+        """An idle worker for one request (the block makes one `ask`); if the block raises (anything,
+        cancellation included), the worker is replaced rather than handed to the next caller, except
+        that a keyed worker's cancelled request only gives its place back once answered."""
         if self._closed:
             raise RuntimeError(f"the {self.name} pool is closed")
         if not self.has_capacity():
@@ -234,9 +253,9 @@ class WorkerPool:
         try:
             yield worker
         except asyncio.CancelledError as exc:
-            if self.depth > 1 and not worker.restarting:  # keyed: the stream is whole, the reply will be dropped
-                self._idle.put_nowait(token)
-            else:
+            # Keyed: the stream is whole; the request's place comes back when its reply has been dropped
+            # (Worker.on_dropped_reply), so a worker never runs more than `depth` requests at once.
+            if self.depth == 1:
                 self._replace(worker, exc)
             raise
         except BaseException as exc:

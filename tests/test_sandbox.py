@@ -284,6 +284,54 @@ async def test_a_job_that_swelled_its_harness_leaves_the_next_jobs_a_fresh_one()
             assert [t["passed"] for t in r.tests] == [True] and not r.violation, (r.tests, r.violation)
 
 
+async def test_a_forged_first_message_fails_its_own_job_and_no_other():
+    """The candidate writes its own "ready" on the call channel, with values the harness cannot use: its
+    job fails, as a verdict (not a sandbox failure), and the worker, its harness and the job beside it
+    go on."""
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        forge = ("import os, struct\nfor body in (b'{\"ready\": true, \"usage\": [0, 0, Infinity]}',):\n"
+                 "    os.write(6, struct.pack('>I', len(body)) + body)\n"
+                 "def add(a, b):\n    return a + b\n")
+        tests = "def test_add():\n    assert add(2, 2) == 4\n"
+        slow = "import time\ntime.sleep(0.3)\ndef add(a, b):\n    return a + b\n"
+        beside = asyncio.ensure_future(small.execute(Job(code=slow, tests=tests)))
+        forged = await small.execute(Job(code=forge, tests=tests))
+        assert forged.tests and not all(t["passed"] for t in forged.tests), forged.tests
+        assert [t["passed"] for t in (await beside).tests] == [True]
+        for _ in range(3):
+            r = await small.execute(Job(code="def add(a, b):\n    return a + b\n", tests=tests))
+            assert [t["passed"] for t in r.tests] == [True], r.tests
+        assert small._workers.restarts == 0
+
+
+async def test_a_candidate_past_its_cpu_limit_is_named_though_it_is_pid_1():
+    """As pid 1 of its namespace the candidate ignores SIGXCPU; the hard limit's SIGKILL ends it, and the
+    job is named by what the kernel counted, not by what the candidate last said it used."""
+    async with SandboxPool(Settings(sandbox_workers=1, sandbox_wall_s=6.0, sandbox_cpu_s=1)) as small:
+        spin = "def add(a, b):\n    while True:\n        pass\n"
+        r = await small.execute(Job(code=spin, tests="def test_add():\n    assert add(2, 2) == 4\n"))
+        assert r.violation == "cpu" and not any(t["passed"] for t in r.tests), (r.violation, r.violation_detail)
+
+
+async def test_jobs_running_beside_each_other_have_uids_and_process_limits_of_their_own():
+    """A worker runs two jobs at once, each in its cgroup slot under the slot's uid: a job holding every
+    process it may have leaves the job beside it all of its own."""
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        hog = ("import os, threading, time\nn = 0\ntry:\n    while True:\n"
+               "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n        n += 1\n"
+               "except BaseException:\n    pass\nprint(os.getuid())\ntime.sleep(1.5)\n")
+        threads = ("import os, threading, time\ntime.sleep(0.3)\n"
+                   "ts = [threading.Thread(target=time.sleep, args=(0.2,)) for _ in range(16)]\n"
+                   "[t.start() for t in ts]\n[t.join() for t in ts]\nprint(os.getuid())\n")
+        hogging = asyncio.ensure_future(small.execute(Job(code=hog)))
+        await asyncio.sleep(0.2)
+        beside = await small.execute(Job(code=threads))
+        hogged = await hogging
+        assert hogged.violation == "processes", (hogged.violation, hogged.stderr[-200:])
+        assert beside.exit_code == 0 and not beside.violation, (beside.violation, beside.stderr[-300:])
+        assert int(beside.stdout) != int(hogged.stdout) and {int(beside.stdout), int(hogged.stdout)} <= set(small.uids)
+
+
 async def test_tests_and_prelude_compiled_by_the_supervisor_behave_as_written(pool):
     """The supervisor compiles a job's tests and prelude (harness.CompiledTests): a text that does not
     compile is the harness's load_tests failure, in order (a prelude that raises is reported before

@@ -10,6 +10,7 @@ import pytest_asyncio
 
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2
 from crucible.services.sandbox_executor.__main__ import group_handler
+from crucible.services.sandbox_executor import pool as pool_module
 from crucible.services.sandbox_executor.pool import Job, SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.shared import bus, rpc
@@ -123,7 +124,8 @@ async def test_execute_batch_stays_bounded_for_a_client_that_never_reads(pool):
 
 async def test_two_pools_on_one_host_never_share_a_job_uid(pool):
     async with SandboxPool(Settings(sandbox_workers=2)) as other:
-        assert len(set(pool.uids)) == pool.size and len(set(other.uids)) == other.size
+        slots = len(pool_module.SLOTS)  # a uid per cgroup slot of each worker
+        assert len(set(pool.uids)) == pool.size * slots and len(set(other.uids)) == other.size * slots
         assert not set(pool.uids) & set(other.uids)
         r = await other.execute(Job(code="import os\nprint(os.getuid())"))
         assert int(r.stdout) in other.uids

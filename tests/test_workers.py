@@ -231,3 +231,22 @@ async def test_a_keyed_worker_that_dies_fails_every_request_it_held_and_is_repla
             assert await gone(first)
         finally:
             await workers.close()
+
+
+async def test_a_cancelled_keyed_request_holds_its_place_until_the_worker_has_answered_it():
+    """A worker taking two requests never runs a third because a caller gave up on one: the place of
+    a cancelled request comes back when its (dropped) reply does."""
+    async with asyncio.timeout(60):
+        workers = await keyed_pool().start()
+        try:
+            slow = asyncio.ensure_future(keyed(workers, b"1", b"slow"))
+            await asyncio.sleep(0.1)
+            slow.cancel()
+            await asyncio.sleep(0.1)
+            assert workers._idle.qsize() == 1  # one place still in use (the worker runs it), one free
+            (pid, echoed), (again, more) = await keyed(workers, b"2", b"next"), await keyed(workers, b"3", b"more")
+            assert (echoed, more) == (b"next", b"more") and pid == again
+            await asyncio.sleep(0.1)
+            assert workers._idle.qsize() == 2 and workers.restarts == 0  # both places back, 1's reply dropped
+        finally:
+            await workers.close()

@@ -201,8 +201,8 @@ class Candidate:
             self.report.tamper("forged_reply", "the call channel carried something that is not a reply")
             self.gone = "the candidate broke the call protocol"
             raise CandidateGone(self.gone)
-        usage = reply.get("usage")
-        if type(usage) is list and len(usage) == 3 and all(type(u) in (int, float) for u in usage):
+        usage = reply.get("usage")  # written by the candidate's side, or forged: finite and in range, or ignored
+        if type(usage) is list and len(usage) == 3 and all(type(u) in (int, float) and 0 <= u < 2 ** 53 for u in usage):
             self.usage = (float(usage[0]), float(usage[1]), int(usage[2]))
         flags = reply.get("flags")
         if type(flags) is list:
@@ -290,6 +290,8 @@ def run(job: dict, report_fd: int, tests: dict, child: Candidate, start_peak: in
     before = resource.getrusage(resource.RUSAGE_SELF)
     try:
         _run_tests(job, tests, child, report)
+    except Exception as exc:  # outside any test (each test's own errors are its outcome): this job fails,
+        report.outcome("harness", False, f"{type(exc).__name__}: {exc}"[:1000])  # the harness goes on
     finally:
         child.finish()
     code = 1 if report.failed or report.tampered else 0

@@ -45,7 +45,7 @@ DEPTH = 2
 # A worker's cgroup slots: each running job holds one until its teardown (after its result) has
 # emptied it, and the jail prepared for the next job waits in another: DEPTH running and DEPTH torn
 # down, plus the prepared one, so no job waits for a slot and reaping never touches another job.
-SLOTS = "abcde"
+SLOTS = "abcde"  # each with a job uid of its own (and its harness runs as that uid)
 # The worker's command line (`python -I -S -B -c BOOT`): reads the length-prefixed configuration from
 # stdin and runs jail/__main__.py with it; nothing of the host is on the command line.
 BOOT = """import json, os
@@ -176,7 +176,7 @@ class SandboxPool:
             log.info("sandbox: removed %d cgroup and runtime folders left by pools that died", swept)
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
-            self._leases = UidLeases(self.settings.sandbox_uid_base, self.size)
+            self._leases = UidLeases(self.settings.sandbox_uid_base, self.size * len(SLOTS))
             await self._workers.start()
         except BaseException:
             await self.close()  # no caller will: `async with` does not exit what did not enter
@@ -185,7 +185,8 @@ class SandboxPool:
 
     @property
     def uids(self) -> list[int]:
-        """The uid each worker runs its jobs as (held for this pool while it runs)."""
+        """The uids the workers run jobs as, one per cgroup slot (held for this pool while it runs): jobs
+        running at once in a worker never share a uid, nor its process limit (RLIMIT_NPROC counts a uid)."""
         return self._leases.uids if self._leases else []
 
     async def close(self) -> None:
@@ -217,7 +218,7 @@ class SandboxPool:
             "ro_binds": binds,
             "hidden": hidden,
             "symlinks": symlinks,
-            "uid": self.uids[index],
+            "uids": self.uids[index * len(SLOTS):(index + 1) * len(SLOTS)],  # one per slot
             "isolate": "namespaces" not in self.report.missing,
             "seccomp": "seccomp" not in self.report.missing,
             "cgroups": self.make_cgroups(index),
@@ -261,10 +262,10 @@ class SandboxPool:
         async with self._workers.worker() as worker:
             try:
                 raw = json.loads(await worker.ask(json.dumps(header).encode(), payload, key=header["job_id"]))
-            except WorkerFailed as exc:
+            except WorkerFailed as exc:  # raised inside the block: the worker is restarted
                 raise RuntimeError(f"sandbox failure: {exc}") from None
-            if "error" in raw:  # raised inside the block: the worker is restarted
-                raise RuntimeError(f"sandbox failure: {raw['error']}")
+        if "error" in raw:  # the job failed, its worker did not (it goes on with the job beside it)
+            raise RuntimeError(f"sandbox failure: {raw['error']}")
         result = self._result(raw, bool(job.tests))
         labels = {"outcome": result.violation or ("ok" if result.exit_code == 0 else "exit_nonzero"),
                   "isolation": result.isolation}

@@ -125,6 +125,7 @@ def run_harness(cfg: dict, control: int, ready_w: int, attached_r: int, calls_w:
 
 
 ATTACHED = b"a"  # the supervisor's go-ahead: the jail is in its cgroups
+HARNESS_TASKS = 8  # the tasks (processes and threads) a slot's harness may hold under the slot's uid
 
 
 def harness_limits(cfg: dict) -> list[tuple[int, int]]:
@@ -209,11 +210,12 @@ def set_limits(cfg: dict, job: dict) -> None:
     # With a pids cgroup, the slot's pids.max (processes + the jail's own) is the limit that refuses a
     # fork or a thread, and the kernel counts each refusal (pids.events): a job that hits it is named a
     # `processes` violation even when it swallows the error. RLIMIT_NPROC (per uid) stays a looser
-    # backstop behind it. The uid is shared by the jail's own processes (harness and candidate) in each
-    # of the worker's slots: the prepared next jail's, and the last job's while it is torn down.
-    slots = cfg.get("cgroups") or [{}, {}, {}]
+    # backstop behind it, looser by the harness's tasks: the uid is the slot's own (pool.SLOTS), held by
+    # this job's processes and the slot's harness, no other job's (a slot takes its next job once this
+    # one's are gone).
+    slots = cfg.get("cgroups") or [{}]
     has_pids = any("pids" in slot or "unified" in slot for slot in slots)
-    nproc = limits["processes"] + (len(slots) * JAIL_OWN_TASKS if has_pids else 2 * len(slots))
+    nproc = limits["processes"] + (JAIL_OWN_TASKS if has_pids else 1) + HARNESS_TASKS
     for res, value in [
         (resource.RLIMIT_AS, limits["memory_bytes"]),
         (resource.RLIMIT_FSIZE, limits["file_bytes"]),

@@ -39,6 +39,7 @@ from crucible.services.sandbox_executor.jail.cgroups import Cgroups
 from crucible.shared import framing
 
 EXIT_WAIT_S = 10  # after a jail was killed: how long its exit may take to be reported before the worker gives up
+ZYGOTE_GRACE_S = 0.2  # a job failed: how long the zygote's socket may take to say it died with it
 GONE_GRACE_S = 0.2  # a candidate that stopped answering: how long it may take to exit before it is killed
 
 
@@ -63,10 +64,16 @@ class Zygote:
         """A new jail for cgroup slot `slot` (or, kind b"harness", the slot's harness): its pid and the
         descriptors zygote.PASSED (PASSED_HARNESS) names."""
         with self.asking:
-            self.channel.send(b"%s %d" % (kind, slot))
+            if self.gone:
+                raise ZygoteGone("the sandbox zygote is gone")
+            try:
+                self.channel.send(b"%s %d" % (kind, slot))
+            except OSError as exc:  # its end of the socket is closed: it died
+                raise ZygoteGone(f"the sandbox zygote is gone ({exc})") from None
             reply = self.prepared.get()
-        if reply is None:
-            raise ZygoteGone("the sandbox zygote is gone")
+            if reply is None:
+                self.prepared.put(None)  # for whoever asks next
+                raise ZygoteGone("the sandbox zygote is gone")
         return reply
 
     def exit_status(self, pid: int, timeout: float) -> tuple[int, tuple[float, float, int]] | None:
@@ -81,6 +88,11 @@ class Zygote:
                     return None
                 self.changed.wait(left)
             return self.exits.pop(pid)
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Whether the zygote is gone, or goes within `timeout` (its socket closing tells)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.gone, timeout)
 
     def forget(self, pid: int) -> None:
         """Nobody will wait for `pid`'s end: drop its exit, now or when it comes."""
@@ -304,8 +316,7 @@ class Supervisor:
         pid, fds = self.zygote.prepare(slot)
         jail = Jail(self.zygote, pid, fds)
         try:
-            cgroups.attach(pid)
-            _go(fds, "the jail failed while preparing its root")
+            _go(fds, "the jail failed while preparing its root", lambda: cgroups.attach(pid))
         except BaseException:
             jail.kill()
             jail.release()
@@ -343,6 +354,11 @@ class Supervisor:
             try:
                 result, teardown = run_job(jail, job, cgroups, self._harness(slot) if tested else None)
             except Exception as exc:
+                # A job whose jail or harness died with the zygote: no jail or harness can be made or
+                # reaped any more, so the worker leaves and the pool starts a new one.
+                if isinstance(exc, ZygoteGone) or self.zygote.wait_gone(ZYGOTE_GRACE_S):
+                    os.write(2, b"sandbox worker: its zygote is gone; the worker leaves\n")
+                    os._exit(1)
                 jail.kill()
                 result, teardown = {"error": f"{type(exc).__name__}: {exc}"}, cgroups.reap
             if tested and not result.get("harness_finished"):  # inside a test, or retiring: a fresh one next
@@ -380,12 +396,19 @@ class Supervisor:
             self.slot_freed.notify()
 
 
-def _go(fds: dict[str, int], failed: str) -> None:
-    """Lets a prepared jail or harness go on (it is in its cgroups) and waits until it is confined."""
-    os.write(fds["attached_w"], jailed.ATTACHED)
-    os.close(fds["attached_w"])
-    ready = os.read(fds["ready_r"], 1)
-    os.close(fds["ready_r"])
+def _go(fds: dict[str, int], failed: str, attach=None) -> None:
+    """Puts a prepared jail in its cgroups (`attach`), lets it go on and waits until it is confined (or
+    a harness); the two descriptors of that handshake are closed whatever happens."""
+    try:
+        if attach is not None:
+            attach()
+        os.write(fds["attached_w"], jailed.ATTACHED)
+        ready = os.read(fds["ready_r"], 1)
+    except OSError:  # it died setting up
+        ready = b""
+    finally:
+        os.close(fds["attached_w"])
+        os.close(fds["ready_r"])
     if ready != b"r":
         raise RuntimeError(failed)
 
@@ -518,6 +541,10 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups, harness_: Harness | None = 
                                          "detail": f"the program ended its own process with exit code 0 {when}"})
                 exit_code = 1
             limit_sig = -code if code < 0 else 0
+            # What the kernel counted, not what the candidate last said: a limit's kill (as pid 1 of its
+            # namespace it ignores SIGXCPU; the hard limit's SIGKILL ends it) is named from these.
+            user_s, system_s, max_rss = (max(user_s, ended[1][0]), max(system_s, ended[1][1]),
+                                         max(max_rss, ended[1][2]))
 
             def teardown():
                 cgroups.reap()
@@ -536,15 +563,15 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups, harness_: Harness | None = 
         duration_ms = (time.monotonic() - started) * 1000
         drain([out_r, err_r], out, truncated, cap)  # what it wrote before it was stopped
         killed_stragglers = cgroups.reap()
-        if harness_lost:
-            raise RuntimeError(harness_lost)
         exit_code = os.waitstatus_to_exitcode(status)
         sig = limit_sig = -exit_code if exit_code < 0 else 0
+        if harness_lost:  # a failed verdict (the tests it did not report count as failed), not a worker's error
+            violation, detail, exit_code, sig = "", harness_lost, 1, 0
 
         def teardown():
             pass
 
-    if not violation:
+    if not violation and not harness_lost:
         cpu_s = user_s + system_s  # the program's own (rusage): what its CPU rlimit counts
         violation, detail = outcome.classify(limit_sig, exit_code, bytes(out[err_r]), cgroups, limits, cpu_s,
                                              memory_events, pids_events)

@@ -93,7 +93,9 @@ def serve(cfg: dict, channel: socket.socket) -> None:
                 return
             kind, slot = request.split()
             fork = fork_jail if kind == b"prepare" else fork_harness
-            pid, passed = fork(cfg, own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
+            # Everything forked for a slot runs as the slot's uid: jobs running at once never share one.
+            slot_cfg = {**cfg, "uid": cfg["uids"][int(slot)]}
+            pid, passed = fork(slot_cfg, own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
             live[os.dup(passed["pidfd"])] = pid
             socket.send_fds(channel, [b"prepared %d" % pid],
                             [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
