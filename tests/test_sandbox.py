@@ -529,6 +529,28 @@ async def test_refuses_weak_isolation_unless_allowed(monkeypatch):
     assert r.isolation == "partial" and any("cgroup_memory" in m for m in r.missing_guarantees)
 
 
+async def test_without_namespaces_tested_jobs_are_still_judged(monkeypatch):
+    """Weak isolation (no namespaces, allowed): the harness and the slot's jobs share a folder of the
+    slot's own, and a tested job is judged as with full isolation, an exit with code 0 named."""
+    real_probe = isolation.probe
+
+    def weaker():
+        report = real_probe()
+        report.missing["namespaces"] = "no namespaces (simulated)"
+        return report
+
+    monkeypatch.setattr(isolation, "probe", weaker)
+    async with SandboxPool(Settings(sandbox_workers=1), allow_weak=True) as weak:
+        adds = "def add(a, b):\n    return a + b\n"
+        right = await weak.execute(Job(code=adds, tests="def test_a():\n    assert add(1, 2) == 3\n"))
+        wrong = await weak.execute(Job(code=adds, tests="def test_b():\n    assert add(1, 2) == 4\n"))
+        leaves = await weak.execute(Job(code="import os\nos._exit(0)\n" + adds,
+                                        tests="def test_a():\n    assert add(1, 2) == 3\n"))
+    assert right.isolation == "none" and [t["passed"] for t in right.tests] == [True], (right.tests, right.stderr)
+    assert [t["passed"] for t in wrong.tests] == [False]
+    assert [t["passed"] for t in leaves.tests] == [False] and "exit_before_tests" in {t["pattern"] for t in leaves.tamper}
+
+
 @pytest.mark.slow
 async def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail(pool):
     """The built-in HumanEval set through the path a rollout takes: the kind's job, the jail, the kind's score."""

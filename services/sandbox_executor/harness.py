@@ -250,7 +250,7 @@ class Candidate:
         raise CandidateGone(self.gone)
 
 
-def serve(control: int, workdir: str) -> None:
+def serve(control: int, workdir: str | None) -> None:
     """A slot's harness: runs the tests of one tested job after another, as the supervisor sends them on
     `control` (a stream socket): the job's descriptors (the candidate's call channel, the report pipe,
     the candidate's pidfd) with one byte, then the job and its tests as two frames. Returns when the
@@ -269,13 +269,15 @@ def serve(control: int, workdir: str) -> None:
         job, tests = framing.read(control), framing.read(control, TESTS_FRAME_LIMIT)
         if job is None or tests is None:
             return
-        os.chdir(workdir)  # the job's own /work, mounted by its jail (the slot's mount namespace)
+        if workdir is not None:
+            os.chdir(workdir)  # the job's own /work, mounted by its jail (the slot's mount namespace)
         retired = run(marshal.loads(job), report_fd, marshal.loads(tests),
                       Candidate(pidfd, call_w, reply_r, Report(report_fd)), start_peak)
         os.close(report_fd)
         if retired:
             return
-        os.chdir("/")
+        if workdir is not None:
+            os.chdir("/")
 
 
 # A job whose data took the harness's peak memory this far above where it started retires it: a later

@@ -58,9 +58,7 @@ def run(cfg: dict, job_r: int, stdin_r: int, out_w: int, err_w: int, call_r: int
         if cfg["isolate"]:
             rootfs.enter(cfg)
         else:
-            os.chdir(cfg["root_dir"])
-            if os.geteuid() == 0:  # the job's files are written after the uid drop, by the job's uid
-                os.chown(".", cfg["uid"], cfg["uid"])
+            os.chdir(cfg["work_dir"])  # the slot's folder (zygote.slot_config), its uid's
         # From here on this process, and every process it forks (the program's children), is the
         # job's uid under the job's seccomp filter.
         confine(cfg, calls_w)
@@ -106,13 +104,15 @@ def run_harness(cfg: dict, control: int, ready_w: int, attached_r: int, calls_w:
         os.close(attached_r)
         prctl(PR_SET_DUMPABLE, 0, "prctl(DUMPABLE)")
         os.setsid()
-        os.chdir("/" if cfg["isolate"] else cfg["root_dir"])
+        # Isolated: each job's /work is entered as the job begins (harness.serve). Without namespaces the
+        # slot's folder is entered now, while this process may still pass the runtime folder (root's, 0700).
+        os.chdir("/" if cfg["isolate"] else cfg["work_dir"])
         confine(cfg, calls_w)
         for res, value in harness_limits(cfg):
             _lower_limit(res, value, value)
         os.write(ready_w, b"r")
         os.close(ready_w)
-        harness.serve(control, "/work" if cfg["isolate"] else cfg["root_dir"])
+        harness.serve(control, "/work" if cfg["isolate"] else None)
         code = 0
     except BaseException as exc:
         try:

@@ -79,6 +79,7 @@ def serve(cfg: dict, channel: socket.socket) -> None:
     slots = len(cfg.get("cgroups") or [{}, {}, {}])
     shared = slot_namespaces(cfg, slots) if cfg["isolate"] else [()] * slots
     kept = [fd for fds in shared for fd in fds]
+    slot_configs = [slot_config(cfg, slot) for slot in range(slots)]
     live: dict[int, int] = {}  # pidfd -> pid
     while True:
         readable, _, _ = select.select([channel.fileno(), *live], [], [])
@@ -93,9 +94,7 @@ def serve(cfg: dict, channel: socket.socket) -> None:
                 return
             kind, slot = request.split()
             fork = fork_jail if kind == b"prepare" else fork_harness
-            # Everything forked for a slot runs as the slot's uid: jobs running at once never share one.
-            slot_cfg = {**cfg, "uid": cfg["uids"][int(slot)]}
-            pid, passed = fork(slot_cfg, own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
+            pid, passed = fork(slot_configs[int(slot)], own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
             live[os.dup(passed["pidfd"])] = pid
             socket.send_fds(channel, [b"prepared %d" % pid],
                             [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
@@ -104,6 +103,18 @@ def serve(cfg: dict, channel: socket.socket) -> None:
 
 
 SLOT_NAMESPACES = (("net", CLONE_NEWNET), ("uts", CLONE_NEWUTS), ("mnt", CLONE_NEWNS))
+
+
+def slot_config(cfg: dict, slot: int) -> dict:
+    """What a slot's jails and harness are forked with: the slot's own uid (jobs running at once never
+    share one), and without namespaces a folder of the slot's own for its jobs' files, the uid's."""
+    slot_cfg = {**cfg, "uid": cfg["uids"][slot]}
+    if not cfg["isolate"]:
+        slot_cfg["work_dir"] = os.path.join(cfg["root_dir"], f"slot{slot}")
+        os.makedirs(slot_cfg["work_dir"], mode=0o700, exist_ok=True)
+        if os.geteuid() == 0:  # the job's files are written after the uid drop, by the slot's uid
+            os.chown(slot_cfg["work_dir"], slot_cfg["uid"], slot_cfg["uid"])
+    return slot_cfg
 
 
 def slot_namespaces(cfg: dict, count: int) -> list[tuple[int, ...]]:
