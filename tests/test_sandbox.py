@@ -71,10 +71,16 @@ def ended(pid: int) -> bool:
 
 def in_a_slot(pid: int) -> bool:
     """Whether the process is in one of a pool's cgroup slots (a jail is; a harness is not)."""
+    return any(leaf[:1] == "w" and leaf[-1:] in pool_module.SLOTS for leaf in cgroup_leaves(pid))
+
+
+def cgroup_leaves(pid: int) -> set[str]:
+    """The last part of each cgroup path of a pool's runtime the process is in."""
     try:
-        return pool_module.RUNTIME_PREFIX in Path(f"/proc/{pid}/cgroup").read_text()
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
-        return False
+        return set()
+    return {line.rpartition("/")[2] for line in lines if pool_module.RUNTIME_PREFIX in line}
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -241,6 +247,27 @@ async def test_a_harness_that_did_not_finish_is_replaced_and_the_next_tested_job
     for _ in range(4):  # every slot's harness, whichever ran the stuck one
         r = await pool.execute(Job(code=adds, tests="def test_add():\n    assert add(2, 2) == 4\n"))
         assert [t["passed"] for t in r.tests] == [True] and not r.violation, (r.tests, r.violation)
+
+
+async def test_harnesses_are_charged_to_their_workers_group_and_no_slot():
+    """A worker's harnesses share a cgroup of their own (w<index>h, the service's limits), so what they
+    hold is charged and bounded, and no slot's teardown ever reaches them."""
+    if isolation.probe().missing:
+        pytest.skip("needs full isolation (cgroups)")
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        adds = "def add(a, b):\n    return a + b\n"
+        for _ in range(3):
+            r = await small.execute(Job(code=adds, tests="def test_add():\n    assert add(2, 2) == 4\n"))
+            assert [t["passed"] for t in r.tests] == [True]
+        [worker] = set(jail_workers()) - others
+        harnesses = [c for c in children_of(zygote_of(worker)) if not in_a_slot(c)]
+        assert harnesses
+        assert all(cgroup_leaves(pid) and cgroup_leaves(pid) <= {"w0" + pool_module.HARNESS_GROUP}
+                   for pid in harnesses), {pid: cgroup_leaves(pid) for pid in harnesses}
+    _, controllers = isolation.cgroup_controllers()  # closed: its groups, the harnesses' too, are gone
+    left = [base / small.runtime_dir.name for base in set(controllers.values()) if (base / small.runtime_dir.name).exists()]
+    assert left == [], left
 
 
 async def test_a_harness_killed_from_outside_costs_no_job():

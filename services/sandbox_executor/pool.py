@@ -46,6 +46,7 @@ DEPTH = 2
 # emptied it, and the jail prepared for the next job waits in another: DEPTH running and DEPTH torn
 # down, plus the prepared one, so no job waits for a slot and reaping never touches another job.
 SLOTS = "abcde"  # each with a job uid of its own (and its harness runs as that uid)
+HARNESS_GROUP = "h"  # the leaf of the cgroup a worker's harnesses share (w<index>h)
 # The worker's command line (`python -I -S -B -c BOOT`): reads the length-prefixed configuration from
 # stdin and runs jail/__main__.py with it; nothing of the host is on the command line.
 BOOT = """import json, os
@@ -197,8 +198,12 @@ class SandboxPool:
         for d in sorted(set(self._cgroup_dirs), key=lambda p: len(p.parts), reverse=True):
             try:
                 d.rmdir()
-            except OSError:
-                pass
+            except OSError:  # something still in it (a worker killed at its grace's end): end it, once more
+                Cgroups({"pids": str(d)}).reap()  # any controller's folder lists its processes
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     async def __aenter__(self) -> "SandboxPool":
@@ -222,6 +227,7 @@ class SandboxPool:
             "isolate": "namespaces" not in self.report.missing,
             "seccomp": "seccomp" not in self.report.missing,
             "cgroups": self.make_cgroups(index),
+            "harness_cgroup": self.make_harness_cgroup(index),
             "preload": PRELOAD,
             "work_bytes": self.limits.work_bytes,
             "harness_memory_bytes": self.limits.memory_bytes,
@@ -302,6 +308,15 @@ class SandboxPool:
             for ctrl in ("memory", "pids", "cpu"):
                 self.report.missing.setdefault(f"cgroup_{ctrl}", f"could not set up cgroups: {exc}")
             return [{} for _ in SLOTS]
+
+    def make_harness_cgroup(self, index: int) -> dict[str, str]:
+        """The cgroup the worker's harnesses share (one per slot, long-lived): what the candidates' replies
+        make them hold is charged and bounded here (the service's memory limit, for all of them
+        together), not outside every limit; empty where the host has no cgroups."""
+        try:
+            return self._make_slot(f"w{index}{HARNESS_GROUP}")
+        except OSError:
+            return {}
 
     def _make_slot(self, leaf: str) -> dict[str, str]:
         version, controllers = isolation.cgroup_controllers()

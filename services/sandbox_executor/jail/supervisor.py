@@ -248,6 +248,7 @@ class Supervisor:
 
     def __init__(self, cfg: dict, slots: list[Cgroups], zygote_link: Zygote):
         self.cfg, self.slots, self.zygote = cfg, slots, zygote_link
+        self.harness_cgroup = Cgroups(cfg.get("harness_cgroup") or {}, keep_open=True)  # shared by the harnesses
         self.free = set(range(len(slots)))
         self.slot_freed = threading.Condition()
         self.send_lock = threading.Lock()
@@ -301,6 +302,7 @@ class Supervisor:
         for h in self.harnesses:
             if h is not None:
                 h.close()
+        self.harness_cgroup.reap()  # until they have gone: the pool removes the group after this worker
 
     def _runner(self) -> None:
         while (work := self.jobs.get()) is not None:
@@ -339,7 +341,7 @@ class Supervisor:
         pid, fds = self.zygote.prepare(slot, b"harness")
         fresh = Harness(self.zygote, pid, fds)
         try:
-            _go(fds, "the slot's harness failed while starting")
+            _go(fds, "the slot's harness failed while starting", lambda: self.harness_cgroup.attach(pid))
         except BaseException:
             fresh.close()
             raise
