@@ -17,12 +17,16 @@ from crucible.shared.settings import Settings
 pytest_plugins = ["tests.fixtures_store", "tests.checkout_guard"]
 
 # Hypothesis keeps its example database and caches in a folder of its own: a temporary one, never
-# the checkout (tests leave it as they found it).
+# the checkout (tests leave it as they found it), removed when the session's process ends.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 from hypothesis import configuration as _hypothesis_configuration  # noqa: E402
 
-_hypothesis_configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="crucible-hypothesis-"))
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="crucible-hypothesis-")
+_hypothesis_configuration.set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, ignore_errors=True)
 
 
 # Every sample's trace is kept in tests (the default keeps a share, by trace id): tests follow
