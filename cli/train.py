@@ -2,11 +2,12 @@
 
     the recipe's model (the built-in policy warm-started on the answer format, or a Hugging Face model)
     -> start generator, sandbox-executor, verifier, reward-aggregator, learner (processes)
-    -> measure the held-out pass rate -> feed training tasks over Kafka, show each policy step
-    -> measure the held-out pass rate of the final policy -> report
+    -> the evaluator's held-out pass rate of the starting policy -> feed training tasks over Kafka,
+       show each policy step -> measure the held-out pass rate of the final policy -> report
 
-Held-out tasks are never published to Kafka (the generator would refuse them): they are sampled
-here, greedily, and scored by the run's verifier, with the same task kinds as training.
+Held-out tasks are never published on the training topic (the generator would refuse them): the
+evaluator reads them from their own topic; the final policy is sampled here, greedily, and scored by
+the run's verifier, with the same task kinds as training.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ log = logging.getLogger("crucible.train")
 
 CPU_EVERY = 10  # versions between two readings of each process's CPU time
 STALL_S = 20.0  # no new version for this long: the learner is short of samples; feed it more tasks
+STARTING_EVALUATION_S = 300.0  # the longest wait for the evaluator's score of the starting policy
 
 
 @dataclass
@@ -104,6 +106,28 @@ async def heldout_pass_rate(run: "Run", checkpoint: Path, tasks) -> float:
     async with evaluation.verifier(run.verifier_address) as verify, evaluation.sandbox(run.sandbox_address) as execute:
         return (await evaluation.evaluate(backend, tasks, verify, max_tokens=run.settings.max_tokens, execute=execute,
                                           max_episode_tokens=run.settings.max_episode_tokens)).pass_rate
+
+
+async def starting_pass_rate(run: "Run", init: Path, tasks) -> float:
+    """The held-out pass rate of the run's starting policy (version 0) as the run's evaluator scores it,
+    read from the run's evaluations topic: scored here as well, it was scored twice, and the evaluator's
+    turn (0.7-1.3 s of both cores here) ran beside the first training steps. Waits for it before the
+    first task is fed; scores it here after all where the evaluator has not within
+    STARTING_EVALUATION_S (a service that keeps dying stops the run meanwhile)."""
+    s = run.settings
+    started = said = time.monotonic()
+    async with bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False) as reader:
+        while (waited := time.monotonic() - started) < STARTING_EVALUATION_S:
+            run.check_services()
+            for incoming in await reader.fetch(timeout_ms=500):
+                if incoming.message.run_id == s.run_id and incoming.message.policy_version == 0:
+                    return incoming.message.pass_rate
+            if time.monotonic() - said >= 30:
+                said = time.monotonic()
+                run.echo(f"      waiting for the evaluator to score the starting policy ({waited:.0f}s)")
+    run.echo(f"      the evaluator has not scored the starting policy in {STARTING_EVALUATION_S:.0f}s "
+             "(see its log); scoring it here")
+    return await heldout_pass_rate(run, init, tasks)
 
 
 def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, str]:
@@ -291,7 +315,7 @@ async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = ""
     try:
         await rpc.wait_serving(run.verifier_address, "crucible.v1.Verifier", timeout=120)
         if not resume:
-            report.heldout_before = await heldout_pass_rate(run, init, heldout)
+            report.heldout_before = await starting_pass_rate(run, init, heldout)
             (run.dir / RUN_STATE).write_text(json.dumps({
                 "run_id": run.run_id, "recipe": recipe.model_dump(mode="json"),
                 "recipe_source": str(recipe.source) if recipe.source else "", "init": str(init),

@@ -32,6 +32,11 @@ async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     assert 0.3 <= report.heldout_before <= 0.7, "the warm-start taught the format, not the answers"
     assert report.heldout_after >= report.heldout_before + 0.25, (report.heldout_before, report.heldout_after)
     assert any("held-out pass rate after RL" in line for line in lines)
+    # The starting policy is scored once, by the evaluator, before the first task is fed: the report's
+    # figure is the evaluator's, and no evaluation ran beside the first steps.
+    first = report.evaluations[0]
+    assert (first["version"], first["heldout"]) == (0, report.heldout_before), report.evaluations
+    assert first["t"] <= 0.3, report.evaluations  # seen as the feeding began (it came 1.2-1.4 s in, beside the steps)
     # Where a step's time went, from the run's spans and the learner's own timings.
     breakdown = report.step_breakdown
     assert breakdown["sample_ms"] > 0 and breakdown["learner_step_ms"] > 0 and breakdown["checkpoint_ms"] > 0, breakdown
