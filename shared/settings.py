@@ -277,6 +277,10 @@ class Settings(BaseSettings, RunConfig):
     cpu_nice: int = Field(default=0, ge=0, le=19, description="How far below normal this service's CPU priority "
                           "is (Unix nice, applied to the whole process as it starts). `crucible train` and "
                           "`crucible up` lower the evaluator's, whose work no policy step waits for.")
+    malloc_keep_freed: bool = Field(default=True, description="Keep memory this service frees for its next "
+                                    "allocations (one malloc arena, no trimming, no mmap per tensor) instead of "
+                                    "giving it back to the system and faulting it in again; turn off where a "
+                                    "service's peak memory must be returned between its peaks.")
     otel_store_spans: bool = Field(default=True, description="Write every span into the store's otel_traces "
                                    "table (the embedded setup); turn off where a collector writes them.")
     otel_trace_ratio: float = Field(default=0.125, ge=0, le=1, description="The share of traces kept (head "
