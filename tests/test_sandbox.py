@@ -261,7 +261,7 @@ async def test_harnesses_are_charged_to_their_workers_group_and_no_slot():
             r = await small.execute(Job(code=adds, tests="def test_add():\n    assert add(2, 2) == 4\n"))
             assert [t["passed"] for t in r.tests] == [True]
         [worker] = set(jail_workers()) - others
-        harnesses = [c for c in children_of(zygote_of(worker)) if not in_a_slot(c)]
+        harnesses = await harnesses_of(worker)
         assert harnesses
         assert all(cgroup_leaves(pid) and cgroup_leaves(pid) <= {"w0" + pool_module.HARNESS_GROUP}
                    for pid in harnesses), {pid: cgroup_leaves(pid) for pid in harnesses}
@@ -277,7 +277,7 @@ async def test_a_harness_killed_from_outside_costs_no_job():
         tests = "def test_add():\n    assert add(2, 2) == 4\n"
         assert [t["passed"] for t in (await small.execute(Job(code=adds, tests=tests))).tests] == [True]
         [worker] = set(jail_workers()) - others
-        harnesses = [c for c in children_of(zygote_of(worker)) if not in_a_slot(c)]
+        harnesses = await harnesses_of(worker)
         assert harnesses, "the worker's zygote has no harness child"
         for pid in harnesses:
             os.kill(pid, signal.SIGKILL)
@@ -298,7 +298,7 @@ async def test_a_job_that_swelled_its_harness_leaves_the_next_jobs_a_fresh_one()
         tests = "def test_add():\n    assert add(2, 2) == 4\n"
         assert [t["passed"] for t in (await small.execute(Job(code=adds, tests=tests))).tests] == [True]
         [worker] = set(jail_workers()) - others
-        before = {c for c in children_of(zygote_of(worker)) if not in_a_slot(c)}
+        before = set(await harnesses_of(worker))
         heavy = "def test_heavy():\n    block = bytearray(200 << 20)\n    assert add(len(block), 0) == 200 << 20\n"
         r = await small.execute(Job(code=adds, tests=heavy))
         assert [t["passed"] for t in r.tests] == [True], r.tests
@@ -462,6 +462,18 @@ def children_of(pid: int) -> list[int]:
                 found.append(int(stat.parent.name))
         except (OSError, ValueError, IndexError):
             continue
+    return found
+
+
+async def harnesses_of(worker: int) -> list[int]:
+    """The worker's harnesses: its zygote's children in no slot, once each of them is in a group. The jail
+    forked for the worker's next job is in none for a moment, until the supervisor attaches it to its
+    slot (it was once taken for a harness here); a harness still in no group after 5 s is returned."""
+    for _ in range(250):
+        found = [c for c in children_of(zygote_of(worker)) if not in_a_slot(c)]
+        if all(cgroup_leaves(pid) for pid in found):
+            break
+        await asyncio.sleep(0.02)
     return found
 
 
