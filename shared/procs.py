@@ -26,7 +26,7 @@ def keep_freed_memory() -> bool:
     arena of its own, and what one step freed went back to the system, to be faulted in again page by
     page by the next: the built-in recipe's learner took 4,000-50,000 page faults a step (17,000 on
     average) and up to three times a step's CPU (630 ms against 200). With this, 2,200-2,600 on average,
-    nearly all in its first three steps, and 231-249 ms of learner CPU a step against 273-314
+    nearly all in its first three steps, and 231-249 ms of learner CPU a step against 284-314
     (`bench/bench_pipeline.py --runs async`, seed 2, 20 steps, a step's faults counted in the learner)."""
     import ctypes
 
@@ -37,8 +37,9 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+    taken = [mallopt(param, value) == 1 for param, value in (
+        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1))]
+    return all(taken)  # each one asked for, whether or not another was refused
 
 
 def free_port(host: str = "127.0.0.1") -> int:
