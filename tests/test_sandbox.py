@@ -552,15 +552,20 @@ async def test_a_pool_whose_workers_cannot_start_leaves_nothing_behind(monkeypat
     assert list(Path("/sys/fs/cgroup").glob(f"*/{failing.runtime_dir.name}")) == []
 
 
-async def test_refuses_weak_isolation_unless_allowed(monkeypatch):
+def simulate_missing(monkeypatch, guarantee: str, why: str) -> None:
+    """The host's isolation probe, as it is, less one guarantee (named `guarantee`, missing for `why`)."""
     real_probe = isolation.probe
 
     def weaker():
         report = real_probe()
-        report.missing["cgroup_memory"] = "no writable memory cgroup controller (simulated)"
+        report.missing[guarantee] = f"{why} (simulated)"
         return report
 
     monkeypatch.setattr(isolation, "probe", weaker)
+
+
+async def test_refuses_weak_isolation_unless_allowed(monkeypatch):
+    simulate_missing(monkeypatch, "cgroup_memory", "no writable memory cgroup controller")
     with pytest.raises(isolation.IsolationError, match="cgroup_memory"):
         await SandboxPool(Settings(sandbox_workers=1)).start()
     async with SandboxPool(Settings(sandbox_workers=1), allow_weak=True) as weak:
@@ -571,14 +576,7 @@ async def test_refuses_weak_isolation_unless_allowed(monkeypatch):
 async def test_without_namespaces_tested_jobs_are_still_judged(monkeypatch):
     """Weak isolation (no namespaces, allowed): the harness and the slot's jobs share a folder of the
     slot's own, and a tested job is judged as with full isolation, an exit with code 0 named."""
-    real_probe = isolation.probe
-
-    def weaker():
-        report = real_probe()
-        report.missing["namespaces"] = "no namespaces (simulated)"
-        return report
-
-    monkeypatch.setattr(isolation, "probe", weaker)
+    simulate_missing(monkeypatch, "namespaces", "no namespaces")
     async with SandboxPool(Settings(sandbox_workers=1), allow_weak=True) as weak:
         adds = "def add(a, b):\n    return a + b\n"
         right = await weak.execute(Job(code=adds, tests="def test_a():\n    assert add(1, 2) == 3\n"))
