@@ -35,7 +35,7 @@ TOPIC_SCHEMAS: dict[str, type[Message]] = {
     "tasks": task_pb2.Task,
     "rollouts": rollout_pb2.RolloutGroup,
     "executions": execution_pb2.Execution,
-    "verdicts": verdict_pb2.Verdict,
+    "verdicts": verdict_pb2.VerdictGroup,  # a group's verdicts in one record (an episode's alone)
     "trajectories": trajectory_pb2.Trajectory,
     "policy": policy_pb2.PolicyVersion,
     "alerts": alert_pb2.Alert,

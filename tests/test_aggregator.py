@@ -134,10 +134,16 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
     complete[1].tampered = True
     complete[1].tamper_patterns.append("exit_before_tests")
     straggling = [verdict("B", i, 3, r) for i, r in enumerate([1.0, 0.0])]  # the third never comes
+    # Group A's verdicts in two records, one of them alone (as an episode's comes), B's in one; then
+    # a record that mixes two groups, and one whose two verdicts are the same sample: refused whole.
+    records = [complete[:1], straggling, complete[1:3], complete[3:]]
+    mixed = [verdict("C", 0, 2, 1.0), verdict("D", 1, 2, 1.0)]
+    twice = [verdict("E", 0, 2, 1.0), verdict("E", 0, 2, 0.0)]
     try:
         async with bus.Producer(settings) as producer:
-            for v in complete[:2] + straggling + complete[2:]:
-                await producer.send_and_wait("verdicts", v, key=v.sample.group_id)
+            for vs in records + [mixed, twice]:
+                await producer.send_and_wait("verdicts", verdict_pb2.VerdictGroup(verdicts=vs),
+                                             key=vs[0].sample.group_id)
         raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
         await raw.start()
         await raw.send_and_wait(settings.topic("verdicts"), b"\x00garbage\xff", key=b"A")
@@ -155,8 +161,10 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
         assert {r.key for r in records} == {b"A", b"B"}
         alerts = await read_raw(settings, "alerts", 1, timeout=30)
         assert b"exit_before_tests" in alerts[0].value and alerts[0].key == b"tamper"
-        dead = await read_raw(settings, "verdicts.dlq", 1, timeout=30)
-        assert "undecodable" in dict(dead[0].headers)["dlq-reason"].decode()
+        dead = await read_raw(settings, "verdicts.dlq", 3, timeout=30)
+        reasons = [dict(d.headers)["dlq-reason"].decode() for d in dead]
+        assert [r.split(":")[0] for r in reasons] == ["rejected", "rejected", "undecodable"]
+        assert "'D'" in reasons[0] and "'C'" in reasons[0] and "sample_index 0 twice" in reasons[1]
 
         client = store.connect(settings)
         query = "SELECT group_id, count(), sum(reward) FROM trajectories FINAL GROUP BY group_id ORDER BY group_id"
@@ -167,8 +175,7 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
             ("tamper", "exit_before_tests")]
         # A replay of the same verdicts (a consumer restarting before its commit) duplicates nothing.
         async with bus.Producer(settings) as producer:
-            for v in complete:
-                await producer.send_and_wait("verdicts", v, key="A")
+            await producer.send_and_wait("verdicts", verdict_pb2.VerdictGroup(verdicts=complete), key="A")
         await read_raw(settings, "trajectories", 10, timeout=60)
         await asyncio.sleep(1.0)  # the replay's rows, had they been duplicated, would be in by now
         assert client.query(query).result_rows == [("A", 4, 2.0), ("B", 2, 1.0)]

@@ -55,7 +55,7 @@ def sample_messages() -> dict[str, object]:
         "tasks": task,
         "rollouts": group,
         "executions": execution_pb2.Execution(id="e-1", group=group, results=[result]),
-        "verdicts": verdict,
+        "verdicts": verdict_pb2.VerdictGroup(verdicts=[verdict]),
         "trajectories": trained,
         "policy": policy_pb2.PolicyVersion(run_id="run", version=3, checkpoint_uri="file:///tmp/ckpt",
                                            metrics=policy_pb2.StepMetrics(loss=0.25, kl=0.01)),

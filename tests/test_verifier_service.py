@@ -135,11 +135,12 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
             await producer.send_and_wait("rollouts", g, key=g.group_id)
     async with bus.Consumer(TOPICS, "verifier", verdict_handler(scorer), settings=settings, concurrency=4) as consumer:
         await asyncio.wait_for(consumer.run(max_records=len(executions) + len(groups)), 60)
-    verdicts = {}
-    for record in await read_raw(settings, "verdicts", 7):
-        v = verdict_pb2.Verdict.FromString(record.value)
-        verdicts[v.sample.id] = v
-        assert record.key == v.sample.group_id.encode()
+    verdicts, records = {}, await read_raw(settings, "verdicts", 4)
+    for record in records:  # one record a group, holding all its verdicts
+        held = verdict_pb2.VerdictGroup.FromString(record.value).verdicts
+        assert {v.sample.group_id.encode() for v in held} == {record.key}
+        verdicts.update((v.sample.id, v) for v in held)
+    assert sorted(record.key for record in records) == [b"h", b"k", b"m", b"x"]
     assert set(verdicts) == {"x/0", "x/1", "x/2", "x/3", "h/0", "m/0", "k/0"}
     assert verdicts["x/0"].reward == 1.0 and verdicts["x/0"].execution.tests[0].passed and verdicts["x/0"].sample.passed
     assert verdicts["x/1"].reward == 0.0 and verdicts["x/1"].components["tests_total"] == 1.0

@@ -30,7 +30,7 @@ from crucible.services.reward_aggregator.handler import (
     TRAJECTORY_COLUMNS,
     RewardConfig,
     alerts_for,
-    check_verdict,
+    check_record,
     group_trajectories,
     trajectory_row,
     turn_rows,
@@ -54,11 +54,12 @@ def _headers(event_headers) -> list[tuple[str, bytes]]:
     return [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in items]
 
 
-# Verdicts joined before the groups they complete are written: a batch closes once 5 ms pass without a
-# verdict, 50 ms after its first at the latest, or at JOIN_BATCH. faust hands a step's 256 verdicts
-# over one by one, fetched together, in 26-51 ms here: a batch closed 10 ms after its first took part
-# of them, and the groups split between batches went through the table (383 changelog records in a
-# 40-step run, 8 now), and their trajectories went out in 6 produce requests a step (now 1).
+# Records joined before the groups they complete are written: a batch closes once 5 ms pass without a
+# record, 50 ms after its first at the latest, or at JOIN_BATCH records. faust hands records over one by
+# one, fetched together (a step's 256 verdicts, when each was a record, took 26-51 ms here): a batch
+# closed 10 ms after its first took part of them, and their trajectories went out in 6 produce requests
+# a step (now 1). A group's verdicts come in one record (VerdictGroup), so a group joined whole never
+# touches the table; one whose records straddle two batches goes through it.
 JOIN_BATCH, JOIN_LINGER_S, JOIN_IDLE_S = 256, 0.05, 0.005
 # How long a finished group's rows wait for others' before they are inserted. Each insert is a part the
 # store writes and later merges (10-20 ms of its CPU, however few rows): batches 10 ms apart made two or
@@ -84,6 +85,19 @@ class Emission:
 
 GROUPS = metrics.counter("crucible.aggregator.groups", "groups emitted, by kind and whether complete", "{group}")
 REWARD = metrics.histogram("crucible.aggregator.reward", "rewards after weighting, by kind (mean and spread)")
+
+def _frozen(entry: dict) -> bytes:
+    """An open group's entry as the table keeps it (JSON, each verdict as base64 protobuf)."""
+    encoded = {i: base64.b64encode(v.SerializeToString()).decode() for i, v in entry["verdicts"].items()}
+    return json.dumps({**entry, "verdicts": encoded}).encode()
+
+
+def _thawed(raw: bytes) -> dict:
+    """A table entry as the join works on it (its verdicts decoded)."""
+    entry = json.loads(raw)
+    entry["verdicts"] = {i: verdict_pb2.Verdict.FromString(base64.b64decode(v)) for i, v in entry["verdicts"].items()}
+    return entry
+
 
 class Aggregator:
     """Owns the faust app and what its agents need (settings, bus producer, store client, counters)."""
@@ -134,7 +148,7 @@ class Aggregator:
         self.expire_topic = self.app.topic(settings.topic("aggregator.expire"), value_serializer="raw",
                                            key_serializer="raw")
         # group id -> JSON {"first_seen": unix seconds, "group_size": n, "trace": headers of the first verdict,
-        #                   "verdicts": {index: base64 protobuf}}
+        #                   "verdicts": {index: base64 protobuf}} (_frozen; in memory, _thawed: Verdicts)
         self.groups = self.app.Table("groups", default=None, key_type=bytes, value_type=bytes, partitions=1)
         self.app.agent(self.verdicts, name="join")(self._join)
         self.app.agent(self.expire_topic, name="expire")(self._expire)
@@ -200,30 +214,33 @@ class Aggregator:
                 if entry is None:
                     self.groups.pop(key, None)
                 else:
-                    self.groups[key] = json.dumps(entry).encode()
+                    self.groups[key] = _frozen(entry)
             finally:
                 faust_streams._current_event.reset(current)
 
     async def _join_one(self, event, headers) -> "Emission | None":
-        """Joins one verdict into its group (in the batch's open entries); the group's emission once it
-        is complete (else None)."""
+        """Joins one record's verdicts (a group's, or some of them) into their group (in the batch's open
+        entries); the group's emission once it is complete (else None). A record any of whose verdicts
+        cannot join goes to the DLQ whole."""
         m = event.message
         try:
-            verdict = bus.decode_record(event.value, headers, verdict_pb2.Verdict)
+            record = bus.decode_record(event.value, headers, verdict_pb2.VerdictGroup)
         except messages.MessageDecodeError as exc:
             return await self._dead_letter(event, headers, f"undecodable: {exc}")
-        problem = check_verdict(verdict)
+        problem = check_record(record)
         if problem:
             return await self._dead_letter(event, headers, f"rejected: {problem}")
-        group_id = verdict.sample.group_id
-        await self._raise_alerts(verdict)
+        first = record.verdicts[0].sample
+        group_id = first.group_id
         key = group_id.encode()
         entry = self._entry(key) or {
-            "first_seen": time.time(), "group_size": verdict.sample.group_size, "verdicts": {},
+            "first_seen": time.time(), "group_size": first.group_size, "verdicts": {},
             "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
-        # A replayed verdict overwrites its own slot: the join is idempotent per sample index.
-        entry["verdicts"][str(verdict.sample.sample_index)] = base64.b64encode(event.value).decode()
-        log.debug("verdict %s joined group %s at %s@%d", verdict.id, group_id, m.topic, m.offset)
+        for verdict in record.verdicts:
+            await self._raise_alerts(verdict)
+            # A replayed verdict overwrites its own slot: the join is idempotent per sample index.
+            entry["verdicts"][str(verdict.sample.sample_index)] = verdict
+        log.debug("%d verdicts joined group %s at %s@%d", len(record.verdicts), group_id, m.topic, m.offset)
         if len(entry["verdicts"]) >= entry["group_size"]:
             self._open[key] = (None, event)
             return self._emission(group_id, entry, complete=True)
@@ -255,13 +272,13 @@ class Aggregator:
         if key in self._open:
             return self._open[key][0]
         raw = self.groups.get(key)
-        return json.loads(raw) if raw else None
+        return _thawed(raw) if raw else None
 
     # --- output ---
 
     def _emission(self, group_id: str, entry: dict, *, complete: bool) -> "Emission":
         """A finished group's trajectories and rows, in the current span's trace (which they continue)."""
-        verdicts = [verdict_pb2.Verdict.FromString(base64.b64decode(v)) for v in entry["verdicts"].values()]
+        verdicts = list(entry["verdicts"].values())
         trajectories = group_trajectories(verdicts, self.config, complete=complete)
         kind = verdicts[0].task_kind if verdicts else ""
         GROUPS.add(1, {"kind": kind, "complete": str(complete).lower()})

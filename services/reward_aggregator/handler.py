@@ -44,6 +44,27 @@ def check_verdict(verdict: verdict_pb2.Verdict) -> str | None:
     return None
 
 
+def check_record(record: verdict_pb2.VerdictGroup) -> str | None:
+    """Why a verdicts record cannot be joined, or None when it can: every verdict must be able to join,
+    all of one group, each sample once."""
+    if not record.verdicts:
+        return "the record holds no verdicts"
+    first = record.verdicts[0].sample
+    seen = set()
+    for verdict in record.verdicts:
+        problem = check_verdict(verdict)
+        if problem:
+            return problem
+        s = verdict.sample
+        if (s.group_id, s.group_size) != (first.group_id, first.group_size):
+            return (f"verdicts of group {s.group_id!r} (size {s.group_size}) and of group {first.group_id!r} "
+                    f"(size {first.group_size}) in one record")
+        if s.sample_index in seen:
+            return f"group {s.group_id!r}: sample_index {s.sample_index} twice in one record"
+        seen.add(s.sample_index)
+    return None
+
+
 def reward_of(verdict: verdict_pb2.Verdict, config: RewardConfig) -> float:
     """The verdict's reward: zero for a tampered sample whatever its components say."""
     if verdict.tampered:
