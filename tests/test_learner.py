@@ -15,6 +15,7 @@ from crucible.services.learner.trainer import Trainer
 from crucible.shared import bus, messages, store
 from crucible.shared.settings import RunConfig
 from crucible.v1 import policy_pb2, trajectory_pb2
+from tests.test_aggregator import rows_within
 from tests.test_bus import read_raw
 
 
@@ -194,6 +195,50 @@ async def test_steps_drop_stale_samples_and_resume_from_checkpoint(stack_setting
     rows = client.query("SELECT step, policy_version FROM train_steps FINAL WHERE run_id = 'test-run' "
                         "ORDER BY step").result_rows
     assert rows == [(1, 1), (2, 2), (3, 3), (4, 4)]
+
+
+async def test_step_rows_wait_for_company_and_a_learner_killed_first_writes_them(stack_settings, tmp_path,
+                                                                                   monkeypatch):
+    """Steps' rows go to the store together (loop.ROWS_EVERY_S); those not written yet ride in every
+    checkpoint, and a learner killed before writing them (its task cancelled: no stop, no hand-over
+    finished) leaves them to the next one, which writes them as it starts."""
+    from crucible.services.learner import loop
+
+    settings = stack_settings.model_copy(update={
+        "groups_per_step": 1, "max_policy_lag": 3, "seed": SEED, "home": tmp_path, "run_id": "rows-run"})
+    client = store.connect(settings)
+    query = "SELECT step, policy_version FROM train_steps FINAL WHERE run_id = 'rows-run' ORDER BY step"
+    monkeypatch.setattr(loop, "ROWS_EVERY_S", 3600.0)  # never due while it runs
+    learner = asyncio.create_task(run(settings, asyncio.Event()))
+    try:
+        await policies(settings, 1)
+        await publish(settings, [t for g in ("a", "b", "c") for t in trajectories_for(g, 0, [1, 0])])
+        assert [v.version for v in await policies(settings, 4)] == [0, 1, 2, 3]
+        await asyncio.sleep(0.5)  # the last hand-over's alerts and commit
+    finally:
+        learner.cancel()
+        await asyncio.gather(learner, return_exceptions=True)
+    assert client.query(query).result_rows == []
+    meta = json.loads((checkpoints.latest(settings) / "crucible.json").read_text())
+    assert [(e["version"], e["step"], len(e["samples"])) for e in meta["step_records"]] == [(1, 1, 2), (2, 2, 2), (3, 3, 2)]
+
+    # The next learner writes them at start, and rows that become due while it waits for samples.
+    monkeypatch.setattr(loop, "ROWS_EVERY_S", 0.5)
+    stop = asyncio.Event()
+    learner = asyncio.create_task(run(settings, stop))
+    try:
+        await policies(settings, 5)  # version 3 announced again
+        assert await rows_within(client, query, [(1, 1), (2, 2), (3, 3)], 10) == [(1, 1), (2, 2), (3, 3)]
+        await publish(settings, trajectories_for("d", 3, [1, 0]))
+        await policies(settings, 6)
+        expected = [(1, 1), (2, 2), (3, 3), (4, 4)]
+        assert await rows_within(client, query, expected, 10) == expected  # no further step came to take it along
+        uri = client.query("SELECT checkpoint_uri FROM policy_versions FINAL WHERE run_id = 'rows-run' AND "
+                           "version = 4").result_rows
+        assert uri == [(checkpoints.version_dir(settings, 4).as_uri(),)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(learner, 30)
 
 
 def test_pruning_keeps_the_newest_optimiser_state(tmp_path):

@@ -17,7 +17,7 @@ from crucible.ml import envs
 from crucible.ml.envs import episode as ep
 from crucible.services.evaluator.__main__ import COLUMNS as EVAL_COLUMNS
 from crucible.services.evaluator.__main__ import rows as evaluation_rows
-from crucible.services.learner.rows import record_alert, record_step
+from crucible.services.learner.rows import record_alert, record_steps, step_entry
 from crucible.services.reward_aggregator.handler import (
     TRAJECTORY_COLUMNS,
     TURN_COLUMNS,
@@ -108,9 +108,8 @@ def filled(store_client):
     store_client.insert("policy_versions", [["run-1", 2, "file:///y", 2, dt.datetime.now(dt.timezone.utc),
                                              {"step_ms": 200.0, "checkpoint_ms": 12.0, "publish_ms": 3.0}]],
                         column_names=["run_id", "version", "checkpoint_uri", "step", "created_at", "metrics"])
-    pv = policy_pb2.PolicyVersion(run_id="run-1", version=1, step=1, checkpoint_uri="file:///x",
-                                  metrics=policy_pb2.StepMetrics(reward_mean=0.5, kl=0.01, step_ms=12.0))
-    record_step(store_client, pv, {"loss": 0.1}, ["t1"])
+    record_steps(store_client, "run-1", [step_entry(1, 1, "file:///x", {"reward_mean": 0.5, "kl": 0.01, "step_ms": 12.0,
+                                                                        "loss": 0.1}, {}, ["t1"])])
     message = evaluation_pb2.Evaluation(run_id="run-1", policy_version=1, tasks=4, passed=3, pass_rate=0.75,
                                         by_kind={"lookup": evaluation_pb2.KindResult(tasks=4, passed=3)})
     message.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
@@ -152,9 +151,8 @@ def test_step_time_puts_a_group_under_the_step_that_trained_it(filled):
     """Asynchronous, a group sampled with version 1 may be trained by the step that makes version 3: its
     learner figures are that step's, found by the sample ids the step recorded."""
     client, _, _ = filled
-    pv = policy_pb2.PolicyVersion(run_id="run-1", version=3, step=3, checkpoint_uri="file:///z",
-                                  metrics=policy_pb2.StepMetrics(step_ms=450.0))
-    record_step(client, pv, {"step_ms": 450.0, "checkpoint_ms": 20.0, "publish_ms": 5.0}, ["code-1/0"])
+    record_steps(client, "run-1", [step_entry(3, 3, "file:///z", {"step_ms": 450.0, "checkpoint_ms": 20.0,
+                                                                  "publish_ms": 5.0}, {}, ["code-1/0"])])
     columns, [row] = queries.run(client, "step-time", run="run-1")
     got = dict(zip(columns, row))
     assert (got["version"], got["sampled_with"], got["groups"]) == (3, 1, 1), got

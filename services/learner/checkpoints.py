@@ -44,9 +44,9 @@ def latest(settings: Settings) -> Path | None:
 
 
 def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list[str], reference_uri: str,
-         step_record: dict | None = None, recent_ids: list[list[str]] | None = None) -> Path | None:
-    """`step_record` (the step's metrics, skips and sample ids) lets a learner restarted before the
-    step's rows were written write them; `recent_ids` are the ids the last steps trained on.
+         step_records: list[dict] | None = None, recent_ids: list[list[str]] | None = None) -> Path | None:
+    """`step_records` (rows.step_entry: the steps whose rows are not in the store yet) lets a learner
+    restarted before they were written write them; `recent_ids` are the ids the last steps trained on.
 
     Every rank calls it, in the same order (gathering sharded weights and writing optimiser shards are
     collective); rank 0 writes the folder and renames it into place, the others get None."""
@@ -61,7 +61,7 @@ def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list
         return None
     meta = {"run_id": settings.run_id, "version": trainer.version, "step": trainer.step_count,
             "offsets": {str(p): o for p, o in offsets.items()}, "trained_ids_past_offsets": trained_ids,
-            "reference_uri": reference_uri, "step_record": step_record, "recent_trained_ids": recent_ids or []}
+            "reference_uri": reference_uri, "step_records": step_records or [], "recent_trained_ids": recent_ids or []}
     folder = save_checkpoint(trainer.model, version_dir(settings, trainer.version), meta,
                              extra={OPTIMIZER_FILE: optimizer_state} if optimizer_state is not None else {},
                              tokenizer_from=path_from_uri(reference_uri), weights=weights,

@@ -19,7 +19,7 @@ from crucible.services.learner import checkpoints
 from crucible.services.learner.groups import Buffered, GroupBuffer, informative, sample_problem
 from crucible.services.learner.monitors import HealthMonitor
 from crucible.services.learner.ranks import IDLE_BEAT_S, Ranks
-from crucible.services.learner.rows import record_alert, record_step
+from crucible.services.learner.rows import record_alert, record_steps, step_entry
 from crucible.services.learner.trainer import StepResult, Trainer
 from opentelemetry.metrics import Observation
 
@@ -51,6 +51,11 @@ def observe_step(values: dict) -> None:
         STEP_MS.record(float(values["step_ms"]))
 
 TOPIC = "trajectories"
+# A step's rows (train_steps, policy_versions) wait for the next steps' at most this long and go to the
+# store with them: each insert is a part the store writes and later merges, 5-7 ms of its CPU however
+# few its rows, and a step every quarter second made that two inserts a step. The rows not yet written
+# ride in every checkpoint (step_records), so a learner killed first writes them when it starts.
+ROWS_EVERY_S = 1.0
 
 
 def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Trainer, dict]:
@@ -78,6 +83,14 @@ def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Train
     meta = {"offsets": {}, "trained_ids_past_offsets": [], "reference_uri": reference_uri}
     checkpoints.save(settings, trainer, {}, [], reference_uri)
     return trainer, meta
+
+
+def announced_uri(settings: Settings, folder) -> str:
+    """Where the PolicyVersion for the checkpoint folder points: the folder, or with checkpoint_base_uri
+    set, its copy under base/<run_id>/ (policy_message makes it)."""
+    if settings.checkpoint_base_uri:
+        return transfer.join(settings.checkpoint_base_uri, settings.run_id, transfer.local_path(folder).name)
+    return transfer.local_path(folder).absolute().as_uri()
 
 
 def policy_message(settings: Settings, version: int, step: int, uri: str, result: StepResult | None
@@ -131,7 +144,10 @@ class Learner:
         self.producer = producer
         self.trainer = trainer
         self.reference_uri = meta["reference_uri"]
-        self.step_record = meta.get("step_record")  # the checkpoint's step, for its rows
+        # Steps whose rows are not in the store yet (rows.step_entry), oldest first; the checkpoint's own
+        # (a learner killed before writing them) to begin with. `unrecorded_since`: when the oldest came.
+        self.unrecorded: list[dict] = list(meta.get("step_records") or [])
+        self.unrecorded_since = time.monotonic()
         self.topic = settings.topic(TOPIC)
         saved = {int(p): o for p, o in meta.get("offsets", {}).items()}
         self.reader = bus.Reader([TOPIC], settings.consumer_group_prefix + "learner", settings=settings,
@@ -173,13 +189,12 @@ class Learner:
         async with self.reader, self.evaluations:
             start_uri = checkpoints.version_dir(self.settings, self.trainer.version).as_uri()
             # Hashing (and uploading, with a remote checkpoint base) takes a while: off the event loop.
-            record = self.step_record
+            record = next((e for e in self.unrecorded if e["version"] == self.trainer.version), None)
             last = StepResult(True, record["metrics"], Counter(record["skipped"])) if record else None
             pv = await asyncio.to_thread(policy_message, self.settings, self.trainer.version,
                                          self.trainer.step_count, start_uri, last)
             await self._publish(pv)
-            if record:  # killed after its checkpoint, the last step may not have its rows yet: write them (again)
-                await asyncio.to_thread(record_step, self.store, pv, record["metrics"], record["samples"])
+            await self._record(due=True)  # killed after its checkpoint: its steps' rows may not be in yet
             log.info("learner ready: run %s, version %d, %d groups per step, objective %s", self.settings.run_id,
                      self.trainer.version, self.settings.groups_per_step, self.settings.objective)
             while not stop.is_set():
@@ -212,7 +227,10 @@ class Learner:
                 if time.monotonic() - self.beat > IDLE_BEAT_S:
                     await asyncio.to_thread(self.trainer.keepalive)
                     self.beat = time.monotonic()
+                if self.handing_over is None and self._rows_due():  # no step came to take them along
+                    self.handing_over = asyncio.ensure_future(self._record())
             await self._handed_over()  # the last version announced, recorded and committed before the reader closes
+            await self._record(due=True)
 
     def _next_batch(self) -> tuple[list[list[Buffered]], list[list[Buffered]]] | None:
         """The next step's groups to train on and the uninformative ones it filtered, once there are
@@ -275,18 +293,22 @@ class Learner:
                              if o >= positions.get((self.topic, p), 0)}
         samples = [m.sample.id for m in taken]
         self.recent.add(samples)
-        record = {"metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
-                  "skipped": dict(result.skipped), "samples": samples}
+        if not self.unrecorded:
+            self.unrecorded_since = time.monotonic()
+        entry = step_entry(trainer.version, trainer.step_count,
+                           announced_uri(self.settings, checkpoints.version_dir(self.settings, trainer.version)),
+                           result.metrics, result.skipped, samples)
+        self.unrecorded.append(entry)
         began = time.perf_counter()
         # The weights on disk before the next step changes them; the rest of the hand-over (hashing the
-        # folder, announcing it, the step's rows and alerts, the commit) runs while the next step trains.
+        # folder, announcing it, the steps' rows and alerts, the commit) runs while the next step trains.
         folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
                                          {p: o for (t, p), o in positions.items() if t == self.topic},
-                                         sorted({*self.trained_past, *self.restored}), self.reference_uri, record,
-                                         self.recent.steps())
+                                         sorted({*self.trained_past, *self.restored}), self.reference_uri,
+                                         self.unrecorded, self.recent.steps())
         result.metrics["checkpoint_ms"] = (time.perf_counter() - began) * 1000
         self.handing_over = asyncio.ensure_future(self._hand_over(
-            trainer.version, trainer.step_count, folder, result, samples, positions))
+            trainer.version, trainer.step_count, folder, result, entry, positions))
 
     async def _handed_over(self) -> None:
         """Waits for the last hand-over to end (raising what it raised)."""
@@ -294,19 +316,21 @@ class Learner:
             handing_over, self.handing_over = self.handing_over, None
             await handing_over
 
-    async def _hand_over(self, version: int, step: int, folder, result: StepResult, samples: list[str],
+    async def _hand_over(self, version: int, step: int, folder, result: StepResult, entry: dict,
                          positions: dict) -> None:
-        """A checkpointed version announced (crucible.policy), its step recorded (rows, alerts), and the
-        positions it trained up to committed. A learner stopped before this ends announces and records
-        its newest checkpoint again when it starts (`_run`); positions not committed are read again and
-        skipped (the checkpoint names what they trained)."""
+        """A checkpointed version announced (crucible.policy), its step recorded (alerts; rows once
+        due), and the positions it trained up to committed. A learner stopped before this ends
+        announces its newest checkpoint again when it starts and writes the rows that checkpoint lists
+        (`_run`); positions not committed are read again and skipped (the checkpoint names what they
+        trained)."""
         began = time.perf_counter()
         pv = await asyncio.to_thread(policy_message, self.settings, version, step, folder.as_uri(), result)
         await self._publish(pv)
         # The step's own time is step_ms; what it costs to hand the version over comes after it.
         result.metrics["publish_ms"] = (time.perf_counter() - began) * 1000
         observe_step(result.metrics)
-        await asyncio.to_thread(record_step, self.store, pv, result.metrics, samples)
+        entry["metrics"].update(checkpoint_ms=result.metrics["checkpoint_ms"], publish_ms=result.metrics["publish_ms"])
+        await self._record()
         for alert in self.monitor.check(step, version, result.metrics):
             log.warning("alert %s: %s", alert.kind, alert.message)
             await self.producer.send_and_wait("alerts", alert, key=alert.kind)
@@ -317,6 +341,18 @@ class Learner:
                  "skipped %s, %.0f ms; %d duplicates not trained again so far)", step, version,
                  m["reward_mean"], m["pass_rate"], m["loss"], m["kl"], m.get("mismatch_kl", 0.0), m["samples"],
                  dict(result.skipped), m["step_ms"], self.duplicates)
+
+    def _rows_due(self) -> bool:
+        return bool(self.unrecorded) and time.monotonic() - self.unrecorded_since >= ROWS_EVERY_S
+
+    async def _record(self, due: bool = False) -> None:
+        """Writes the rows of the steps not recorded yet, once the oldest has waited ROWS_EVERY_S (or
+        `due`). Runs as a hand-over runs (one at a time): a failed insert stops the service, and its
+        restart writes the rows its checkpoint lists."""
+        if self.unrecorded and (due or self._rows_due()):
+            entries = list(self.unrecorded)
+            await asyncio.to_thread(record_steps, self.store, self.settings.run_id, entries)
+            del self.unrecorded[:len(entries)]
 
     async def _publish(self, pv: policy_pb2.PolicyVersion) -> None:
         await self.producer.send_and_wait("policy", pv, key=self.settings.run_id)
