@@ -51,7 +51,9 @@ def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict |
         torch.save(obj, tmp / name)
     for name, source in (folders or {}).items():
         Path(source).rename(tmp / name)
-    (tmp / META_FILE).write_text(json.dumps(meta or {}, indent=1))
+    # Compact: a learner's meta lists the ids its last steps trained on (about 300 KB a version for the
+    # built-in recipe), written on every step's path; indented, it took 1.9 ms to encode, now 0.6.
+    (tmp / META_FILE).write_text(json.dumps(meta or {}, separators=(",", ":")))
     with open(tmp / META_FILE) as f:  # make the files durable before the rename publishes them
         os.fsync(f.fileno())
     return files.replace_folder(tmp, folder)
