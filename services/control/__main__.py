@@ -12,12 +12,7 @@ from crucible.shared.settings import Settings
 from crucible.shared.store import writes
 
 log = logging.getLogger("crucible.control")
-CONCURRENT_TASKS = 1000  # records of a fetched batch recorded together (one insert)
-# How long a task's row waits for others' before they go to the store in one insert. Each insert is a part
-# the store writes and later merges (5-7 ms of its CPU however few its rows): a training run publishing a
-# step's tasks four times a second made four a second. Nobody waits for the log but this consumer,
-# which commits the tasks once their rows are in: it keeps up with CONCURRENT_TASKS a linger.
-TASK_ROWS_LINGER_S = 1.0
+CONCURRENT_TASKS = 100  # records of a fetched batch recorded together (one insert)
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
@@ -28,7 +23,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         log.info("applied migrations %s", applied)
 
     # The records of a fetched batch are handled together and their rows go to the store in one insert.
-    rows = writes.BatchedRows(client, "tasks", TASK_COLUMNS, linger_s=TASK_ROWS_LINGER_S)
+    rows = writes.BatchedRows(client, "tasks", TASK_COLUMNS)
 
     async def record(incoming: bus.Incoming):
         task = incoming.message
@@ -47,9 +42,12 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         )
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
                                         settings=settings, producer=producer, dead_letters=False,
-                                        concurrency=CONCURRENT_TASKS, batch_size=CONCURRENT_TASKS) as consumer:
+                                        concurrency=CONCURRENT_TASKS) as consumer:
             log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
             await service.run_until(stop, consumer.run())
+    # Rows still waiting for company when it stopped: written now, or a run that ends here would lack
+    # them until the next start reads their uncommitted tasks again.
+    await rows.flush()
 
 
 async def main() -> None:
