@@ -11,7 +11,8 @@ import torch
 from crucible.services.generator.batcher import Batcher, LagBound
 from crucible.ml.policy.backends import create_backend
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, save_checkpoint
-from crucible.ml.policy.model import causal_mask, sequence_logprobs
+from crucible.ml.policy import model as policy_model
+from crucible.ml.policy.model import PolicyConfig, causal_mask, sequence_logprobs
 from crucible.ml.policy.sampling import SamplingParams, sample
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.policy.tokenizer import EOS_ID, ByteTokenizer
@@ -61,15 +62,19 @@ def test_batched_sampling_logprobs_match_a_forward_pass():
         assert torch.allclose(logp[0, len(prompt) - 1:], torch.tensor(s.logprobs), atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["builtin", "transformers"])
-def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("kind,layout", [("builtin", "mixed"), ("builtin", "groups"), ("builtin-gqa", "groups"),
+                                         ("transformers", "mixed")])
+def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path, monkeypatch, kind, layout):
     """The learner's path (prompt_lengths: each distinct prompt read once, its rows continuing it)
     gives the same log-probs, entropies and gradients as reading every row whole: prompts of several
     lengths, shared by some rows and not others, continuations of every length from none to nine,
     per-row temperature and top_p (tokens outside the nucleus score -inf in both). The built-in
-    policy and the same weights loaded by transformers (its KV cache carries the gradient)."""
+    policy and the same weights loaded by transformers (its KV cache carries the gradient). With
+    each prompt's rows together, as many of each (`groups`, as the learner's batches come), the
+    built-in policy's rows read their prompt's keys through grouped_attention, with one key head per
+    query head and with two query heads to a key head (`builtin-gqa`)."""
     generator = torch.Generator().manual_seed(11)
-    model = fresh_policy(6)
+    model = fresh_policy(6, PolicyConfig(num_key_value_heads=2) if kind == "builtin-gqa" else None)
     with torch.no_grad():  # sharper than a fresh init, so that top_p leaves tokens out
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.1)
@@ -83,9 +88,13 @@ def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path
         shared_reads = []
         read_once = hf.continuation_logits
         monkeypatch.setattr(hf, "continuation_logits", lambda *a: shared_reads.append(1) or read_once(*a))
+    grouped = []
+    monkeypatch.setattr(policy_model, "grouped_attention",
+                        lambda *a, read=policy_model.grouped_attention: grouped.append(1) or read(*a))
     prompts = [[1, *torch.randint(3, 200, (n,), generator=generator).tolist()] for n in (0, 4, 11, 4, 7)]
-    rows = [(prompts[i % len(prompts)], torch.randint(3, 250, (i % 10,), generator=generator).tolist())
-            for i in range(23)]
+    # mixed: row i continues prompt i % 5 (23 rows); groups: rows 4k..4k+3 continue prompt k (20 rows)
+    which = [i % len(prompts) for i in range(23)] if layout == "mixed" else [i // 4 for i in range(20)]
+    rows = [(prompts[k], torch.randint(3, 250, (i % 10,), generator=generator).tolist()) for i, k in enumerate(which)]
     width = max(len(p) + len(c) for p, c in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     valid = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -110,6 +119,7 @@ def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path
     shared_logp, shared_entropy, shared_grads = run(prompt_lengths=lengths)
     if kind == "transformers":
         assert shared_reads  # the shared path ran, not the whole rows again
+    assert bool(grouped) == (layout == "groups")  # 4 rows a prompt together: read through grouped_attention
     assert bool(torch.isinf(whole_logp[scored]).any())  # the nucleus case is exercised
     assert torch.equal(torch.isinf(whole_logp[scored]), torch.isinf(shared_logp[scored]))
     finite = scored & torch.isfinite(whole_logp)

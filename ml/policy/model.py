@@ -95,6 +95,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None and "groups" in cache:  # continuations, each group's rows over its prompt's keys
+            return self.o_proj(grouped_attention(q, k, v, *cache["groups"], mask))
         if cache is not None and "prompt" in cache:  # a continuation: its prompt's keys and values come first
             k, v = torch.cat((cache["prompt"][0], k), dim=2), torch.cat((cache["prompt"][1], v), dim=2)
         elif cache is not None and "keep" in cache:  # a prompt read for its continuations: keys and values kept
@@ -194,7 +196,10 @@ class Policy(nn.Module):
         kept = [{"keep": True} for _ in self.model.layers]
         states = self._states(prompts.ids, positions_of(prompts.valid),
                               causal_mask(prompts.valid, prompts.ids.shape[1]), kept)
-        x = self._states(ids, positions, mask, [{"prompt": (c["k"][prompts.rows], c["v"][prompts.rows])} for c in kept])
+        n = consecutive_groups(prompts.rows, prompts.ids.shape[0])
+        caches = ([{"groups": (c["k"], c["v"], n)} for c in kept] if n
+                  else [{"prompt": (c["k"][prompts.rows], c["v"][prompts.rows])} for c in kept])
+        x = self._states(ids, positions, mask, caches)
         return self.lm_head(self.model.norm(torch.cat((states[prompts.rows, -1:], x[:, :-1]), dim=1)))
 
     def _states(self, ids, positions, mask, caches) -> torch.Tensor:
@@ -207,6 +212,38 @@ class Policy(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def consecutive_groups(rows: torch.Tensor, prompts: int) -> int:
+    """n where row i continues prompt i // n (each prompt's n rows together, as a batch of groups comes),
+    else 0."""
+    if prompts == 0 or rows.numel() % prompts:
+        return 0
+    n = rows.numel() // prompts
+    return n if torch.equal(rows, torch.arange(prompts, device=rows.device).repeat_interleave(n)) else 0
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompt_k: torch.Tensor,
+                      prompt_v: torch.Tensor, n: int, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of continuations over their prompt's keys, then their own, with each group's n rows
+    (consecutive) reading their prompt's keys and values [G, kv_heads, P, d] together, never copied to
+    every row (those copies, and their gradients, were a sixth of a learner step's CPU here, and the
+    fused kernel, over so many tiny rows, another eighth). q/k/v: [B, heads or kv_heads, C, d] with
+    B = G * n; mask: [B, 1, C, P + C] (the prompt's keys, then the row's own); returns [B, C, heads * d]."""
+    b, heads, c, d = q.shape
+    g, p = prompt_k.shape[0], prompt_k.shape[2]
+    if prompt_k.shape[1] != heads:  # grouped-query attention: each key head serves several query heads
+        repeat = heads // prompt_k.shape[1]
+        prompt_k, prompt_v = prompt_k.repeat_interleave(repeat, 1), prompt_v.repeat_interleave(repeat, 1)
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    by_group = q.transpose(1, 2).reshape(g, n * c, heads, d).transpose(1, 2)  # [G, heads, n*C, d]
+    scores = torch.cat(((by_group @ prompt_k.transpose(-1, -2)).view(g, heads, n, c, p),
+                        (q @ k.transpose(-1, -2)).view(g, n, heads, c, c).transpose(1, 2)), dim=-1) * d ** -0.5
+    visible = mask.reshape(g, n, 1, c, p + c).transpose(1, 2)  # [G, 1, n, C, P + C]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = (weights[..., :p].reshape(g, heads, n * c, p) @ prompt_v).view(g, heads, n, c, d) \
+        + weights[..., p:] @ v.view(g, n, heads, c, d).transpose(1, 2)
+    return out.permute(0, 2, 3, 1, 4).reshape(b, c, heads * d)
 
 
 def causal_mask(valid: torch.Tensor, query_len: int) -> torch.Tensor:
