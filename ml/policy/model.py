@@ -240,7 +240,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompt_
     scores = torch.cat(((by_group @ prompt_k.transpose(-1, -2)).view(g, heads, n, c, p),
                         (q @ k.transpose(-1, -2)).view(g, n, heads, c, c).transpose(1, 2)), dim=-1) * d ** -0.5
     visible = mask.reshape(g, n, 1, c, p + c).transpose(1, 2)  # [G, 1, n, C, P + C]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)  # (bf16 too)
     out = (weights[..., :p].reshape(g, heads, n * c, p) @ prompt_v).view(g, heads, n, c, d) \
         + weights[..., p:] @ v.view(g, n, heads, c, d).transpose(1, 2)
     return out.permute(0, 2, 3, 1, 4).reshape(b, c, heads * d)
