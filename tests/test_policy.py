@@ -92,8 +92,9 @@ def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path
     monkeypatch.setattr(policy_model, "grouped_attention",
                         lambda *a, read=policy_model.grouped_attention: grouped.append(1) or read(*a))
     prompts = [[1, *torch.randint(3, 200, (n,), generator=generator).tolist()] for n in (0, 4, 11, 4, 7)]
-    # mixed: row i continues prompt i % 5 (23 rows); groups: rows 4k..4k+3 continue prompt k (20 rows)
-    which = [i % len(prompts) for i in range(23)] if layout == "mixed" else [i // 4 for i in range(20)]
+    # mixed: row i continues prompt i % 5 (23 rows); groups: rows 3k..3k+2 continue prompt k (15 rows:
+    # 3 a prompt, not the 4 heads, so that mixing up the two fails on shapes as well as on values)
+    which = [i % len(prompts) for i in range(23)] if layout == "mixed" else [i // 3 for i in range(15)]
     rows = [(prompts[k], torch.randint(3, 250, (i % 10,), generator=generator).tolist()) for i, k in enumerate(which)]
     width = max(len(p) + len(c) for p, c in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -119,7 +120,7 @@ def test_rows_sharing_a_prompt_score_and_train_as_if_each_read_it_whole(tmp_path
     shared_logp, shared_entropy, shared_grads = run(prompt_lengths=lengths)
     if kind == "transformers":
         assert shared_reads  # the shared path ran, not the whole rows again
-    assert bool(grouped) == (layout == "groups")  # 4 rows a prompt together: read through grouped_attention
+    assert bool(grouped) == (layout == "groups")  # 3 rows a prompt together: read through grouped_attention
     assert bool(torch.isinf(whole_logp[scored]).any())  # the nucleus case is exercised
     assert torch.equal(torch.isinf(whole_logp[scored]), torch.isinf(shared_logp[scored]))
     finite = scored & torch.isfinite(whole_logp)
