@@ -107,6 +107,27 @@ async def test_reports_full_isolation_here(pool):
     assert result.isolation == "full" and result.missing_guarantees == []
 
 
+def test_workers_get_a_cpu_each_where_there_are_enough():
+    assert pool_module.worker_cpus(1, 2, [0, 1]) == [1]
+    assert pool_module.worker_cpus(2, 3, [4, 6, 9, 11]) == [9]
+    assert pool_module.worker_cpus(0, 1, [0, 1]) is None    # one worker takes two jobs at once: both cores
+    assert pool_module.worker_cpus(0, 3, [0, 1]) is None    # more workers than cores: the scheduler places them
+
+
+async def test_each_workers_jobs_run_on_its_own_cpu(pool):
+    """Two workers on a machine of two CPUs or more: every job of one worker runs on one CPU, the
+    other worker's on another (four jobs at once, two a worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    results = await asyncio.gather(*(pool.execute(Job(
+        code="import os, time; time.sleep(0.3); print(sorted(os.sched_getaffinity(0)))")) for _ in range(4)))
+    seen = [r.stdout.decode().strip() for r in results]
+    assert all(r.exit_code == 0 for r in results), [(r.stdout, r.stderr) for r in results]
+    if len(cpus) < 2:
+        assert set(seen) == {str(cpus)}
+    else:
+        assert set(seen) == {str([cpus[0]]), str([cpus[1]])}, seen
+
+
 async def test_fork_bomb(pool):
     r = await run(pool, "import os\nwhile True:\n    os.fork()")
     assert r.exit_code != 0 and r.violation in ("processes", "timeout", "cpu")

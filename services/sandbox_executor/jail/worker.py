@@ -27,6 +27,11 @@ from crucible.shared import framing
 
 def main(cfg: dict) -> None:
     """Builds what every job inherits through fork, says ready on stdout, then serves until stdin closes."""
+    if cfg.get("cpus"):  # pool.worker_cpus: before the zygote, so that every process of the worker inherits it
+        try:
+            os.sched_setaffinity(0, cfg["cpus"])
+        except OSError:  # (a CPU taken away since the pool looked): the worker runs where the scheduler puts it
+            pass
     slots = [Cgroups(paths, keep_open=True) for paths in cfg.get("cgroups") or [{}, {}, {}]]
     if cfg["isolate"]:
         rootfs.build_template(cfg)
