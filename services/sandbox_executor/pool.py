@@ -144,12 +144,14 @@ class Result:
 
 
 def worker_cpus(index: int, workers: int, available: list[int]) -> list[int] | None:
-    """The CPUs worker `index` (and every process it makes) runs on: one of its own where there are at
-    least as many as the workers and more than one worker, else all (None). A job's processes then
-    wake each other (a tested job's calls across its two processes, the supervisor's hand-offs, the
-    zygote's replies) on the CPU they run on, not across CPUs. bench_sandbox.py, 2 workers on 2
-    cores, alternated: 278-310 tested checks/s pinned against 246-272 not."""
-    if workers < 2 or workers > len(available):
+    """The CPUs worker `index` (and every process it makes) runs on: one of its own where the service
+    may run on exactly as many CPUs as it has workers, two or more; else all (None). A job's processes
+    then wake each other (a tested job's calls across its two processes, the supervisor's hand-offs,
+    the zygote's replies) on the CPU they run on, not across CPUs. bench_sandbox.py, 2 workers on 2
+    cores, alternated: 278-310 tested checks/s pinned against 246-272 not. With fewer workers than
+    CPUs nothing is pinned: a pod that sees all of its node's CPUs would otherwise put its workers
+    on the same first few as every other pod on the node."""
+    if workers < 2 or workers != len(available):
         return None
     return [available[index]]
 
