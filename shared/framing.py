@@ -25,6 +25,7 @@ HEADER = struct.Struct(">I")
 HEADER_SIZE = HEADER.size
 DEFAULT_LIMIT = 64 << 20  # no channel of ours carries more in one frame; a larger length is a broken stream
 _CHUNK = 1 << 20
+READ_AHEAD = 1 << 16  # what a Reader asks for at once: any frame a call channel usually carries
 
 
 class FrameTooLarge(ValueError):
@@ -93,6 +94,37 @@ def read_exact(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
+class Reader:
+    """Frames from a blocking stream, read ahead: a small frame costs one read, not two (its length, then
+    its bytes), on a call-and-answer channel where every message is one. `read_some(n)` returns up to n
+    bytes, b"" at the end of the stream. Bytes read past a frame are the start of the next one."""
+
+    def __init__(self, read_some, limit: int = DEFAULT_LIMIT):
+        self._read_some, self.limit = read_some, limit
+        self._pending = b""
+
+    def frame(self) -> bytes | None:
+        """The next frame's bytes; None when the stream closed cleanly before it."""
+        if not self._pending:
+            self._pending = self._read_some(READ_AHEAD)
+            if not self._pending:
+                return None
+        return self._take(decode_length(self._take(HEADER_SIZE), self.limit))
+
+    def _take(self, n: int) -> bytes:
+        if len(self._pending) < n:
+            chunks, have = [self._pending], len(self._pending)
+            while have < n:
+                chunk = self._read_some(min(max(n - have, READ_AHEAD), _CHUNK))
+                if not chunk:
+                    raise TruncatedFrame(have, n)
+                chunks.append(chunk)
+                have += len(chunk)
+            self._pending = b"".join(chunks)
+        taken, self._pending = self._pending[:n], self._pending[n:]
+        return taken
+
+
 def read(fd: int, limit: int = DEFAULT_LIMIT) -> bytes | None:
     """The next frame's bytes; None when the stream closed cleanly before it."""
     first = os.read(fd, HEADER_SIZE)
@@ -107,9 +139,12 @@ def read(fd: int, limit: int = DEFAULT_LIMIT) -> bytes | None:
 
 def write(fd: int, data: bytes, limit: int = DEFAULT_LIMIT) -> None:
     """Writes one frame, all of it (a pipe may take a large one in several writes)."""
-    view = memoryview(encode(data, limit))
-    while view:
-        view = view[os.write(fd, view):]
+    frame = encode(data, limit)
+    written = os.write(fd, frame)
+    if written < len(frame):
+        view = memoryview(frame)[written:]
+        while view:
+            view = view[os.write(fd, view):]
 
 
 # --- asyncio streams (the services' side of a worker pool) ---------------------------------------

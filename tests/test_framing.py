@@ -21,9 +21,23 @@ def pipe():
             pass
 
 
-def test_round_trip_through_a_pipe(pipe):
+def frames_of(kind: str, fd: int, limit: int = framing.DEFAULT_LIMIT):
+    """The next-frame function of each way to read frames from a descriptor: `read` (exactly a frame's
+    bytes) and a `Reader` (reading ahead, one per stream)."""
+    if kind == "read":
+        return lambda: framing.read(fd, limit)
+    return framing.Reader(lambda n: os.read(fd, n), limit).frame
+
+
+READS = ["read", "Reader"]
+
+
+@pytest.mark.parametrize("kind", READS)
+def test_round_trip_through_a_pipe(pipe, kind):
     r, w = pipe
-    frames = [b"", b"x", bytes(range(256)) * 4, os.urandom(3 << 20)]  # the last is larger than a pipe holds
+    # The third is larger than a Reader reads ahead, the last larger than a pipe holds.
+    frames = [b"", b"x", bytes(range(256)) * 400, os.urandom(3 << 20), b"y" * 5]
+    next_frame = frames_of(kind, r)
 
     def writer():
         for frame in frames:
@@ -32,10 +46,30 @@ def test_round_trip_through_a_pipe(pipe):
 
     thread = threading.Thread(target=writer)
     thread.start()
-    received = [framing.read(r) for _ in frames]
+    received = [next_frame() for _ in frames]
     thread.join()
     assert received == frames
-    assert framing.read(r) is None  # closed between frames: a clean end, not an error
+    assert next_frame() is None  # closed between frames: a clean end, not an error
+
+
+def test_a_reader_takes_frames_that_arrive_together_and_split(pipe):
+    r, w = pipe
+    frames = [b"first", b"", b"third" * 3]
+    joined = b"".join(framing.encode(f) for f in frames)
+    os.write(w, joined[:7])  # the first header and a byte, then the rest with the others in one write
+    reads = []
+    reader = framing.Reader(lambda n: reads.append(n) or os.read(r, n))
+
+    def rest():
+        os.write(w, joined[7:])
+        os.close(w)
+
+    thread = threading.Thread(target=rest)
+    thread.start()
+    received = [reader.frame(), reader.frame(), reader.frame(), reader.frame()]
+    thread.join()
+    assert received == [*frames, None]
+    assert len(reads) <= 4  # the rest came in one read (or two, split by the pipe), then the end
 
 
 def test_encode_is_a_big_endian_length_then_the_bytes():
@@ -54,31 +88,40 @@ def test_joined_payloads_split_back_and_a_cut_one_is_refused():
         framing.split(framing.join([b"x" * 100]), limit=10)
 
 
-def test_stream_closed_inside_a_frame_is_truncated(pipe):
+@pytest.mark.parametrize("kind", READS)
+def test_stream_closed_inside_a_frame_is_truncated(pipe, kind):
     r, w = pipe
     os.write(w, framing.encode(b"0123456789")[:-3])
     os.close(w)
     with pytest.raises(framing.TruncatedFrame) as err:
-        framing.read(r)
+        frames_of(kind, r)()
     assert (err.value.got, err.value.wanted) == (7, 10)
     assert isinstance(err.value, EOFError)
 
 
-def test_stream_closed_inside_a_header_is_truncated(pipe):
+@pytest.mark.parametrize("kind", READS)
+def test_stream_closed_inside_a_header_is_truncated(pipe, kind):
     r, w = pipe
     os.write(w, b"\x00\x00")
     os.close(w)
     with pytest.raises(framing.TruncatedFrame):
-        framing.read(r)
+        frames_of(kind, r)()
 
 
-def test_oversized_frame_is_refused_before_it_is_read(pipe):
+@pytest.mark.parametrize("kind", READS)
+def test_oversized_frame_is_refused_before_it_is_read(pipe, kind):
     r, w = pipe
     os.write(w, framing.HEADER.pack(1 << 30) + b"only the start")
+    asked = []
+    next_frame = frames_of(kind, r, limit=1 << 20) if kind == "read" else \
+        framing.Reader(lambda n: asked.append(n) or os.read(r, n), limit=1 << 20).frame
     with pytest.raises(framing.FrameTooLarge) as err:
-        framing.read(r, limit=1 << 20)
+        next_frame()
     assert (err.value.size, err.value.limit) == (1 << 30, 1 << 20)
-    assert os.read(r, 100) == b"only the start"  # nothing of the body was consumed
+    if kind == "read":
+        assert os.read(r, 100) == b"only the start"  # nothing of the body was consumed
+    else:
+        assert asked == [framing.READ_AHEAD]  # one read ahead, no wait for the gigabyte announced
 
 
 def test_oversized_frame_is_refused_before_it_is_written(pipe):

@@ -308,6 +308,27 @@ def test_malformed_trees_are_refused(tree):
         plain.from_tree(tree)
 
 
+def test_messages_are_json_as_the_standard_library_writes_it_and_read_back_whole():
+    message = {"ok": plain.to_tree([1, "é\u2028\x00", 2.5, None, True, {"k": (1,)}]), "flags": [["a", "b"]],
+               "usage": [0.25, 0, 1 << 40]}
+    data = plain.dumps(message)
+    assert data == json.dumps(message, separators=(",", ":"), allow_nan=False).encode() and data.isascii()
+    assert plain.loads(data) == message
+
+
+@pytest.mark.parametrize("data", [b"", b" {}", b"{} ", b'{"a":1}{"b":2}', b'{"a":1', b"\xff", "{}".encode("utf-16")])
+def test_anything_but_one_json_value_is_refused(data):
+    with pytest.raises(ValueError):
+        plain.loads(data)
+
+
+@pytest.mark.parametrize("value, error", [(float("nan"), ValueError), ([float("inf")], ValueError),
+                                          ({"x": object()}, TypeError), ({"x": b"raw"}, TypeError)])
+def test_what_json_cannot_hold_is_never_written(value, error):
+    with pytest.raises(error):
+        plain.dumps(value)
+
+
 def test_deep_or_huge_replies_are_refused():
     with pytest.raises(ValueError):
         plain.loads(b"[" * 100_000 + b"]" * 100_000)

@@ -59,6 +59,13 @@ ATTACKS = {
     "patched_builtins_dict": ("__builtins__['isinstance'] = lambda *a: True\ndef add(a, b):\n    return 0\n",
                               "patched_builtins"),
     "patched_len": ("import builtins\nbuiltins.len = lambda x: 0\ndef add(a, b):\n    return 0\n", "patched_builtins"),
+    # The check's own tools replaced through the dict too (no attribute hook sees it), by names no reading
+    # of the source finds, to blind the check after each call.
+    "patched_builtins_dict_blinding": ("def add(a, b):\n    return 0\n_d = add.__globals__['__bu' + 'iltins__']\n"
+                                       "for _k, _v in [('isin' + 'stance', lambda *a: True), ('sor' + 'ted', lambda *a, **k: []),\n"
+                                       "               ('a' + 'll', lambda *a: True), ('a' + 'ny', lambda *a: False),\n"
+                                       "               ('m' + 'ap', lambda *a: [])]:\n    _d[_k] = _v\n",
+                                       "patched_builtins"),
     "unittest_machinery": ("import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n"
                            "unittest.TestCase.failureException = type('Never', (Exception,), {})\n"
                            "def add(a, b):\n    return 0\n", "assert_machinery"),

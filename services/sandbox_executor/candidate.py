@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import _thread
 import builtins
+import itertools
+import operator
 import os
 import resource
 import sys
@@ -57,6 +59,7 @@ class Watch:
         self.flags: list[tuple[str, str]] = []
         self._seen: set[tuple[str, str]] = set()
         self._builtins = BUILTINS_SNAPSHOT or dict(builtins.__dict__)
+        self._key_values = tuple(self._builtins.get(k, _MISSING) for k in _KEY_BUILTINS)
         self._busy = False
         self._getframe = sys._getframe
         self._this_file = _THIS_FILE
@@ -193,13 +196,16 @@ class Watch:
         job). Swaps in sys.modules are left to the verifier's reading of the source.
         """
         current = builtins.__dict__
-        keys = _KEY_BUILTINS if len(current) == len(self._builtins) else set(self._builtins) | set(current)
-        changed = sorted(k for k in keys if current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
+        same_size = _len(current) == _len(self._builtins)
+        if same_size and _all(_map(_is, _map(current.get, _KEY_BUILTINS, _MISSINGS), self._key_values)):
+            return  # the check after every call: the same names, the key ones the same objects (in C, ~1 us)
+        keys = _KEY_BUILTINS if same_size else _set(self._builtins) | _set(current)
+        changed = _sorted(k for k in keys if current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
         if changed:
             self.flag("patched_builtins", "replaces builtins." + ", builtins.".join(changed[:8]))
-            if any(word in k for k in changed for word in _ASSERT_WORDS):
+            if _any(word in k for k in changed for word in _ASSERT_WORDS):
                 self.flag("assert_machinery", "replaces builtins." + ", builtins.".join(
-                    k for k in changed if any(word in k for word in _ASSERT_WORDS)))
+                    k for k in changed if _any(word in k for word in _ASSERT_WORDS)))
 
 
 _MISSING = object()
@@ -209,6 +215,10 @@ _KEY_BUILTINS = ("AssertionError", "Exception", "BaseException", "SystemExit", "
                  "type", "len", "print", "repr", "str", "int", "float", "bool", "list", "tuple", "dict", "set",
                  "abs", "round", "sorted", "sum", "min", "max", "all", "any", "open", "exit", "quit", "hash",
                  "id", "getattr", "setattr", "__import__", "__build_class__", "object", "range", "zip", "map")
+_MISSINGS = itertools.repeat(_MISSING)
+# Bound once at import, in the worker: what check_state uses stays the real thing when the program
+# replaces names in builtins through the dict (the very writes it looks for).
+_len, _all, _any, _map, _set, _sorted, _is = len, all, any, map, set, sorted, operator.is_
 _ACTIVE: Watch | None = None  # the Watch of this process, once a candidate runs in it
 BUILTINS_SNAPSHOT: dict = {}
 
@@ -292,9 +302,9 @@ def leave_host() -> None:
 
 # --- the call channel ---------------------------------------------------------------------------
 
-def read_frame(fd: int) -> dict | None:
+def read_frame(requests: framing.Reader) -> dict | None:
     """The next message on the call channel (plain data in a frame); None once the other side closed it."""
-    data = framing.read(fd, MAX_FRAME)
+    data = requests.frame()
     return None if data is None else plain.loads(data)
 
 
@@ -345,8 +355,9 @@ def serve(job: dict, call_r: int, reply_w: int) -> None:
     write_frame(reply_w, ready)
     if "exit" in ready or "error" in ready:
         os._exit(0)
+    requests = framing.Reader(lambda n: os.read(call_r, n), MAX_FRAME)
     while True:
-        request = read_frame(call_r)
+        request = read_frame(requests)
         if request is None:  # the harness is done (it ends this process as it leaves)
             _flush()
             os._exit(0)

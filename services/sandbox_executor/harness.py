@@ -123,6 +123,8 @@ class Candidate:
         self.gone: str | None = None
         self.finishing = False
         self.usage = (0.0, 0.0, 0)  # what the candidate last said it used (informational only)
+        self._before_tests = True  # what the reply being read is (_read_some reports a loss as such)
+        self._replies = framing.Reader(self._read_some, candidate.MAX_FRAME)
 
     def ready(self) -> dict:
         """The candidate's first message: whether its program loaded, and the functions it defines."""
@@ -183,16 +185,16 @@ class Candidate:
             self._lost(before_tests=False)
 
     def _receive(self, before_tests: bool) -> dict:
-        header = self._read(framing.HEADER_SIZE, before_tests)
+        self._before_tests = before_tests
         try:
-            n = framing.decode_length(header, candidate.MAX_FRAME)
+            data = self._replies.frame()  # never None nor cut short: _read_some raises CandidateGone first
         except framing.FrameTooLarge as exc:
             # The candidate's side caps its own replies: this was written by something else.
             self.report.tamper("forged_reply", f"the call channel announced a {exc.size}-byte reply")
             self.gone = "the candidate broke the call protocol"
             raise CandidateGone(self.gone) from None
         try:
-            reply = plain.loads(self._read(n, before_tests))
+            reply = plain.loads(data)
         except ValueError as exc:
             self.report.tamper("forged_reply", f"the call channel carried something that is not a reply: {exc}")
             self.gone = "the candidate broke the call protocol"
@@ -215,31 +217,26 @@ class Candidate:
                         self.report.tamper("forged_reply", f"the call channel carried a signal named {pattern[:40]!r}")
         return reply
 
-    def _read(self, n: int, before_tests: bool) -> bytes:
-        chunks, left = [], n
+    def _read_some(self, n: int) -> bytes:
+        """Up to n bytes of the candidate's replies, once there are some; CandidateGone (_lost) once the
+        channel closed or the candidate's process ended with nothing left in it."""
         watched = [self.reply_r] + ([self.pidfd] if self.pidfd >= 0 else [])
-        while left:
-            readable, _, _ = select.select(watched, [], [])
-            if self.reply_r in readable:
-                chunk = os.read(self.reply_r, min(left, 1 << 20))
-                if chunk:
-                    chunks.append(chunk)
-                    left -= len(chunk)
-                    continue
-            elif self.pidfd in readable:
-                # Exited, but a child of its own may still hold the pipe: drain what is there, then stop.
-                os.set_blocking(self.reply_r, False)
-                try:
-                    chunk = os.read(self.reply_r, min(left, 1 << 20))
-                except BlockingIOError:
-                    chunk = b""
-                os.set_blocking(self.reply_r, True)
-                if chunk:
-                    chunks.append(chunk)
-                    left -= len(chunk)
-                    continue
-            self._lost(before_tests)
-        return b"".join(chunks)
+        readable, _, _ = select.select(watched, [], [])
+        if self.reply_r in readable:
+            chunk = os.read(self.reply_r, n)
+            if chunk:
+                return chunk
+        elif self.pidfd in readable:
+            # Exited, but a child of its own may still hold the pipe: drain what is there, then stop.
+            os.set_blocking(self.reply_r, False)
+            try:
+                chunk = os.read(self.reply_r, n)
+            except BlockingIOError:
+                chunk = b""
+            os.set_blocking(self.reply_r, True)
+            if chunk:
+                return chunk
+        self._lost(self._before_tests)
 
     def _lost(self, before_tests: bool) -> None:
         """The candidate stopped answering: say so (the supervisor, which reaps it, names an exit that
