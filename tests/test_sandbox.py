@@ -243,6 +243,19 @@ async def test_runs_as_non_root_in_a_bare_root(pool):
     assert binaries == "False False"
 
 
+async def test_every_job_draws_random_numbers_of_its_own(pool):
+    """Jails are forked from one zygote: each must reseed `random` (and a tested job's candidate too), or every
+    job would draw the zygote's sequence."""
+    draw = "import random\nprint(random.getrandbits(64))\n"
+    plain = [await run(pool, draw) for _ in range(3)]
+    tested = [await pool.execute(Job(code="import random\ndef draw():\n    print(random.getrandbits(64))\n",
+                                     tests="def test_draw():\n    draw()\n", entry_point="draw"))
+              for _ in range(3)]
+    drawn = [int(r.stdout) for r in plain + tested]
+    assert all(r.exit_code == 0 for r in plain) and all(r.tests and r.tests[0]["passed"] for r in tested)
+    assert len(set(drawn)) == len(drawn), drawn
+
+
 async def test_tests_report_per_test_outcomes(pool):
     tests = "def test_one():\n    assert add(1, 2) == 3\n\ndef test_two():\n    assert add(2, 2) == 5\n"
     r = await pool.execute(Job(code="def add(a, b):\n    return a + b\n", tests=tests))
