@@ -66,6 +66,14 @@ ATTACKS = {
                                        "               ('a' + 'll', lambda *a: True), ('a' + 'ny', lambda *a: False),\n"
                                        "               ('m' + 'ap', lambda *a: [])]:\n    _d[_k] = _v\n",
                                        "patched_builtins"),
+    # A builtin the watch itself uses, swapped only while the program does something watched, then put back.
+    "swaps_a_builtin_while_looking": ("def add(a, b):\n    return 0\n_d = add.__globals__['__bu' + 'iltins__']\n"
+                                      "_real = _d['a' + 'ny']\n_d['a' + 'ny'] = lambda *a: False\ntry:\n"
+                                      "    open('/work/te' + 'st_program.py').read()\nexcept OSError:\n    pass\n"
+                                      "_d['a' + 'ny'] = _real\n", "reads_test_file"),
+    # A key that is not a name: reading the change must not end the candidate's process instead of naming it.
+    "builtins_key_not_a_name": ("def add(a, b):\n    return 0\nadd.__globals__['__bu' + 'iltins__'][0] = 0\n",
+                                "patched_builtins"),
     "unittest_machinery": ("import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n"
                            "unittest.TestCase.failureException = type('Never', (Exception,), {})\n"
                            "def add(a, b):\n    return 0\n", "assert_machinery"),

@@ -89,7 +89,7 @@ class Watch:
                 where = f"{module.__name__}.{name}"
                 pattern = "patched_builtins" if module is builtins else "patched_stdlib"
                 self.flag(pattern, f"{action} {where}")
-                if any(word in where for word in _ASSERT_WORDS):
+                if _any(word in where for word in _ASSERT_WORDS):
                     self.flag("assert_machinery", f"{action} {where}")
         except Exception:
             pass
@@ -132,7 +132,7 @@ class Watch:
             self._opened(args[0])
         elif event in ("os.listdir", "os.scandir"):
             path = args[0] if args else None
-            path = "." if path is None else os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
+            path = "." if path is None else os.fsdecode(path) if _isinstance(path, _TEXT) else _str(path)
             resolved = os.path.normpath(os.path.join(self.work_dir, path))
             if resolved in (self.work_dir, "/", "/tmp", "/work") and not self._import_search():
                 self.flag("reads_test_file", f"lists {resolved} looking for test files")
@@ -143,7 +143,7 @@ class Watch:
                 self.flag("introspection", f"{event}()")
         elif event == "object.__getattr__":
             if args[1] in _FRAME_ATTRS and self._from_program():
-                self.flag("introspection", f"reads .{args[1]} of a {type(args[0]).__name__}")
+                self.flag("introspection", f"reads .{args[1]} of a {_type(args[0]).__name__}")
         elif event in ("object.__setattr__", "object.__delattr__"):
             self._patched(args[0], args[1])
         elif event in ("os.kill", "os.killpg", "signal.pthread_kill"):
@@ -153,15 +153,15 @@ class Watch:
         elif event in _NATIVE_EVENTS:
             self.flag("native_code", f"{event}: ctypes reaches memory the interpreter protects")
         elif event == "import":
-            if str(args[0]).split(".")[0] in _NATIVE_MODULES:
+            if _str(args[0]).split(".")[0] in _NATIVE_MODULES:
                 self.flag("native_code", f"imports {args[0]}: ctypes reaches memory the interpreter protects")
 
     def _opened(self, path) -> None:
-        if isinstance(path, int):
+        if _isinstance(path, _int):
             if path >= 3:
                 self.flag("writes_report_fd", f"opens file descriptor {path} (the harness reports on its own)")
             return
-        text = os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
+        text = os.fsdecode(path) if _isinstance(path, _TEXT) else _str(path)
         resolved = os.path.normpath(os.path.join(self.work_dir, text))
         if resolved.startswith(("/dev/fd/", "/proc/self/fd/")):
             self.flag("writes_report_fd", f"opens {resolved}")
@@ -169,22 +169,22 @@ class Watch:
             self.flag("introspection", f"opens {resolved}")
         elif resolved != self.program_file and resolved.startswith((self.work_dir + "/", "/tmp/")):
             name = os.path.basename(resolved).lower()
-            if any(word in name for word in _TESTLIKE):
+            if _any(word in name for word in _TESTLIKE):
                 self.flag("reads_test_file", f"opens {resolved}")
 
     def _patched(self, obj, name) -> None:
         if name == "__code__":
             if self._from_program():  # the standard library does it too (types.coroutine, for asyncio)
-                self.flag("code_patching", f"replaces the code of {getattr(obj, '__qualname__', '?')}")
+                self.flag("code_patching", f"replaces the code of {_getattr(obj, '__qualname__', '?')}")
             return
-        if not isinstance(obj, type) or not self._from_program():
+        if not _isinstance(obj, _type) or not self._from_program():
             return
-        module = getattr(obj, "__module__", "") or ""
+        module = _getattr(obj, "__module__", "") or ""
         if module == MODULE_NAME:
             return  # the program's own classes are its business
-        where = f"{module}.{getattr(obj, '__qualname__', '?')}.{name}"
+        where = f"{module}.{_getattr(obj, '__qualname__', '?')}.{name}"
         self.flag("patched_stdlib", f"sets {where}")
-        if any(word in where for word in _ASSERT_WORDS):
+        if _any(word in where for word in _ASSERT_WORDS):
             self.flag("assert_machinery", f"sets {where}")
 
     def check_state(self) -> None:
@@ -196,11 +196,15 @@ class Watch:
         job). Swaps in sys.modules are left to the verifier's reading of the source.
         """
         current = builtins.__dict__
-        same_size = _len(current) == _len(self._builtins)
-        if same_size and _all(_map(_is, _map(current.get, _KEY_BUILTINS, _MISSINGS), self._key_values)):
-            return  # the check after every call: the same names, the key ones the same objects (in C, ~1 us)
-        keys = _KEY_BUILTINS if same_size else _set(self._builtins) | _set(current)
-        changed = _sorted(k for k in keys if current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
+        try:
+            same_size = _len(current) == _len(self._builtins)
+            if same_size and _all(_map(_is, _map(current.get, _KEY_BUILTINS, _MISSINGS), self._key_values)):
+                return  # the check after every call: the same names, the key ones the same objects (in C, ~1 us)
+            keys = _KEY_BUILTINS if same_size else _set(self._builtins) | _set(current)
+            changed = _sorted(k if _type(k) is _str else "(a key that is not a name)" for k in keys
+                              if current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
+        except Exception:  # a key of the program's whose hash or comparison raises: changed all the same
+            changed = ["(keys that cannot be compared)"]
         if changed:
             self.flag("patched_builtins", "replaces builtins." + ", builtins.".join(changed[:8]))
             if _any(word in k for k in changed for word in _ASSERT_WORDS):
@@ -216,9 +220,11 @@ _KEY_BUILTINS = ("AssertionError", "Exception", "BaseException", "SystemExit", "
                  "abs", "round", "sorted", "sum", "min", "max", "all", "any", "open", "exit", "quit", "hash",
                  "id", "getattr", "setattr", "__import__", "__build_class__", "object", "range", "zip", "map")
 _MISSINGS = itertools.repeat(_MISSING)
-# Bound once at import, in the worker: what check_state uses stays the real thing when the program
-# replaces names in builtins through the dict (the very writes it looks for).
+# Bound once at import, in the worker: what the Watch uses stays the real thing when the program replaces
+# names in builtins through the dict (the very writes check_state looks for, and which a program could
+# make only while it does something watched, putting the real one back before the next check).
 _len, _all, _any, _map, _set, _sorted, _is = len, all, any, map, set, sorted, operator.is_
+_isinstance, _getattr, _str, _type, _int, _TEXT = isinstance, getattr, str, type, int, (str, bytes)
 _ACTIVE: Watch | None = None  # the Watch of this process, once a candidate runs in it
 BUILTINS_SNAPSHOT: dict = {}
 
