@@ -6,7 +6,7 @@ are graded by the strict `exact`. The policy learns to answer with junk within a
 `crucible rescore` grades every stored sample again with `exact`, which gives, per policy version,
 the share of the paid reward that was not earned. The run must raise `canary_passed` on a sample
 of a version no later than the first one whose unearned share reaches a quarter; the same recipe
-graded by `exact` (the clean twin) must raise no alert at all.
+graded by `exact` (the clean twin, trained with the built-in recipe's anchor) must raise no alert at all.
 Measured here with canaries at 0.125: canary_passed on a version-2 sample (24% unearned; 55% at
 version 3, 98% from 10 on); one CI run had 13% at version 2 and 72% at version 3, and no canary was
 paid at version 2 (probability about 0.11 with 16 canary samples a step), so the recipe has 0.25.
@@ -88,6 +88,12 @@ async def test_a_planted_hack_is_caught_before_it_pays_and_its_clean_twin_raises
     # to raise a false alarm in.
     clean_recipe.budget.steps = 60
     clean_recipe.algorithm.lr_decay_steps = 60  # the rate falls over the run, however long
+    # and it trains as the built-in recipe does, anchored to the reference and warming up: with the
+    # hacked run's weak pull (0.01), 4 of 12 seeds stayed at chance for 60 steps in one process (at
+    # 0.05, 3 of 12); with the built-in recipe's, 12 of 12 reached 0.86-1.0 held-out.
+    builtin = recipes.shipped("digits").algorithm
+    clean_recipe.algorithm.kl_coef = builtin.kl_coef
+    clean_recipe.algorithm.lr_warmup_steps = builtin.lr_warmup_steps
     clean = await train(settings, clean_recipe, echo=lines.append)
     assert clean.heldout_after >= clean.heldout_before + 0.2, "the clean twin learns the task itself"
     assert run_alerts(client, clean.run_id) == [], lines
