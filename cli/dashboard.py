@@ -221,14 +221,20 @@ function chart(data, bars){
   return svg + `</svg><div class="legend">${legend}</div>`;
 }
 
+// What each panel shows now: a panel whose rows did not change is not drawn again, so a click, a
+// selection or a hover in it outlives the refresh (a link redrawn between a click's press and release
+// got no click at all).
+const drawn = new Map();
 async function refresh(panel){
   const el = document.getElementById("panel-" + panel.id);
+  let html;
   try {
     const data = await get("/api/panels/" + panel.id);
     el.dataset.rows = data.rows.length;
-    el.querySelector(".body").innerHTML = !data.rows.length ? '<p class="empty">no rows yet</p>'
+    html = !data.rows.length ? '<p class="empty">no rows yet</p>'
       : panel.type === "table" ? table(data) : chart(data, panel.type === "barchart");
-  } catch (e) { el.querySelector(".body").innerHTML = `<p class="error">${esc(e.message)}</p>`; }
+  } catch (e) { html = `<p class="error">${esc(e.message)}</p>`; }
+  if (drawn.get(panel.id) !== html) { el.querySelector(".body").innerHTML = html; drawn.set(panel.id, html); }
 }
 
 async function openTask(id){
