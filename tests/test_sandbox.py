@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import socket
@@ -232,6 +233,27 @@ async def test_server_secrets_are_invisible(pool):
 async def test_namespace_and_tracing_syscalls_are_forbidden(pool, call):
     r = await run(pool, f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint('returned', {call})")
     assert r.violation == "forbidden_syscall" and b"returned" not in r.stdout
+
+
+@pytest.mark.parametrize("call, named", [("libc.syscall(458, 0, 0, 0, 0)", "listmount"),
+                                         ("libc.syscall(457, 0, 0, 0, 0)", "statmount"),
+                                         ("libc.inotify_init1(0)", "inotify_init1")])
+async def test_calls_that_describe_the_hosts_mounts_or_file_activity_are_forbidden(pool, call, named):
+    r = await run(pool, f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint('returned', {call})")
+    assert r.violation == "forbidden_syscall" and named in r.violation_detail and b"returned" not in r.stdout, \
+        (r.violation, r.violation_detail, r.stdout)
+
+
+async def test_a_call_newer_than_the_filter_knows_fails_as_unknown_and_the_job_goes_on(pool):
+    from crucible.services.sandbox_executor.jail.seccomp import FORBIDDEN_SYSCALLS_X86_64, NEWEST_KNOWN_SYSCALL
+
+    unknown = [nr for nr in range(NEWEST_KNOWN_SYSCALL + 1, 1000) if nr not in FORBIDDEN_SYSCALLS_X86_64.values()]
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"for nr in ({unknown[0]}, {unknown[10]}, 999):\n"
+            "    print(nr, libc.syscall(nr, 0, 0, 0, 0), ctypes.get_errno())\n")
+    r = await run(pool, code)
+    assert r.exit_code == 0 and not r.violation, (r.violation, r.stderr[-300:])
+    assert [line.split()[1:] for line in r.stdout.decode().splitlines()] == [["-1", str(errno.ENOSYS)]] * 3, r.stdout
 
 
 async def test_runs_as_non_root_in_a_bare_root(pool):

@@ -220,6 +220,38 @@ print('\\n'.join(seen))
 """
 
 
+# Every string the job's process holds that contains one of HOST (hex-encoded here, so that the job's
+# own source holds none of them): everything the collector tracks, frozen objects included, the stack's
+# frames and the import system's state, followed through every reference.
+DEEP_SCAN = """
+import gc, sys, types
+HOST = [bytes.fromhex(h).decode() for h in {hexes!r}]
+ours = {{id(h) for h in HOST}}
+gc.unfreeze()
+keep, seen, hits = [], set(), set()
+stack = list(gc.get_objects())
+frame = sys._getframe()
+while frame is not None:
+    stack.append(frame)
+    frame = frame.f_back
+stack += [sys.modules, sys.meta_path, sys.path_hooks, sys.path_importer_cache, vars(sys)]
+while stack:
+    o = stack.pop()
+    if id(o) in seen:
+        continue
+    seen.add(id(o))
+    keep.append(o)
+    if isinstance(o, (str, bytes)):
+        text = o if isinstance(o, str) else o.decode('latin-1')
+        hits.update(text[:200] for h in HOST if h in text and id(o) not in ours)
+        continue
+    if isinstance(o, types.FrameType):
+        stack += [o.f_locals, o.f_globals]
+    stack.extend(gc.get_referents(o))
+print('scanned', len(seen), 'objects; host strings held:', sorted(hits)[:20])
+"""
+
+
 async def test_the_job_sees_nothing_of_the_host(pool):
     host_strings = [str(ROOT) + "/", pool.runtime_dir.name, "/sys/fs/cgroup", "ro_binds", "uid_base",
                     f"-{os.getpid()}-"]
@@ -235,6 +267,16 @@ async def test_the_job_sees_nothing_of_the_host(pool):
     verdict, result = await score(pool, DOUBLE, probe)
     shown = result.stdout.decode()
     assert shown and [s for s in host_strings if s in shown] == [], shown[:3000]
+    # Nothing of the host in the memory of the job's process either (the worker's configuration once
+    # was: its import finder's folders, the zygote's and the jail's frames), in a plain job and in a
+    # tested job's candidate process.
+    scan = DEEP_SCAN.format(hexes=[s.encode().hex() for s in host_strings])
+    plain = await pool.execute(Job(code=scan))
+    assert plain.exit_code == 0 and "host strings held: []" in plain.stdout.decode(), \
+        (plain.stdout[-3000:], plain.stderr[-500:])
+    verdict, result = await score(pool, DOUBLE, scan + "\ndef double(x):\n    return 2 * x\n")
+    shown = result.stdout.decode()
+    assert "host strings held: []" in shown, (shown[-3000:], result.stderr[-500:])
 
 
 @pytest.mark.slow

@@ -294,7 +294,8 @@ def leave_host() -> None:
     module pops alone copied some 150 us of pages a job). The interpreter's command line becomes a
     bare `python3` (the real one held no configuration, but names the interpreter), and the worker's
     own modules leave sys.modules (the code already loaded keeps running, and nothing in a jail
-    imports them again; their files carry neutral names anyway).
+    imports them again; their files carry neutral names anyway), and so does the finder that
+    loaded them from the host's folders.
 
     New threads get small stacks: with the default 8 MiB each, a thread bomb exhausts the address
     space limit after a dozen threads, a failure the kernel counts nowhere; with these it reaches
@@ -303,6 +304,10 @@ def leave_host() -> None:
     sys.orig_argv = ["python3"]
     for name in [name for name in sys.modules if name == "crucible" or name.startswith("crucible.")]:
         del sys.modules[name]
+    # The import system's own finders only: the worker's (jail/__main__.py's JailFinder) knows the host
+    # folders it loads the worker's modules from, and nothing in a jail imports them again.
+    sys.meta_path[:] = [finder for finder in sys.meta_path
+                        if getattr(finder, "__module__", "").startswith("_frozen_importlib")]
     _thread.stack_size(THREAD_STACK_BYTES)
 
 

@@ -55,6 +55,7 @@ class NeutralLoader:
     def exec_module(self, module):
         with open(self.source, "rb") as f:
             code = compile(f.read(), self.shown, "exec", dont_inherit=True)
+        self.source = self.shown  # the module's __loader__ and __spec__ hold this loader: no host path there
         exec(code, module.__dict__)
 
 

@@ -213,9 +213,7 @@ def set_limits(cfg: dict, job: dict) -> None:
     # backstop behind it, looser by the harness's tasks: the uid is the slot's own (pool.SLOTS), held by
     # this job's processes and the slot's harness, no other job's (a slot takes its next job once this
     # one's are gone).
-    slots = cfg.get("cgroups") or [{}]
-    has_pids = any("pids" in slot or "unified" in slot for slot in slots)
-    nproc = limits["processes"] + (JAIL_OWN_TASKS if has_pids else 1) + HARNESS_TASKS
+    nproc = limits["processes"] + (JAIL_OWN_TASKS if cfg["pids_cgroup"] else 1) + HARNESS_TASKS
     for res, value in [
         (resource.RLIMIT_AS, limits["memory_bytes"]),
         (resource.RLIMIT_FSIZE, limits["file_bytes"]),

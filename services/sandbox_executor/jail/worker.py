@@ -32,7 +32,6 @@ def main(cfg: dict) -> None:
             os.sched_setaffinity(0, cfg["cpus"])
         except OSError:  # (a CPU taken away since the pool looked): the worker runs where the scheduler puts it
             pass
-    slots = [Cgroups(paths, keep_open=True) for paths in cfg.get("cgroups") or [{}, {}, {}]]
     if cfg["isolate"]:
         rootfs.build_template(cfg)
     if cfg["seccomp"]:
@@ -57,6 +56,9 @@ def main(cfg: dict) -> None:
     # millisecond in every jail and every candidate. The supervisor's threads come after.
     assert "threading" not in sys.modules, "imported before the zygote: every jail would pay for it"
     forked = zygote.start(cfg)
+    # The supervisor's hold on its slots' cgroups (paths, open control files): made after the zygote,
+    # which never has them, so no jail does either.
+    slots = [Cgroups(paths, keep_open=True) for paths in cfg.get("cgroups") or [{}, {}, {}]]
     from crucible.services.sandbox_executor.jail import supervisor
 
     link = supervisor.Zygote(*forked)

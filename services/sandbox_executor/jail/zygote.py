@@ -80,6 +80,11 @@ def serve(cfg: dict, channel: socket.socket) -> None:
     shared = slot_namespaces(cfg, slots) if cfg["isolate"] else [()] * slots
     kept = [fd for fds in shared for fd in fds]
     slot_configs = [slot_config(cfg, slot) for slot in range(slots)]
+    # Every jail is a fork of this process, and a job can read whatever Python holds here (the stack's
+    # frames, gc.get_objects()): the worker's configuration (runtime folder, cgroup paths, checkout and
+    # bind paths, every slot's uid) goes now that the slots are made. It is one dict, the worker's
+    # CONFIG and every frame's `cfg` alike: emptied in place, in this process only.
+    cfg.clear()
     live: dict[int, int] = {}  # pidfd -> pid
     while True:
         readable, _, _ = select.select([channel.fileno(), *live], [], [])
@@ -105,10 +110,19 @@ def serve(cfg: dict, channel: socket.socket) -> None:
 SLOT_NAMESPACES = (("net", CLONE_NEWNET), ("uts", CLONE_NEWUTS), ("mnt", CLONE_NEWNS))
 
 
+# What a slot's jails and harness read of the worker's configuration (jailed.py, rootfs.enter): nothing
+# of the host (no path, no other slot's uid), since the job's process holds it.
+SLOT_KEYS = ("isolate", "seccomp", "work_bytes", "harness_memory_bytes")
+
+
 def slot_config(cfg: dict, slot: int) -> dict:
-    """What a slot's jails and harness are forked with: the slot's own uid (jobs running at once never
-    share one), and without namespaces a folder of the slot's own for its jobs' files, the uid's."""
-    slot_cfg = {**cfg, "uid": cfg["uids"][slot]}
+    """What a slot's jails and harness are forked with: SLOT_KEYS, the slot's own uid (jobs running at
+    once never share one), whether the job's process count is a pids cgroup's (jailed.set_limits), and
+    without namespaces a folder of the slot's own for its jobs' files, the uid's (a weak sandbox, whose
+    jobs run in the host's tree anyway)."""
+    slot_cfg = {key: cfg[key] for key in SLOT_KEYS}
+    slot_cfg["uid"] = cfg["uids"][slot]
+    slot_cfg["pids_cgroup"] = any("pids" in paths or "unified" in paths for paths in cfg.get("cgroups") or [{}])
     if not cfg["isolate"]:
         slot_cfg["work_dir"] = os.path.join(cfg["root_dir"], f"slot{slot}")
         os.makedirs(slot_cfg["work_dir"], mode=0o700, exist_ok=True)
