@@ -256,6 +256,44 @@ async def test_redefining_the_prompts_helpers_does_not_change_the_tests(pool):
     assert score.reward == 1.0, score.detail
 
 
+# A helper the tests call, given by prompts of every shape: each must be the task's, whatever the
+# candidate defines under the same name.
+POLY = "import math\n\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n"
+HELPER_PROMPTS = {
+    # a last signature without a docstring: the prompt alone does not compile
+    "bare_signature": POLY + "\ndef find_zero(xs):\n    # a root of poly(xs, x); xs has odd degree\n",
+    # the helper defined below the top level
+    "helper_under_try": "try:\n" + "".join("    " + line + "\n" for line in POLY.splitlines())
+                        + "except ImportError:\n    pass\n\ndef find_zero(xs):\n    \"\"\"a root of poly(xs, x)\"\"\"\n",
+    # prose showing the helper in a fenced block, with an example of use the harness must not run
+    "prose_with_fence": "The helper below evaluates a polynomial:\n\n```python\n" + POLY
+                        + "print(poly([1, 2], find_zero([1, 2])))\n```\n\nWrite find_zero(xs): a real root of poly(xs, x).",
+}
+ROOT_TESTS = """
+def check(candidate):
+    for xs in ([1, 2], [-6, 11, -6, 1], [5, 1]):
+        assert abs(poly(xs, candidate(xs))) < 1e-4
+"""
+BISECT = ("def find_zero(xs):\n    import math\n"
+          "    f = lambda x: sum(c * math.pow(x, i) for i, c in enumerate(xs))\n"
+          "    lo, hi = -1e3, 1e3\n    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+          "        if (f(mid) > 0) == (f(lo) > 0):\n            lo = mid\n        else:\n            hi = mid\n"
+          "    return lo\n")
+
+
+@pytest.mark.parametrize("shape", sorted(HELPER_PROMPTS))
+async def test_a_helper_the_prompt_gives_is_never_the_candidates(pool, shape):
+    # Redefining poly to answer 0 everywhere once paid 1.0 for a constant root wherever the prompt's
+    # code went unrecognised (no prelude: the tests then took the candidate's poly).
+    task = task_pb2.Task(id=f"root-{shape}", kind="python_tests", prompt=HELPER_PROMPTS[shape], group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="find_zero", test_code=ROOT_TESTS))
+    liar = "def poly(xs, x):\n    return 0.0\n\ndef find_zero(xs):\n    return 0.0\n"
+    score, result = await run(pool, task, liar)
+    assert score.reward == 0.0, (score.detail, result.tests)
+    score, result = await run(pool, task, BISECT)
+    assert score.reward == 1.0, (score.detail, result.tests)
+
+
 async def test_stdlib_containers_are_returned_as_plain_data(pool):
     task = task_pb2.Task(id="count", kind="python_tests", prompt="def count(s):\n    '''letter counts'''\n",
                          group_size=1, python_tests=task_pb2.PythonTests(

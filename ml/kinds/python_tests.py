@@ -64,30 +64,52 @@ def program(task: task_pb2.Task, completion: str) -> tuple[str, int]:
 
 
 def prelude(task: task_pb2.Task) -> str:
-    """The prompt, when it is Python and the tests use something it defines (HumanEval/38's tests call
-    the prompt's encode_cyclic): run by the harness before the tests, never by the candidate.
-    Empty otherwise, which spares the harness parsing a prompt no test needs."""
-    return task.prompt if _tests_use_prompt(task.prompt, task.python_tests.test_code,
-                                            task.python_tests.entry_point) else ""
+    """The prompt's code (prompt_code), when the tests use something it defines (HumanEval/38's tests
+    call the prompt's encode_cyclic): run by the harness before the tests, never by the candidate, and
+    what it defines is the task's, never taken from the candidate (the harness takes a candidate's
+    version only of what the prelude merely declares). Empty otherwise, which spares the harness
+    parsing a prompt no test needs."""
+    return _prelude(task.prompt, task.python_tests.test_code, task.python_tests.entry_point)
 
 
 @functools.lru_cache(maxsize=4096)
-def _tests_use_prompt(prompt: str, tests: str, entry_point: str) -> bool:
+def _prelude(prompt: str, tests: str, entry_point: str) -> str:
+    code = prompt_code(prompt)
     try:
-        prompt_tree, tests_tree = ast.parse(prompt), ast.parse(tests)
+        prompt_tree, tests_tree = ast.parse(code), ast.parse(tests)
     except (SyntaxError, ValueError):
-        return False
-    defined = set()
-    for node in prompt_tree.body:
+        return ""
+    defined = set()  # anywhere in the prompt, not only at its top level (a helper defined under try:)
+    for node in ast.walk(prompt_tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defined.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             defined.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
     used = {n.id for n in ast.walk(tests_tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return bool((defined - {entry_point}) & used)
+    return code if (defined - {entry_point}) & used else ""
+
+
+def prompt_code(prompt: str) -> str:
+    """The Python a prompt gives: the prompt itself where it compiles (a last signature without a body,
+    as a completion continues it, given one), else the definitions and imports of its fenced blocks (a
+    prompt in prose showing a helper; their other statements, examples of use, are left out); empty
+    when there is none."""
+    for source in (prompt, prompt + "    pass\n"):
+        if _compiles(source):
+            return source
+    kept = []
+    for block in _FENCE.findall(prompt):
+        for source in (block, block + "\n    pass\n"):
+            try:
+                tree = ast.parse(source)
+            except (SyntaxError, ValueError):
+                continue
+            kept += [node for node in tree.body if isinstance(node, (
+                ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))]
+            break
+    return ast.unparse(ast.Module(body=kept, type_ignores=[])) + "\n" if kept else ""
 
 
 def declared_tests(task: task_pb2.Task) -> list[str]:
