@@ -230,6 +230,48 @@ async def test_in_place_changes_to_arguments_are_seen_by_the_tests(pool):
     assert score.reward == 0.0 and "non_plain_return" in score.patterns
 
 
+# (tests, a candidate that passes them only if changes to its arguments go unseen, an honest one)
+ARGUMENT_CASES = {
+    # a call that fails must leave its input as it was
+    "changed_then_raised": (
+        "def check(candidate):\n    s = [1, 2]\n    try:\n        candidate(s, 5)\n    except ValueError:\n"
+        "        pass\n    else:\n        raise AssertionError('no error')\n    assert s == [1, 2]\n"
+        "    assert candidate(s, 1) == [2] and s == [1]\n",
+        "    out = []\n    while n:\n        out.append(s.pop())\n        n -= 1\n    return out\n",
+        "    if n > len(s):\n        raise ValueError('too many')\n    return [s.pop() for _ in range(n)]\n"),
+    # lists inside a tuple
+    "inside_a_tuple": (
+        "def check(candidate):\n    rows = ([3, 1], [2, 0])\n    assert candidate(rows, 0) == 3\n"
+        "    assert rows == ([3, 1], [2, 0])\n",
+        "    for r in s:\n        r.sort()\n    return max(r[n] for r in s)\n",
+        "    return max(r[n] for r in s)\n"),
+    # a list inside a dict, held by the test itself
+    "held_by_the_test": (
+        "def check(candidate):\n    inner = [1, 3]\n    d = {'a': inner}\n    assert candidate(d, 0) == 3\n"
+        "    assert inner == [1, 3]\n",
+        "    s['a'].sort(reverse=True)\n    return s['a'][n]\n",
+        "    return sorted(s['a'], reverse=True)[n]\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARGUMENT_CASES))
+async def test_what_a_call_leaves_in_its_arguments_is_seen_at_every_depth(pool, case):
+    # Each dishonest candidate once passed: arguments came back only after a call that returned, and
+    # only their top level was written into the test's objects.
+    tests, dishonest, honest = ARGUMENT_CASES[case]
+    task = task_pb2.Task(id=f"args-{case}", kind="python_tests", prompt='def f(s, n):\n    """see the tests"""\n',
+                         group_size=1, python_tests=task_pb2.PythonTests(entry_point="f", test_code=tests))
+    score, result = await run(pool, task, dishonest)
+    assert score.reward == 0.0, (score.detail, result.tests)
+    score, result = await run(pool, task, honest)
+    assert score.reward == 1.0, (score.detail, result.tests)
+    # and an honest change deep inside an argument reaches the row the test holds
+    task.python_tests.test_code = ("def check(candidate):\n    grid = [[0, 1], [2, 3]]\n    row = grid[0]\n"
+                                   "    assert candidate(grid, 9) is None\n    assert row == [9, 1] and grid[0] is row\n")
+    score, result = await run(pool, task, "    s[0][0] = n\n")
+    assert score.reward == 1.0, (score.detail, result.tests)
+
+
 async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):
     probe = ("import os\nopen_fds = []\nfor fd in range(256):\n    try:\n        os.fstat(fd)\n"
              "        open_fds.append(fd)\n    except OSError:\n        pass\nprint('FDS', open_fds)\n"

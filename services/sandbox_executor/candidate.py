@@ -398,7 +398,13 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
             watch.flag("exit_during_tests", f"{name}() raised SystemExit({exc.code!r})")
         return {"raise": "SystemExit", "message": f"{name}() exited with code {code}"}
     except BaseException as exc:
-        return {"raise": _exception_name(exc), "message": _describe(exc)}
+        reply = {"raise": _exception_name(exc), "message": _describe(exc)}
+        if request.get("mutable"):  # what a call that raised left in its arguments comes back too
+            left: list = []
+            reply = _arguments(reply, name, args, kwargs, left, watch)
+            for pattern, detail in left:
+                watch.flag(pattern, f"{name}() left {detail} in its arguments")
+        return reply
     flags: list = []
     try:
         tree = plain.to_tree(result, flags)
@@ -414,17 +420,24 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
         return {"error": "non_plain", "message": f"{name}() returned a value that could not be read"}
     reply = {"ok": tree}
     if request.get("mutable"):
-        try:
-            reply["args"] = plain.to_tree((list(args), kwargs), flags)
-        except plain.NotPlain as exc:
-            if exc.suspicious:
-                watch.flag("non_plain_return", f"{name}() left {exc} in its arguments")
-            return {"error": "non_plain", "message": f"{name}() left {exc} in its arguments, not plain data"}
-        except BaseException:
-            watch.flag("non_plain_return", f"{name}() left unreadable values in its arguments")
-            return {"error": "non_plain", "message": f"{name}() left unreadable values in its arguments"}
+        reply = _arguments(reply, name, args, kwargs, flags, watch)
     for pattern, detail in flags:
         watch.flag(pattern, f"{name}() returned {detail}")
+    return reply
+
+
+def _arguments(reply: dict, name: str, args: tuple, kwargs: dict, flags: list, watch: Watch) -> dict:
+    """The reply with what the call left in its arguments (the harness writes it into the test's
+    objects), or a non_plain error where that is not plain data."""
+    try:
+        reply["args"] = plain.to_tree((list(args), kwargs), flags)
+    except plain.NotPlain as exc:
+        if exc.suspicious:
+            watch.flag("non_plain_return", f"{name}() left {exc} in its arguments")
+        return {"error": "non_plain", "message": f"{name}() left {exc} in its arguments, not plain data"}
+    except BaseException:
+        watch.flag("non_plain_return", f"{name}() left unreadable values in its arguments")
+        return {"error": "non_plain", "message": f"{name}() left unreadable values in its arguments"}
     return reply
 
 

@@ -139,20 +139,22 @@ class Candidate:
             raise TypeError(f"the test passes {exc} to {name}(); only plain data can cross to the candidate") from None
         # Mutable arguments come back after the call and are written into the test's own objects,
         # so a test sees in-place changes (or their absence) as it would in one process.
-        mutable = [v for v in (*args, *kwargs.values()) if type(v) in _MUTABLE]
-        request["mutable"] = bool(mutable)
+        # Whether it returns or raises (a test may check that a failed call left its input alone).
+        mutable = any(map(_holds_mutable, (*args, *kwargs.values())))
+        request["mutable"] = mutable
         self._send(request)
         reply = self._receive(before_tests=False)
-        if "ok" in reply:
+        if "ok" in reply or (mutable and "args" in reply):
             try:
-                value = plain.from_tree(reply["ok"])
+                value = plain.from_tree(reply["ok"]) if "ok" in reply else None
                 if mutable:
                     new_args, new_kwargs = plain.from_tree(reply["args"])
                     _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)))
-                return value
             except (ValueError, KeyError, TypeError) as exc:
                 self.report.tamper("forged_reply", f"{name}() answered with a malformed value: {exc}")
                 raise CandidateGone(f"{name}() answered with a malformed value") from None
+            if "ok" in reply:
+                return value
         if reply.get("error") == "non_plain":
             raise NotPlainData(str(reply.get("message", "not plain data"))[:1000])
         if "raise" in reply:
@@ -486,21 +488,58 @@ def _names(code) -> set[str]:
     return names
 
 
+def _holds_mutable(value) -> bool:
+    """Whether a call can change the value in place: a mutable container, or a tuple holding one."""
+    return type(value) in _MUTABLE or (type(value) is tuple and any(map(_holds_mutable, value)))
+
+
 def _write_back(originals: tuple, updated: tuple) -> None:
-    """Copies the candidate's view of each mutable argument into the test's object, in place."""
+    """Copies the candidate's view of each argument into the test's objects, in place."""
     if len(originals) != len(updated):
         raise ValueError("argument count changed")
     for old, new in zip(originals, updated):
-        if type(old) not in _MUTABLE:
-            continue
-        if type(new) is not type(old):
-            raise TypeError(f"a {type(old).__name__} argument came back as a {type(new).__name__}")
+        if _holds_mutable(old):
+            _update(old, new)
+
+
+def _update(old, new) -> None:
+    """Makes `old` (the test's object) what `new` (the candidate's view of it) is, in place and at every
+    depth: a container the test may hold inside it is updated where the candidate left it in the same
+    place (a test that kept `row = grid[0]` sees the change to `grid[0]`)."""
+    if type(new) is not type(old):
+        raise TypeError(f"a {type(old).__name__} argument came back as a {type(new).__name__}")
+    if type(old) is tuple:  # itself unchanged: only the containers in it can have changed
+        if len(new) != len(old):
+            raise ValueError("a tuple argument changed its length")
+        for was, now in zip(old, new):
+            if _holds_mutable(was):
+                _update(was, now)
+            elif was != now and was == was:  # (NaN is never equal to itself)
+                raise ValueError("a value in a tuple argument changed")
+    elif type(old) is list and len(old) == len(new):
+        for i, (was, now) in enumerate(zip(old, new)):
+            if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
+                _update(was, now)
+            elif type(now) is not type(was) or was != now:
+                old[i] = now
+    elif type(old) is dict:
+        for key in [key for key in old if key not in new]:
+            del old[key]
+        for key, now in new.items():
+            was = old.get(key, _MISSING)
+            if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
+                _update(was, now)
+            elif was is _MISSING or type(now) is not type(was) or was != now:
+                old[key] = now
+    elif type(old) is set:
         if old != new:
-            if type(old) is dict or type(old) is set:
-                old.clear()
-                old.update(new)
-            else:
-                old[:] = new
+            old.clear()
+            old.update(new)
+    elif old != new:  # a list of another length, a bytearray
+        old[:] = new
+
+
+_MISSING = object()
 
 
 def _exception(name: str, message: str) -> BaseException:
