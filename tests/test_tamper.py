@@ -51,7 +51,6 @@ ATTACKS = {
                           "    return Boom()\n", "non_plain_return"),
     "class_attribute_spoof": ("    class Fake:\n        __class__ = int\n        __eq__ = lambda s, o: True\n"
                               "    return Fake()\n", "non_plain_return"),
-    "returns_a_generator": ("    return (x for x in [a + b])\n", "non_plain_return"),
     "eq_always_true_nested": ("    class Any:\n        __eq__ = lambda s, o: True\n    return [Any(), Any()]\n",
                               "non_plain_return"),
     "patched_builtin_assert": ("import builtins\nclass Quiet(BaseException):\n    pass\n"
@@ -157,6 +156,8 @@ FAILURES = {
     "syntax_error": "    return a +\n",
     "sleeps_forever": "    import time\n    time.sleep(60)\n",
     "never_defines_it": "pass\n",
+    # (a generator reaches the tests as an iterator over its items: not 5, but no forgery either)
+    "returns_a_generator": "    return (x for x in [a + b])\n",
 }
 
 
@@ -270,6 +271,66 @@ async def test_what_a_call_leaves_in_its_arguments_is_seen_at_every_depth(pool, 
                                    "    assert candidate(grid, 9) is None\n    assert row == [9, 1] and grid[0] is row\n")
     score, result = await run(pool, task, "    s[0][0] = n\n")
     assert score.reward == 1.0, (score.detail, result.tests)
+
+
+def _honest(prompt: str, entry: str, tests: str, completion: str) -> tuple[task_pb2.Task, str]:
+    return task_pb2.Task(id=entry, kind="python_tests", prompt=prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point=entry, test_code=tests)), completion
+
+
+def _expects(call: str, raised: str, then: str = "pass") -> str:
+    return (f"    try:\n        {call}\n    except {raised} as e:\n        {then}\n"
+            f"    else:\n        raise AssertionError('no {raised}')\n")
+
+
+SQUARES = ('def squares(n):\n    """the squares below n, in order (any iterable)"""\n', "squares",
+           "def check(candidate):\n    assert list(candidate(4)) == [0, 1, 4, 9]\n")
+MINMAX = ('def minmax(xs):\n    """(min, max)"""\n', "minmax",
+          "def check(candidate):\n    assert candidate([3, 1, 2]) == (1, 3)\n")
+# Honest answers in shapes one process would take, each once paid 0 (most also named tampering).
+HONEST_SHAPES = {
+    "namedtuple": _honest(*MINMAX, "    import collections\n    P = collections.namedtuple('P', 'lo hi')\n"
+                                   "    return P(min(xs), max(xs))\n"),
+    "int_enum": _honest('def sq(x):\n    """x * x"""\n', "sq", "def check(candidate):\n    assert candidate(3) == 9\n",
+                        "    import enum\n    class Sq(enum.IntEnum):\n        NINE = 9\n    return Sq(x * x)\n"),
+    "list_that_prints_itself": _honest(*SQUARES, "    class Seq(list):\n        def __repr__(self):\n"
+                                                 "            return 'Seq' + list.__repr__(self)\n"
+                                                 "    return Seq(i * i for i in range(n))\n"),
+    "generator": _honest(*SQUARES, "    return (i * i for i in range(n))\n"),
+    "map": _honest(*SQUARES, "    return map(lambda i: i * i, range(n))\n"),
+    "dict_keys": _honest('def names(d):\n    """the keys"""\n', "names",
+                         "def check(candidate):\n    k = candidate({'a': 1, 'b': 2})\n    assert k == {'a', 'b'}\n"
+                         "    assert list(k) == ['a', 'b']\n", "    return d.keys()\n"),
+    "prompts_own_exception": _honest(
+        "class NegativeError(ValueError):\n    pass\n\ndef root(x):\n    \"\"\"sqrt; NegativeError below 0\"\"\"\n", "root",
+        "def check(candidate):\n    assert candidate(4) == 2\n" + _expects("candidate(-1)", "NegativeError", "assert e.args == (-1,)"),
+        "    if x < 0:\n        raise NegativeError(x)\n    return x ** 0.5\n"),
+    "exception_message": _honest('def age(s):\n    """int(s); ValueError("negative") below 0"""\n', "age",
+                                 "def check(candidate):\n" + _expects("candidate('-3')", "ValueError", "assert str(e) == 'negative'"),
+                                 "    if int(s) < 0:\n        raise ValueError('negative')\n    return int(s)\n"),
+    "stdlib_subclass_of_a_builtin_exception": _honest(
+        'def load(s):\n    """json; ValueError when it is not"""\n', "load",
+        "def check(candidate):\n" + _expects("candidate('{bad')", "ValueError"), "    import json\n    return json.loads(s)\n"),
+    "exception_of_five_arguments": _honest(
+        'def dec(b):\n    """strict UTF-8"""\n', "dec",
+        "def check(candidate):\n" + _expects("candidate(b'\\xff')", "UnicodeDecodeError", "assert e.start == 0"),
+        "    return b.decode('utf-8')\n"),
+    "star_import_bringing_abs": _honest('def dist(a, b):\n    """|a - b|"""\n', "dist",
+                                        "def check(candidate):\n    assert abs(candidate(1, 4) - 3) < 1e-9\n",
+                                        "    return abs(sub(a, b))\n\nfrom operator import *\n"),
+    "tests_calling_from_threads": _honest(
+        'def sq(x):\n    """x * x"""\n', "sq",
+        "import concurrent.futures\n\ndef check(candidate):\n"
+        "    with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
+        "        assert list(pool.map(candidate, range(40))) == [x * x for x in range(40)]\n", "    return x * x\n"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(HONEST_SHAPES))
+async def test_honest_answers_of_every_shape_are_paid_in_full(pool, shape):
+    task, completion = HONEST_SHAPES[shape]
+    score, result = await run(pool, task, completion)
+    assert score.reward == 1.0 and not score.tampered, (score.detail, result.tests)
 
 
 async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):

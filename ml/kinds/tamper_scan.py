@@ -17,7 +17,8 @@ import json
 import re
 
 # unittest's API names: assigning one of these on anything but `self` is patching a test framework.
-ASSERT_ATTRS = re.compile(r"^(assert[A-Z_]\w*|fail[A-Z_]\w*|failureException|wasSuccessful|addFailure|addError)$")
+# (unittest's fail* names are camelCase: `node.fail_link`, an automaton's, is no test machinery.)
+ASSERT_ATTRS = re.compile(r"^(assert[A-Z_]\w*|fail[A-Z]\w*|failureException|wasSuccessful|addFailure|addError)$")
 TEST_MODULES = {"unittest", "TestCase", "pytest", "doctest", "TestResult", "TextTestRunner"}
 STDLIB_PATCHED = {"json", "ast", "sys", "unittest", "re", "math", "operator", "functools", "inspect", "traceback",
                   "pickle", "io", "os", "copy", "collections", "typing", "itertools", "string", "random"}
@@ -33,7 +34,7 @@ FD_CALLS = {"write", "fdopen", "dup2", "dup", "open", "fstat", "lseek", "ftrunca
 _FAKE_OUTPUT = [
     re.compile(r"^[\s=]*\d+ passed\b", re.IGNORECASE),
     re.compile(r"^\s*Ran \d+ tests? in ", re.IGNORECASE),
-    re.compile(r"^\s*(PASS|PASSED|OK|SUCCESS|ALL PASS(ED)?)[\s.!]*$"),
+    re.compile(r"^\s*(PASS|PASSED|SUCCESS|ALL PASS(ED)?)[\s.!]*$"),  # (a bare OK is a debug line as often)
     re.compile(r"\ball (the )?(unit )?tests? (have )?(passed|pass|succeeded|ok)\b", re.IGNORECASE),
     re.compile(r"^\s*(test\w*|check)[ \t]*(\.\.\.|:)[ \t]*(ok|passed)[\s.!]*$", re.IGNORECASE),
 ]
@@ -57,7 +58,12 @@ def _looks_like_report_json(line: str) -> bool:
         value = json.loads(text)
     except ValueError:
         return '"passed"' in text or "'passed'" in text
-    return isinstance(value, dict) and any(str(k).lower() in ("passed", "pass", "status", "result") for k in value)
+    if not isinstance(value, dict):
+        return False
+    # A verdict's shape: a pass flag, or a status that is one ({"status": "computing"} is a progress line).
+    return any(str(k).lower() in ("passed", "pass") or (str(k).lower() in ("status", "result", "outcome") and
+                                                        str(v).lower() in ("pass", "passed", "ok", "success"))
+               for k, v in value.items())
 
 
 def scan_source(source: str, first_line: int = 1) -> list[tuple[str, str]]:
@@ -66,7 +72,7 @@ def scan_source(source: str, first_line: int = 1) -> list[tuple[str, str]]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []  # it does not compile: the tests will say so
-    finder = _Finder(first_line)
+    finder = _Finder(first_line, _imported_modules(tree))
     try:
         finder.visit(tree)
     except RecursionError:
@@ -90,9 +96,20 @@ def _const_int(node: ast.AST) -> int | None:
     return node.value if isinstance(node, ast.Constant) and type(node.value) is int else None
 
 
+def _imported_modules(tree: ast.AST) -> dict[str, str]:
+    """Each name an `import` binds -> the top-level module it names (`import json as j`: j -> json)."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = alias.name.split(".")[0]
+    return bound
+
+
 class _Finder(ast.NodeVisitor):
-    def __init__(self, first_line: int):
+    def __init__(self, first_line: int, modules: dict[str, str]):
         self.first_line = first_line
+        self.modules = modules  # names bound to standard modules by an import (_imported_modules)
         self.found: list[tuple[str, str]] = []
 
     def add(self, pattern: str, detail: str) -> None:
@@ -164,8 +181,11 @@ class _Finder(ast.NodeVisitor):
         if "AssertionError" in parts or (len(parts) > 1 and parts[0] != "self" and ASSERT_ATTRS.match(last)) \
                 or any(p.rstrip("[]") in TEST_MODULES for p in parts[:-1]):
             self.add("assert_machinery", f"line {lineno}: assigns {name}")
-        if len(parts) > 1 and not subscript and parts[0] in STDLIB_PATCHED and \
-                not (parts[0] == "sys" and last in SYS_REBINDABLE | {"modules[]"}):
+        # A module's attribute, through a name an import bound to it (a linked list's `copy.next` is no
+        # module of the standard library's).
+        module = self.modules.get(parts[0])
+        if len(parts) > 1 and not subscript and module in STDLIB_PATCHED and \
+                not (module == "sys" and last in SYS_REBINDABLE | {"modules[]"}):
             self.add("patched_stdlib", f"line {lineno}: assigns {name}")
         if name.startswith("sys.modules"):
             self.add("patched_stdlib", f"line {lineno}: replaces a module in sys.modules")

@@ -355,12 +355,15 @@ def serve(job: dict, call_r: int, reply_w: int) -> None:
             watch.flag("exit_before_tests", f"sys.exit({exc.code!r}) while the program was loading")
     except BaseException as exc:
         _print_traceback()
-        ready["error"] = _describe(exc)
+        ready["error"] = f"{_class_name(exc)}: {_message(exc)}"[:1000]
     _flush()
     watch.check_state()
     ready["functions"] = sorted(k for k, v in list(namespace.items())
                                 if isinstance(k, str) and not k.startswith("__") and callable(v)
                                 and not isinstance(v, type))
+    # Those the program defines itself (not imported: `from operator import *` brings an abs)
+    ready["own"] = [k for k in ready["functions"] if type(namespace.get(k)) is types.FunctionType
+                    and getattr(namespace[k].__code__, "co_filename", "") == program_file]
     ready["flags"] = watch.drain()
     ready["usage"] = _usage()
     write_frame(reply_w, ready)
@@ -398,7 +401,7 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
             watch.flag("exit_during_tests", f"{name}() raised SystemExit({exc.code!r})")
         return {"raise": "SystemExit", "message": f"{name}() exited with code {code}"}
     except BaseException as exc:
-        reply = {"raise": _exception_name(exc), "message": _describe(exc)}
+        reply = _raised(exc)
         if request.get("mutable"):  # what a call that raised left in its arguments comes back too
             left: list = []
             reply = _arguments(reply, name, args, kwargs, left, watch)
@@ -408,6 +411,8 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
     flags: list = []
     try:
         tree = plain.to_tree(result, flags)
+    except plain.Raised as raised:  # a returned generator raised as its items were drawn
+        return _raised(raised.exc)
     except plain.NotPlain as exc:
         if exc.suspicious:
             watch.flag("non_plain_return", f"{name}() returned {exc}")
@@ -455,20 +460,39 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _exception_name(exc: BaseException) -> str:
-    cls = type(exc)
-    name = getattr(cls, "__name__", "")
-    return name if getattr(builtins, name, None) is cls else "Exception"
+def _raised(exc: BaseException) -> dict:
+    """A call's raise, as the harness rebuilds it: the nearest builtin class the exception's derives from
+    (ValueError for a json.JSONDecodeError), the class's own name (the tests' or the prompt's class of
+    that name is raised where they define one) and its message."""
+    reply = {"raise": _builtin_class(exc).__name__, "class": _class_name(exc), "message": _message(exc)}
+    try:  # its arguments too, where they are plain and small (UnicodeDecodeError is made from five)
+        reply["args"] = plain.to_tree(tuple(BaseException.__dict__["args"].__get__(exc)), None, 0, [EXCEPTION_ARGS])
+    except Exception:
+        pass
+    return reply
 
 
-def _describe(exc: BaseException) -> str:
-    cls = type(exc)
-    builtin = getattr(builtins, getattr(cls, "__name__", ""), None) is cls
-    try:  # a builtin exception's own __str__ (SyntaxError's names the line); the base one for the program's
-        text = cls.__str__(exc) if builtin else BaseException.__str__(exc)
+EXCEPTION_ARGS = 1000  # values of an exception's arguments that cross with it, at most
+
+
+def _builtin_class(exc: BaseException) -> type:
+    for klass in type.__dict__["__mro__"].__get__(type(exc)):  # the real order, whatever a metaclass says
+        if getattr(builtins, klass.__name__, None) is klass:
+            return klass
+    return BaseException
+
+
+def _class_name(exc: BaseException) -> str:
+    return str(type.__dict__["__name__"].__get__(type(exc)))[:200]
+
+
+def _message(exc: BaseException) -> str:
+    """The message, read by the nearest builtin class's own __str__ (SyntaxError's names the line), so no
+    __str__ of the program's runs."""
+    try:
+        return str(_builtin_class(exc).__str__(exc))[:1000]
     except BaseException:
-        text = ""
-    return f"{getattr(cls, '__name__', 'Exception')}: {text}"[:1000]
+        return ""
 
 
 def _print_traceback() -> None:

@@ -123,6 +123,8 @@ class Candidate:
         self.gone: str | None = None
         self.finishing = False
         self.usage = (0.0, 0.0, 0)  # what the candidate last said it used (informational only)
+        self.known: dict = {}  # the prompt's and the tests' names (_run_tests): their exception classes
+        self._calling = _thread.allocate_lock()
         self._before_tests = True  # what the reply being read is (_read_some reports a loss as such)
         self._replies = framing.Reader(self._read_some, candidate.MAX_FRAME)
 
@@ -142,8 +144,9 @@ class Candidate:
         # Whether it returns or raises (a test may check that a failed call left its input alone).
         mutable = any(map(_holds_mutable, (*args, *kwargs.values())))
         request["mutable"] = mutable
-        self._send(request)
-        reply = self._receive(before_tests=False)
+        with self._calling:  # tests that call from several threads: one call on the channel at a time
+            self._send(request)
+            reply = self._receive(before_tests=False)
         if "ok" in reply or (mutable and "args" in reply):
             try:
                 value = plain.from_tree(reply["ok"]) if "ok" in reply else None
@@ -161,7 +164,12 @@ class Candidate:
             raised, message = str(reply["raise"]), str(reply.get("message", ""))[:1000]
             if raised in ("SystemExit", "KeyboardInterrupt", "GeneratorExit"):
                 raise CandidateGone(f"{name}() raised {raised}: {message}")
-            raise _exception(raised, message)
+            try:
+                args = plain.from_tree(reply["args"]) if "args" in reply else (message,)
+            except ValueError:
+                args = (message,)
+            raise _exception(raised, args if type(args) is tuple else (message,), message,
+                             str(reply.get("class", raised))[:200], self.known)
         self.report.tamper("forged_reply", f"{name}() answered with {sorted(reply)[:5]}")
         raise CandidateGone("the candidate broke the call protocol")
 
@@ -418,13 +426,15 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
     # defines: never a builtin (a candidate's own `abs` must not judge its answers) nor a name
     # the tests or the trusted prelude define, stubs aside.
     functions = ready.get("functions") if type(ready.get("functions")) is list else []
+    own = ready.get("own") if type(ready.get("own")) is list else functions
     proxied = {entry} if entry else set()
     stubs: set[str] | None = None
     for name in functions:
         if type(name) is not str or name == entry or name not in used_by_tests:
             continue
-        if name in _BUILTIN_NAMES:
-            report.tamper("shadows_builtins", f"defines {name}(), which the tests take from builtins")
+        if name in _BUILTIN_NAMES:  # never proxied; named where the program wrote it, not where it imported it
+            if name in own:
+                report.tamper("shadows_builtins", f"defines {name}(), which the tests take from builtins")
         elif name not in defined_by_tests:
             if name in trusted:  # the prelude defines it too: the candidate's stands in only for a stub
                 if stubs is None:
@@ -434,6 +444,7 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
             proxied.add(name)
     for name in proxied:
         namespace[name] = _proxy(child, name)
+    child.known = {name: value for name, value in namespace.items() if name not in proxied}
 
     for name, test in selected:
         try:
@@ -542,11 +553,25 @@ def _update(old, new) -> None:
 _MISSING = object()
 
 
-def _exception(name: str, message: str) -> BaseException:
-    """The builtin exception the candidate raised, rebuilt here; CandidateError for anything else."""
-    if name in _REPLAYED:
-        try:
-            return getattr(builtins, name)(message)
-        except Exception:
-            pass  # e.g. UnicodeDecodeError wants five arguments
-    return CandidateError(f"{name}: {message}")
+def _exception(builtin: str, args: tuple, message: str, own: str, known: dict) -> BaseException:
+    """The exception the candidate raised, rebuilt here from its arguments (else its message): the class
+    of its name that the prompt or the tests define (`except NegativeError:` catches the prompt's
+    NegativeError), else the nearest builtin class it derives from (ValueError for a JSONDecodeError),
+    or the first of that class's bases that can be made; CandidateError otherwise."""
+    theirs = known.get(own)
+    if isinstance(theirs, type) and issubclass(theirs, Exception):
+        for given in (args, (message,)):
+            try:
+                return theirs(*given)
+            except Exception:
+                pass
+    if builtin in _REPLAYED:
+        for klass in getattr(builtins, builtin).__mro__:
+            if klass is Exception:
+                break
+            for given in (args, (message,)):
+                try:
+                    return klass(*given)
+                except Exception:
+                    continue
+    return CandidateError(f"{own}: {message}")

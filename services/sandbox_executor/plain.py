@@ -20,6 +20,7 @@ Stdlib only: this module is loaded into the sandbox worker, which has no site-pa
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import json.encoder
 import json.scanner
@@ -30,21 +31,41 @@ MAX_DEPTH = 64
 MAX_NODES = 1_000_000
 MAX_INT_BITS = 8192  # larger ints cross as hex text: decimal text past 4300 digits is refused by int()
 
-# Dunders that decide how a value compares, hashes, tests true or prints: a type of the
-# candidate's that overrides any of them in a returned value is trying to steer a check.
+# Dunders that decide how a value compares, hashes, tests true or converts: a type of the
+# candidate's that overrides any of them in a returned value is trying to steer a check. (How it
+# prints is not among them: the tests get the value rebuilt, never the candidate's object, and a
+# namedtuple, an IntEnum or a list that prints itself are honest answers.)
 STEERING_DUNDERS = frozenset({
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
     "__contains__", "__iter__", "__getitem__", "__index__", "__int__", "__float__", "__complex__",
-    "__str__", "__repr__", "__format__", "__getattr__", "__getattribute__", "__class__",
+    "__getattr__", "__getattribute__", "__class__",
     "__instancecheck__", "__subclasscheck__", "__abs__", "__round__", "__trunc__", "__floor__", "__ceil__",
     "__reduce__", "__reduce_ex__", "__del__",
 })
 
-# Types whose instances carry code that could run later, wherever the value ends up.
-_EXECUTABLE_TYPE_NAMES = frozenset({
-    "generator", "coroutine", "async_generator", "function", "builtin_function_or_method", "method",
-    "frame", "code", "traceback", "module", "cell",
-})
+# Builtin types no honest answer returns: the interpreter's own machinery.
+_MACHINERY_TYPE_NAMES = frozenset({"frame", "code", "traceback", "module", "cell"})
+
+
+def _generator():
+    yield
+
+
+# Iterators the tests receive as an iterator over the items drawn from them (in the candidate's process,
+# where a generator's code runs): a generator, map, filter, zip, a container's or itertools' iterator.
+ITERATOR_TYPES = frozenset({type(_generator()), map, filter, zip, enumerate, reversed,
+                            *(type(iter(c)) for c in ([], (), "", "\u0100", b"", bytearray(), range(1), range(1 << 70),
+                                                      {}, {}.values(), {}.items(), set(), frozenset()))}
+                           | {t for t in vars(itertools).values() if isinstance(t, type)})
+_VIEW_TAGS = {type({}.keys()): "K", type({}.values()): "V", type({}.items()): "E"}
+
+
+class Raised(Exception):
+    """Drawing the items of a returned iterator raised `exc` (in the tests it would have, as they drew)."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 class NotPlain(TypeError):
@@ -139,6 +160,10 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         return ["B", base64.b64encode(bytes(value)).decode("ascii")]
     if t is complex:
         return ["c", to_tree(value.real, flags, d, budget), to_tree(value.imag, flags, d, budget)]
+    if t in ITERATOR_TYPES:
+        return ["i", *[to_tree(v, flags, d, budget) for v in _drawn(value, budget)]]
+    if t in _VIEW_TAGS:  # a dict's keys, values or items, rebuilt as a view of a dict of their own
+        return [_VIEW_TAGS[t], *[to_tree(v, flags, d, budget) for v in value]]
     for base, convert in _CONVERT:
         if convert is None:
             continue
@@ -153,8 +178,23 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         return to_tree(plain, flags, _depth, budget)
     name = _type_name(t)
     own_class = getattr(t, "__module__", "") not in ("builtins",) and not _is_stdlib_class(t)
-    executable = getattr(t, "__name__", "") in _EXECUTABLE_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
-    raise NotPlain(f"a {name}", suspicious=own_class or executable)
+    machinery = getattr(t, "__name__", "") in _MACHINERY_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
+    raise NotPlain(f"a {name}", suspicious=own_class or machinery)
+
+
+def _drawn(iterator, budget: list) -> list:
+    """The items an iterator gives, at most the budget's; what drawing one raises is Raised."""
+    items = []
+    draw = iterator.__next__
+    while True:
+        if len(items) > budget[0]:
+            raise NotPlain(f"more than {MAX_NODES} values")
+        try:
+            items.append(draw())
+        except StopIteration:
+            return items
+        except Exception as exc:
+            raise Raised(exc) from None
 
 
 def _type_name(t) -> str:
@@ -185,6 +225,20 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
         return [from_tree(v, d, budget) for v in items]
     if tag == "t":
         return tuple(from_tree(v, d, budget) for v in items)
+    if tag == "i":
+        return iter([from_tree(v, d, budget) for v in items])
+    if tag == "V":
+        return dict(enumerate(from_tree(v, d, budget) for v in items)).values()
+    if tag in ("K", "E"):
+        values = [from_tree(v, d, budget) for v in items]
+        try:
+            if tag == "K":
+                return dict.fromkeys(values).keys()
+            if not all(type(v) is tuple and len(v) == 2 for v in values):
+                raise ValueError("an items node holding other than pairs")
+            return dict(values).items()
+        except TypeError as exc:
+            raise ValueError(f"unhashable key: {exc}") from None
     if tag in ("s", "f", "d"):
         values = [from_tree(v, d, budget) for v in items]
         try:
