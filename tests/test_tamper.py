@@ -318,6 +318,9 @@ HONEST_SHAPES = {
     "star_import_bringing_abs": _honest('def dist(a, b):\n    """|a - b|"""\n', "dist",
                                         "def check(candidate):\n    assert abs(candidate(1, 4) - 3) < 1e-9\n",
                                         "    return abs(sub(a, b))\n\nfrom operator import *\n"),
+    "runs_its_own_doctests": _honest('def dbl(x):\n    """2 * x\n\n    >>> dbl(2)\n    4\n    """\n', "dbl",
+                                     "def check(candidate):\n    assert candidate(3) == 6\n",
+                                     "    return 2 * x\n\nimport doctest\ndoctest.testmod()\n"),
     "tests_calling_from_threads": _honest(
         'def sq(x):\n    """x * x"""\n', "sq",
         "import concurrent.futures\n\ndef check(candidate):\n"

@@ -81,7 +81,7 @@ class Watch:
 
     def module_patched(self, module, name: str, action: str) -> None:
         """A watched module's attribute was set or deleted (see _WatchedModule)."""
-        if self._busy:
+        if self._busy or (module is builtins and name == "_"):  # `_`: sys.displayhook's last value
             return
         self._busy = True
         try:
@@ -201,8 +201,9 @@ class Watch:
             if same_size and _all(_map(_is, _map(current.get, _KEY_BUILTINS, _MISSINGS), self._key_values)):
                 return  # the check after every call: the same names, the key ones the same objects (in C, ~1 us)
             keys = _KEY_BUILTINS if same_size else _set(self._builtins) | _set(current)
+            # (`_` is the interpreter's: sys.displayhook keeps the last value shown there, as doctest runs)
             changed = _sorted(k if _type(k) is _str else "(a key that is not a name)" for k in keys
-                              if current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
+                              if k != "_" and current.get(k, _MISSING) is not self._builtins.get(k, _MISSING))
         except Exception:  # a key of the program's whose hash or comparison raises: changed all the same
             changed = ["(keys that cannot be compared)"]
         if changed:
