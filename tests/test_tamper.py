@@ -14,7 +14,7 @@ from crucible.v1 import task_pb2
 from crucible.services.sandbox_executor.handler import job_for_request, result_message
 from crucible.services.sandbox_executor.pool import SandboxPool
 from crucible.ml import kinds
-from crucible.ml.kinds import builtin_sets
+from crucible.ml.kinds import builtin_sets, python_tests
 from crucible.shared.settings import Settings
 
 pytestmark = pytest.mark.sandbox
@@ -327,6 +327,20 @@ HONEST_SHAPES = {
         "    with concurrent.futures.ThreadPoolExecutor(4) as pool:\n"
         "        assert list(pool.map(candidate, range(40))) == [x * x for x in range(40)]\n", "    return x * x\n"),
 }
+
+
+async def test_tests_of_top_level_asserts_judge_the_candidate_as_one_test(pool):
+    # MBPP's shape: no check(), no test_*, the asserts name the entry point as they load.
+    tests = "assert sq(3) == 9\nassert sq(-2) == 4\nassert [sq(x) for x in range(3)] == [0, 1, 4]\n"
+    task = task_pb2.Task(id="mbpp", kind="python_tests", prompt="Write sq(x), the square of x.", group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="sq", test_code=tests))
+    assert python_tests.declared_tests(task) == [python_tests.MODULE_TEST]
+    score, result = await run(pool, task, "```python\ndef sq(x):\n    return x * x\n```")
+    assert score.reward == 1.0 and not score.tampered, (score.detail, result.tests)
+    for wrong in ("def sq(x):\n    return x * abs(x)\n",  # right on 3, wrong on -2
+                  "def sq(x):\n    if x < 0:\n        import os\n        os._exit(0)\n    return x * x\n"):
+        score, result = await run(pool, task, f"```python\n{wrong}```")
+        assert score.reward == 0.0, (score.detail, result.tests)
 
 
 @pytest.mark.parametrize("shape", sorted(HONEST_SHAPES))

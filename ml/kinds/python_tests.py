@@ -112,10 +112,16 @@ def prompt_code(prompt: str) -> str:
     return ast.unparse(ast.Module(body=kept, type_ignores=[])) + "\n" if kept else ""
 
 
+# The one test that test code of top-level statements is (MBPP's `assert f(2) == 4` lines, with an
+# entry point): the harness runs it once the entry point is the candidate's (harness.MODULE_TEST).
+MODULE_TEST = "tests"
+
+
 def declared_tests(task: task_pb2.Task) -> list[str]:
     """The tests the task's test code declares, read here (outside the sandbox, before anything runs):
-    check(candidate) when there is an entry point, then every top-level test_* function, in order.
-    The reward is counted against these, never against what a run happened to report."""
+    check(candidate) when there is an entry point, then every top-level test_* function, in order;
+    with neither, its top-level statements as one test (MODULE_TEST). The reward is counted against
+    these, never against what a run happened to report."""
     return list(_declared(task.python_tests.test_code, bool(task.python_tests.entry_point)))
 
 
@@ -127,7 +133,10 @@ def _declared(test_code: str, has_entry: bool) -> tuple[str, ...]:
         return ()
     defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     names = ["check"] if has_entry and "check" in defined else []
-    return tuple(dict.fromkeys(names + [n for n in defined if n.startswith("test_")]))
+    names += [n for n in defined if n.startswith("test_")]
+    if not names and has_entry:
+        names = [MODULE_TEST]
+    return tuple(dict.fromkeys(names))
 
 
 class PythonTestsKind(Kind):
@@ -192,7 +201,7 @@ class PythonTestsKind(Kind):
         for t in execution.tests:
             outcomes.setdefault(t.name, t.passed)
         if not expected:  # nothing declared anywhere (not a tested run): what was reported, which fails
-            expected = list(outcomes) or ["tests"]
+            expected = list(outcomes) or [MODULE_TEST]
         passed = sum(outcomes.get(name) is True for name in expected)
         total = len(expected)
         unfinished = [name for name in expected if name not in outcomes]
