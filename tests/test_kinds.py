@@ -46,6 +46,12 @@ def test_task_problems_consult_the_registry():
     bad_tests = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
                               python_tests=task_pb2.PythonTests(entry_point="f", test_code="def check(:"))
     assert any("does not compile" in p for p in task_problems(bad_tests))
+    # tests the sandbox could never run are refused when the task comes in, not failed for every answer
+    pytest_tests = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1, python_tests=task_pb2.PythonTests(
+        entry_point="f", test_code="import pytest, json\nfrom numpy import array\ndef test_f():\n    assert f(1)\n"))
+    assert any("imports numpy, pytest: the sandbox has the standard library only" in p
+               for p in task_problems(pytest_tests)), task_problems(pytest_tests)
+    assert task_problems(builtin_sets.humaneval()[0]) == []
 
 
 def test_prompts_carry_the_answer_format():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import sys
 
 from crucible.v1 import execution_pb2, task_pb2
 from crucible.ml.kinds import tamper_scan
@@ -139,6 +140,16 @@ def _declared(test_code: str, has_entry: bool) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _not_in_the_sandbox(test_code: str) -> list[str]:
+    """Modules the tests import that the sandbox cannot give them (it runs the standard library only)."""
+    found = []
+    for node in ast.walk(ast.parse(test_code)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        found += [n.split(".")[0] for n in names if n.split(".")[0] not in sys.stdlib_module_names]
+    return sorted(set(found))
+
+
 class PythonTestsKind(Kind):
     name = "python_tests"
     payload = "python_tests"
@@ -157,6 +168,11 @@ class PythonTestsKind(Kind):
                 compile(tests.test_code, "<tests>", "exec")
             except SyntaxError as exc:
                 problems.append(f"python_tests.test_code does not compile: {exc.msg} (line {exc.lineno})")
+            else:
+                missing = _not_in_the_sandbox(tests.test_code)
+                if missing:
+                    problems.append(f"python_tests.test_code imports {', '.join(missing)}: the sandbox has the "
+                                    "standard library only (plain asserts work: a failed one fails the test)")
             if not tests.entry_point and "def test_" not in tests.test_code:
                 problems.append("python_tests.entry_point is empty: check(candidate) needs the function to test")
         if tests.timeout_s < 0:
