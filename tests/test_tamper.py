@@ -266,6 +266,16 @@ async def test_what_a_call_leaves_in_its_arguments_is_seen_at_every_depth(pool, 
     assert score.reward == 0.0, (score.detail, result.tests)
     score, result = await run(pool, task, honest)
     assert score.reward == 1.0, (score.detail, result.tests)
+    # a returned argument is the test's own object, a new list is not
+    task.python_tests.test_code = ("def check(candidate):\n    xs = [3, 1]\n    out = candidate(xs, 0)\n"
+                                   "    assert out == [1, 3] and out is not xs and xs == [3, 1]\n")
+    score, result = await run(pool, task, "    s.sort()\n    return s\n")
+    assert score.reward == 0.0, (score.detail, result.tests)
+    score, result = await run(pool, task, "    return sorted(s)\n")
+    assert score.reward == 1.0, (score.detail, result.tests)
+    task.python_tests.test_code = ("def check(candidate):\n    xs = [3, 1]\n    assert candidate(xs, 0) is xs == [1, 3]\n")
+    score, result = await run(pool, task, "    s.sort()\n    return s\n")
+    assert score.reward == 1.0, (score.detail, result.tests)
     # and an honest change deep inside an argument reaches the row the test holds
     task.python_tests.test_code = ("def check(candidate):\n    grid = [[0, 1], [2, 3]]\n    row = grid[0]\n"
                                    "    assert candidate(grid, 9) is None\n    assert row == [9, 1] and grid[0] is row\n")

@@ -426,7 +426,12 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
         return {"error": "non_plain", "message": f"{name}() returned a value that could not be read"}
     reply = {"ok": tree}
     if request.get("mutable"):
+        # A returned argument (a sort that returns its list) is the test's own object there, not a copy.
+        given = (*args, *kwargs.values())
+        alias = next((i for i, value in enumerate(given) if value is result), None)
         reply = _arguments(reply, name, args, kwargs, flags, watch)
+        if alias is not None and "ok" in reply:
+            reply["alias"] = alias
     for pattern, detail in flags:
         watch.flag(pattern, f"{name}() returned {detail}")
     return reply

@@ -152,7 +152,11 @@ class Candidate:
                 value = plain.from_tree(reply["ok"]) if "ok" in reply else None
                 if mutable:
                     new_args, new_kwargs = plain.from_tree(reply["args"])
-                    _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)))
+                    given = (*args, *kwargs.values())
+                    _write_back(given, (*new_args, *(new_kwargs[k] for k in kwargs)))
+                    alias = reply.get("alias")
+                    if type(alias) is int and 0 <= alias < len(given) and _holds_mutable(given[alias]):
+                        value = given[alias]  # the call returned that argument: the test's object, as updated
             except (ValueError, KeyError, TypeError) as exc:
                 self.report.tamper("forged_reply", f"{name}() answered with a malformed value: {exc}")
                 raise CandidateGone(f"{name}() answered with a malformed value") from None
