@@ -33,10 +33,10 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
         problems.append(f"group_size {task.group_size} is above the limit of {settings.max_group_size} "
                         "(CRUCIBLE_MAX_GROUP_SIZE)")
     if envs.is_environment(task):
-        problems += envs.get(task.kind).problems(task)
+        problems += kinds.problems_of(envs.get(task.kind), task)
         return problems
     try:
-        problems += kinds.get(task.kind).problems(task)
+        problems += kinds.problems_of(kinds.get(task.kind), task)
     except kinds.UnknownKind as exc:
         problems.append(f"{exc}; environments are {', '.join(envs.known())}")
     return problems

@@ -83,7 +83,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         kind = next(k for k in _TracingInterceptor._KINDS if getattr(handler, k) is not None)
 
         async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or wrong bearer token (set CRUCIBLE_RPC_TOKEN to the deployment's)")
 
         return getattr(grpc, f"{kind}_rpc_method_handler")(
@@ -143,7 +143,7 @@ def _checked(inner, kind: str):
     message = "the request bytes are not a valid message for this method"
 
     async def refuse(context, bad: _Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{message} ({bad.reason})")
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{message} ({bad.reason})")
 
     if kind.startswith("stream"):
         async def checked_stream(requests, context):
@@ -401,6 +401,20 @@ async def wait_serving(target: str, service: str = "", timeout: float = 30.0) ->
     raise TimeoutError(f"gRPC {service or 'server'} at {target} not SERVING after {timeout:.0f}s: {last}")
 
 
+# A status message travels in the trailers, which a client takes up to 8 KiB of (in all, escaped):
+# a longer one (a 20,000-character id quoted, 300 tasks' problems joined) reached the caller as
+# RESOURCE_EXHAUSTED instead of what it said.
+MAX_STATUS_MESSAGE = 2000
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str):
+    """Ends the call with `code` and `message`, cut to MAX_STATUS_MESSAGE characters (marked where cut):
+    every server of Crucible ends a call through here."""
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[:MAX_STATUS_MESSAGE - 40] + f" ... ({len(message)} characters in all)"
+    await context.abort(code, message)
+
+
 async def abort_invalid(context: grpc.aio.ServicerContext, message: str):
     """Ends the call with INVALID_ARGUMENT and a message a caller can act on."""
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -52,6 +52,14 @@ def test_task_problems_consult_the_registry():
     assert any("imports numpy, pytest: the sandbox has the standard library only" in p
                for p in task_problems(pytest_tests)), task_problems(pytest_tests)
     assert task_problems(builtin_sets.humaneval()[0]) == []
+    # a payload that breaks its kind's check is a problem of the task, never an exception of the reader
+    for kind, payload in [("regex", task_pb2.ExpectedAnswer(answer="a{4294967296}")),
+                          ("regex", task_pb2.ExpectedAnswer(answer="(" * 5000 + ")" * 5000)),
+                          ("python_tests", task_pb2.PythonTests(entry_point="f", test_code="-" * 100_000 + "1")),
+                          ("python_tests", task_pb2.PythonTests(entry_point="f", test_code="1" + "+1" * 200_000))]:
+        task = task_pb2.Task(id="x", kind=kind, prompt="p", group_size=1, **{
+            "answer" if kind == "regex" else "python_tests": payload})
+        assert task_problems(task), (kind, str(payload)[:40])
 
 
 def test_prompts_carry_the_answer_format():

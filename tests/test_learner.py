@@ -5,6 +5,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from crucible.ml.policy.backends import create_backend
 from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint
@@ -261,14 +262,52 @@ def test_pruning_keeps_the_newest_optimiser_state(tmp_path):
     assert checkpoints.optimizer_source(folder / "v000007") is None
 
 
+def test_a_step_whose_loss_is_not_finite_changes_no_weight():
+    # A NaN that reaches the optimiser makes every weight NaN, and that version would be published.
+    trainer = fresh_trainer(epochs=1)
+    samples = trajectories_for("a", 0, [1, 0, 1, 0], temperature=0.7, top_p=0.9)
+    samples[0].logprobs[0] = float("nan")  # past the consumer's checks (groups.sample_problem refuses it)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.step(samples)
+    assert not result.stepped and result.skipped["non_finite_update"] == len(samples) and trainer.version == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    samples[0].logprobs[0] = -0.5
+    assert trainer.step(samples).stepped  # the next sound batch steps as ever
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def test_a_sample_that_is_not_a_sample_is_refused_with_the_reason():
     from crucible.services.learner.groups import sample_problem
     from crucible.v1 import trajectory_pb2
 
     good = trajectory_pb2.Trajectory(id="s", group_id="g", group_size=2, group_received=2, sample_index=1,
                                      prompt_token_ids=[1, 2], completion_token_ids=[3], logprobs=[-0.5],
-                                     reward=1.0, advantage=0.5)
-    assert sample_problem(good) is None
+                                     reward=1.0, advantage=0.5, temperature=0.8, top_p=0.9)
+    assert sample_problem(good) is None and sample_problem(good, vocab_size=4, max_positions=3) is None
+
+    def varied(**fields):
+        sample = trajectory_pb2.Trajectory()
+        sample.CopyFrom(good)
+        for name, value in fields.items():
+            if isinstance(value, list):
+                del getattr(sample, name)[:]
+                getattr(sample, name).extend(value)
+            else:
+                setattr(sample, name, value)
+        return sample
+
+    assert sample_problem(varied(temperature=0.0, top_p=0.0)) is None  # greedy
+    # each broke a learner fed it: an embedding index out of range (a crash at every restart), or NaN
+    # in every weight after one step
+    for name, sample, limits in [
+            ("token past the vocabulary", varied(completion_token_ids=[10**9]), (4, 3)),
+            ("negative token", varied(prompt_token_ids=[-1, 2]), (4, 3)),
+            ("longer than the positions", good, (4, 2)),
+            ("nan log-prob", varied(logprobs=[float("nan")]), (None, None)),
+            ("positive log-prob", varied(logprobs=[0.5]), (None, None)),
+            ("top_p of 0", varied(top_p=0.0), (None, None)),
+            ("infinite temperature", varied(temperature=float("inf")), (None, None))]:
+        assert sample_problem(sample, *limits), name
     broken = {
         "empty": trajectory_pb2.Trajectory(),
         "no group": trajectory_pb2.Trajectory(id="s", group_size=1, group_received=1, prompt_token_ids=[1]),

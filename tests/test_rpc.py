@@ -63,6 +63,14 @@ async def test_submit_tasks_validates_and_publishes(settings):
                                                                      group_size=10_000,
                                                                      answer=task_pb2.ExpectedAnswer(answer="1"))]),
                  "above the limit"),
+                # checks that break on their input (a regex too large to compile) refuse the task: they
+                # were UNKNOWN, and killed a consumer that met them
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="d", kind="regex", prompt="p", group_size=1,
+                                                                     answer=task_pb2.ExpectedAnswer(answer="a{4294967296}"))]),
+                 "cannot be checked: OverflowError"),
+                # a message too long for the trailers is cut, not RESOURCE_EXHAUSTED
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="e" * 20_000, kind="haiku", prompt="p",
+                                                                     group_size=1)] * 5), "characters in all)"),
             ]
             for request, reason in bad:
                 with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -9,7 +9,8 @@
 Built-in kinds: python_tests, math_answer, exact, regex, reasoning_gym.
 Heavy libraries (math-verify, reasoning-gym) load only when a kind needs them.
 """
-from crucible.ml.kinds.registry import Kind, Score, UnknownKind, get, kind_of, known, register, render_prompt
+from crucible.ml.kinds.registry import (Kind, Score, UnknownKind, get, kind_of, known, problems_of, register,
+                                        render_prompt)
 from crucible.ml.kinds import answers, math_answer, planted, python_tests, reasoning_gym_kind  # noqa: F401  (registration)
 
-__all__ = ["Kind", "Score", "UnknownKind", "get", "kind_of", "known", "register", "render_prompt"]
+__all__ = ["Kind", "Score", "UnknownKind", "get", "kind_of", "known", "problems_of", "register", "render_prompt"]

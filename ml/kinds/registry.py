@@ -82,6 +82,16 @@ _KINDS: Registry[Kind] = Registry("kind", "kinds", UnknownKind)
 register, known, get = _KINDS.register, _KINDS.known, _KINDS.get
 
 
+def problems_of(checker, task: task_pb2.Task) -> list[str]:
+    """`checker.problems(task)` (a kind's or an environment's), where whatever a check raises on some
+    input (a regex too large to compile, code nested too deep to parse, memory) is itself the problem:
+    a task is refused, never the service that reads it."""
+    try:
+        return checker.problems(task)
+    except Exception as exc:  # noqa: BLE001 -- any input that breaks a check is unacceptable input
+        return [f"the {task.kind or 'task'} payload cannot be checked: {type(exc).__name__}: {str(exc)[:200]}"]
+
+
 def kind_of(task: task_pb2.Task) -> Kind:
     return get(task.kind)
 

@@ -38,7 +38,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         """The run named (this control service's own when none is): its tasks, samples, mean reward and
         newest policy version; NOT_FOUND for a run the store has nothing of."""
         if self.store is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
+            await rpc.abort(context, grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
         if request.run_id and (problem := run_id_problem(request.run_id)):
             await rpc.abort_invalid(context, problem)
         run_id = request.run_id or self.settings.run_id
@@ -55,14 +55,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         submitted, (samples, reward), (version, versions) = await asyncio.to_thread(counts)
         if not (submitted or samples or versions):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"the store holds nothing of run {run_id!r}")
+            await rpc.abort(context, grpc.StatusCode.NOT_FOUND, f"the store holds nothing of run {run_id!r}")
         return control_pb2.RunStatus(run_id=run_id, tasks_submitted=submitted, trajectories=samples,
                                      reward_mean=float(reward or 0.0) if samples else 0.0,
                                      policy_version=int(version or 0))
 
     async def QueryTrajectories(self, request: control_pb2.QueryTrajectoriesRequest, context):
         if self.store is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
+            await rpc.abort(context, grpc.StatusCode.UNAVAILABLE, "no store configured for this control service")
         if request.limit > 10_000:
             await rpc.abort_invalid(context, f"limit {request.limit} is above 10000: page with min_policy_version")
         for column in ("task_id", "group_id"):

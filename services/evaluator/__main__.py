@@ -79,11 +79,11 @@ class Evaluator:
 
     def take_task(self, task: task_pb2.Task) -> str | None:
         """Adds a held-out task to the set it scores; else says why it cannot (the record is dead-lettered)."""
-        problems = task_problems(task, self.settings)
-        try:
+        try:  # the signature first: nothing of an unsigned task is looked at further
             integrity.check_task(task, self.secret)
         except integrity.IntegrityError as exc:
-            problems.append(str(exc))
+            return f"task {task.id[:200]!r} on the held-out topic: {exc}"
+        problems = task_problems(task, self.settings)
         if problems or not is_heldout(task):
             return (f"task {task.id!r} on the held-out topic: "
                     + ("; ".join(problems) or f"its split is {task.split!r}, not heldout"))

@@ -35,11 +35,11 @@ def task_handler(settings: Settings, batcher: Batcher, generator_id: str):
 
     async def handle(incoming: bus.Incoming):
         task = incoming.message
-        problems = task_problems(task, settings)
-        try:
+        try:  # the signature first: nothing of an unsigned task is looked at further
             integrity.check_task(task, secret)
+            problems = task_problems(task, settings)
         except integrity.IntegrityError as exc:
-            problems.append(str(exc))
+            problems = [str(exc)]
         TASKS.add(1, {"kind": task.kind if not problems else "", "outcome": "refused" if problems else "taken"})
         if problems:
             raise bus.Reject(f"task {task.id!r}: " + "; ".join(problems))

@@ -52,7 +52,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             params = sampling_params(self.settings, request.sampling if request.HasField("sampling") else None)
         except ValueError as exc:
             await rpc.abort_invalid(context, f"sampling: {exc}")
-        completions, version, ms = await self.batcher.sample(render_prompt(task), n, params, counts_for_lag=False)
+        prompt = render_prompt(task)
+        too_long = self.batcher.backend.too_long(prompt, params.max_tokens)  # as the Kafka path refuses it
+        if too_long:
+            await rpc.abort_invalid(context, f"task {task.id!r}: {too_long}")
+        completions, version, ms = await self.batcher.sample(prompt, n, params, counts_for_lag=False)
         group = rollout_group(task, group_id_for(task.id, f"grpc:{uuid.uuid4().hex}"), completions, params,
                               policy_version=version, backend=self.batcher.backend.name,
                               generator_id=self.generator_id, sample_ms=ms)

@@ -18,8 +18,11 @@ class Buffered:
     context: otel_context.Context | None  # the consumer span's, so the step that uses it joins the trace
 
 
-def sample_problem(s: trajectory_pb2.Trajectory) -> str | None:
-    """Why a sample cannot be trained on or grouped (it is dead-lettered with this), or None."""
+def sample_problem(s: trajectory_pb2.Trajectory, vocab_size: int | None = None,
+                   max_positions: int | None = None) -> str | None:
+    """Why a sample cannot be trained on or grouped (it is dead-lettered with this), or None. With the
+    model's vocabulary and positions (Trainer.vocab_size, .max_positions): a token id the embedding does
+    not have, or a sequence longer than the model reads, is refused here, not raised by its step."""
     import math
 
     what = f"trajectory {s.id!r}"
@@ -37,6 +40,18 @@ def sample_problem(s: trajectory_pb2.Trajectory) -> str | None:
         return f"{what}: a loss mask of {len(s.loss_mask)} for {len(s.completion_token_ids)} tokens"
     if not (math.isfinite(s.reward) and math.isfinite(s.advantage)):
         return f"{what}: reward {s.reward} or advantage {s.advantage} is not finite"
+    if not all(math.isfinite(p) and p <= 0.0 for p in s.logprobs):
+        return f"{what}: a sampling log-prob is not finite or above 0"
+    if not (math.isfinite(s.temperature) and s.temperature >= 0.0 and (s.temperature == 0.0 or 0.0 < s.top_p <= 1.0)):
+        return f"{what}: temperature {s.temperature} and top_p {s.top_p} are not a sampling distribution " \
+               "(temperature 0, greedy, or above 0 with 0 < top_p <= 1)"
+    lowest = min(min(s.prompt_token_ids), min(s.completion_token_ids, default=0))
+    highest = max(max(s.prompt_token_ids), max(s.completion_token_ids, default=0))
+    if lowest < 0 or (vocab_size is not None and highest >= vocab_size):
+        return f"{what}: token ids {lowest}..{highest} are not all in the model's vocabulary of {vocab_size}"
+    length = len(s.prompt_token_ids) + len(s.completion_token_ids)
+    if max_positions is not None and length > max_positions:
+        return f"{what}: {length} tokens, more than the model's {max_positions} positions"
     return None
 
 

@@ -211,7 +211,7 @@ class Learner:
                 if self.restored and not fetched and await self.reader.at_end():
                     self.restored.clear()
                 for incoming in fetched:
-                    problem = sample_problem(incoming.message)
+                    problem = sample_problem(incoming.message, self.trainer.vocab_size, self.trainer.max_positions)
                     if problem:
                         await self.reader.reject(incoming, problem)
                         continue

@@ -20,8 +20,8 @@ class LearnerServicer(policy_pb2_grpc.LearnerServicer):
         if request.run_id and (problem := run_id_problem(request.run_id)):
             await rpc.abort_invalid(context, problem)
         if request.run_id and request.run_id != self.run_id:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await rpc.abort(context, grpc.StatusCode.NOT_FOUND,
                                 f"this learner trains run {self.run_id!r}, not {request.run_id!r}")
         if self.current is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no policy published yet; retry shortly")
+            await rpc.abort(context, grpc.StatusCode.UNAVAILABLE, "no policy published yet; retry shortly")
         return self.current

@@ -7,6 +7,8 @@ importance ratio starts at 1; `mismatch_kl` reports how far from that the batch 
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import os
 import time
 from collections import Counter
@@ -20,6 +22,8 @@ from crucible.services.learner.ranks import Ranks
 from crucible.shared.settings import RunConfig
 from crucible.v1 import trajectory_pb2
 
+log = logging.getLogger(__name__)
+
 # Why a sample is not trained on (StepResult.skipped, the PolicyVersion's metrics).
 STALE = "stale"                      # sampled more than max_policy_lag versions ago
 EMPTY = "empty_completion"           # no completion token carries a gradient
@@ -27,6 +31,7 @@ MISMATCHED = "mismatched_loss_mask"  # a loss mask that does not cover the compl
 NO_PREFERENCE = "no_preference"      # DPO: its group has no reward spread, so no pair
 HELDOUT = "heldout"                  # its task is held out: never trained on, whoever published it
 UNINFORMATIVE = "uninformative"      # its group's rewards are all equal: no learning signal (dynamic sampling)
+NON_FINITE = "non_finite_update"     # its step's loss or gradient norm was not finite: no update was made
 
 
 @dataclass
@@ -118,6 +123,10 @@ class Trainer:
         if self.ranks.device().type == "cuda":
             model, self.reference = model.cuda(), self.reference.cuda()
         self.model = model  # what checkpoints are written from (FSDP: sharded in place)
+        # What a sample may hold for this model (groups.sample_problem): token ids below the vocabulary,
+        # sequences within its positions (None where the model does not say).
+        self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.forward_model = self.ranks.wrap(model)  # what forward and backward run through
         for p in self.reference.parameters():
             p.requires_grad_(False)
@@ -196,6 +205,13 @@ class Trainer:
                     break
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
                 norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+                if not (math.isfinite(norm) and math.isfinite(float(loss))):
+                    # One NaN reaching the optimiser makes every weight NaN, and that policy would be
+                    # published: the step is not taken (every rank sees the same reduced norm).
+                    log.warning("no update: loss %s, gradient norm %s over %d samples", loss, norm, len(usable))
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped[NON_FINITE] += len(usable)
+                    break
                 self.optimizer.step()
                 stepped = True
                 if epoch == 0:

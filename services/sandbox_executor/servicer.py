@@ -26,7 +26,7 @@ class SandboxServicer(execution_pb2_grpc.SandboxServicer):
         except (ValueError, JobRejected) as exc:
             await rpc.abort_invalid(context, f"request {request.request_id!r}: {exc}")
         except PoolFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry with backoff")
+            await rpc.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry with backoff")
         return self._reply(request, result)
 
     async def ExecuteBatch(self, request_iterator, context):

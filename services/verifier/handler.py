@@ -24,7 +24,7 @@ def kind_for(task: task_pb2.Task, what: str) -> kinds.Kind:
         kind = kinds.get(task.kind)
     except kinds.UnknownKind as exc:
         raise Unverifiable(f"{what}: {exc}") from None
-    problems = kind.problems(task)
+    problems = kinds.problems_of(kind, task)
     if problems:
         raise Unverifiable(f"{what}, task {task.id!r}: " + "; ".join(problems))
     return kind
@@ -134,7 +134,7 @@ def verify_episode(episode: episode_pb2.Episode, now: dt.datetime | None = None)
     if not envs.is_environment(task):
         raise Unverifiable(f"{what}: task kind {task.kind!r} is not an environment")
     env = envs.get(task.kind)
-    problems = env.problems(task)
+    problems = kinds.problems_of(env, task)
     if problems:
         raise Unverifiable(f"{what}, task {task.id!r}: " + "; ".join(problems))
     if not episode.turns or not episode.end:

@@ -45,7 +45,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
     async def Verify(self, request: verdict_pb2.VerifyRequest, context):
         [outcome] = await self.outcomes([request])
         if isinstance(outcome, Refusal):
-            await context.abort(outcome.code, outcome.message)
+            await rpc.abort(context, outcome.code, outcome.message)
         return outcome
 
     async def VerifyBatch(self, request: verdict_pb2.VerifyBatchRequest, context):
