@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import hashlib
 import logging
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -65,6 +66,7 @@ H_SCHEMA = "schema"
 H_CONTENT_TYPE = "content-type"
 H_DLQ_REASON = "dlq-reason"
 H_DLQ_SOURCE = "dlq-source"  # topic/partition@offset of the original record
+H_DLQ_CUT = "dlq-cut"  # what a dead letter left out of a record too large to send again (dead_letter_record)
 
 
 RECORDS = metrics.counter("crucible.bus.records", "records by topic and outcome (consumed; dead_lettered among them)",
@@ -189,12 +191,43 @@ def _text(value) -> str | None:
 
 def dead_letter_headers(topic: str, partition: int, offset: int, headers: Sequence[tuple[str, bytes]] | None,
                         reason: str) -> list[tuple[str, bytes]]:
-    """The original headers (trace context included) plus why and where the record was rejected."""
-    kept = [(k, v) for k, v in (headers or ()) if k not in (H_DLQ_REASON, H_DLQ_SOURCE)]
+    """The original headers (trace context included; as many as DLQ_MAX_HEADER_BYTES hold) plus why and
+    where the record was rejected."""
+    kept, size = [], 0
+    for k, v in headers or ():
+        size += len(k) + len(v or b"")
+        if k not in (H_DLQ_REASON, H_DLQ_SOURCE, H_DLQ_CUT) and size <= DLQ_MAX_HEADER_BYTES:
+            kept.append((k, v))
     return kept + [
         (H_DLQ_REASON, reason.encode("utf-8", "replace")[:4000]),
         (H_DLQ_SOURCE, f"{topic}/{partition}@{offset}".encode()),
     ]
+
+
+# A dead letter keeps at most this much of a record's value, key and headers. A record the broker took
+# can be larger than a producer sends (16 MiB, below the broker's limit), and one that could not be
+# dead-lettered stopped its consumer at every restart; what is cut is named in `dlq-cut` (sizes and
+# SHA-256), and the whole record stays where `dlq-source` says, for the topic's retention.
+DLQ_MAX_VALUE_BYTES = 1 << 20
+DLQ_MAX_KEY_BYTES = 1 << 10
+DLQ_MAX_HEADER_BYTES = 64 << 10
+
+
+def dead_letter_record(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                       headers: Sequence[tuple[str, bytes]] | None, reason: str) -> "Prepared":
+    """The record `<topic>.dlq` receives for a rejected one: as it came, with the reason and its source,
+    cut to the sizes above."""
+    out = dead_letter_headers(topic, partition, offset, headers, reason)
+    cut = []
+    for name, data, limit in (("value", value, DLQ_MAX_VALUE_BYTES), ("key", key, DLQ_MAX_KEY_BYTES)):
+        if data is not None and len(data) > limit:
+            cut.append(f"{name} {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}")
+    if len(out) < len(headers or ()) + 2:
+        cut.append("headers beyond the first 64 KiB")
+    if cut:
+        out.append((H_DLQ_CUT, "; ".join(cut).encode()))
+    return Prepared(topic + DLQ_SUFFIX, None if value is None else value[:DLQ_MAX_VALUE_BYTES],
+                    None if key is None else key[:DLQ_MAX_KEY_BYTES], out)
 
 
 def connection(settings: Settings) -> dict:
@@ -314,8 +347,8 @@ class Producer:
         span = trace.get_current_span()
         span.set_status(trace.Status(trace.StatusCode.ERROR, reason[:200]))
         log.warning("dead-lettering %s[%d]@%d: %s", topic, partition, offset, reason)
-        await self._producer.send_and_wait(topic + DLQ_SUFFIX, value, key=key,
-                                           headers=dead_letter_headers(topic, partition, offset, headers, reason))
+        letter = dead_letter_record(topic, partition, offset, key, value, headers, reason)
+        await self._producer.send_and_wait(letter.topic, letter.value, key=letter.key, headers=letter.headers)
 
     async def flush(self) -> None:
         await self._producer.flush()
@@ -605,8 +638,8 @@ class Reader:
         outbox = _OUTBOX.get()
         if outbox is not None:  # a transactional consumer: sent with the record's outputs, in its transaction
             log.warning("dead-lettering %s[%d]@%d: %s", record.topic, record.partition, record.offset, reason)
-            outbox.append(Prepared(record.topic + DLQ_SUFFIX, record.value, record.key, dead_letter_headers(
-                record.topic, record.partition, record.offset, record.headers, reason)))
+            outbox.append(dead_letter_record(record.topic, record.partition, record.offset, record.key,
+                                             record.value, record.headers, reason))
         else:
             await self.producer.dead_letter(record.topic, record.partition, record.offset, record.key,
                                             record.value, record.headers, reason)

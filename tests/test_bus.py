@@ -161,6 +161,40 @@ async def test_garbage_goes_to_dlq_with_reason_and_consumer_continues(settings):
     assert "JSON does not match" in reasons[2]
 
 
+async def test_a_record_too_large_to_send_again_is_dead_lettered_cut_and_the_consumer_goes_on(settings):
+    # The broker takes a record a producer may not send (16 MiB): dead-lettering it whole failed, and
+    # the consumer stopped at every restart. Both ways a consumer dead-letters (at once, and within its
+    # transaction) keep the first MiB and name what was cut.
+    import hashlib
+
+    await bus.ensure_topics(["tasks", "heldout"], settings=settings, with_dlq=True)
+    huge = b"\x0a" + b"x" * (messages.MAX_MESSAGE_BYTES + 200_000)
+    raw = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, max_request_size=17 << 20)
+    await raw.start()
+    try:
+        for short in ("tasks", "heldout"):
+            await raw.send_and_wait(settings.topic(short), huge, key=b"k" * 5000)
+            await raw.send_and_wait(settings.topic(short), messages.encode(task_pb2.Task(id=f"after-{short}")))
+    finally:
+        await raw.stop()
+    for short, transactional in (("tasks", False), ("heldout", True)):
+        seen = []
+
+        async def handler(incoming):
+            seen.append(incoming.message.id)
+
+        async with bus.Consumer([short], f"big-{short}", handler, settings=settings, transactional=transactional,
+                                schemas={short: task_pb2.Task}) as consumer:
+            await collect(consumer, 2)
+            assert consumer.dead_lettered == 1
+        assert seen == [f"after-{short}"]
+        [dead] = await read_raw(settings, f"{short}.dlq", 1)
+        headers = dict(dead.headers)
+        assert "exceeds the 16777216-byte limit" in headers["dlq-reason"].decode(), headers
+        assert dead.value == huge[:bus.DLQ_MAX_VALUE_BYTES] and dead.key == b"k" * bus.DLQ_MAX_KEY_BYTES
+        assert f"value {len(huge)} bytes, sha256 {hashlib.sha256(huge).hexdigest()}" in headers["dlq-cut"].decode()
+
+
 async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settings):
     await bus.ensure_topics(["tasks"], settings=settings)
     n = 60
