@@ -29,6 +29,14 @@ def config(estimator: str = "grpo", **fields) -> RewardConfig:
     return RewardConfig.of(RunConfig(estimator=estimator, **fields))
 
 
+def test_a_verdict_whose_reward_is_not_finite_joins_no_group():
+    from crucible.services.reward_aggregator.handler import check_verdict
+
+    assert check_verdict(verdict("g", 0, 2, 1.0)) is None
+    for bad in (verdict("g", 0, 2, float("nan")), verdict("g", 0, 2, 1.0, components={"answer_correct": float("inf")})):
+        assert "not finite" in check_verdict(bad)
+
+
 def test_group_advantages_by_hand():
     vs = [verdict("g", i, 4, r) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
     grpo = group_trajectories(list(reversed(vs)), config("grpo"), complete=True)

@@ -191,6 +191,7 @@ def test_the_aggregator_names_what_is_wrong_with_any_verdict(verdict):
     assert is_reason_or_none(problem)
     if problem is None:
         assert verdict.sample.group_id and verdict.sample.sample_index < verdict.sample.group_size
+        assert math.isfinite(verdict.reward) and all(map(math.isfinite, verdict.components.values()))
 
 
 @FUZZ

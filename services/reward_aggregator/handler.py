@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,10 @@ def check_verdict(verdict: verdict_pb2.Verdict) -> str | None:
         return f"group {s.group_id!r}: group_size must be at least 1"
     if s.sample_index >= s.group_size:
         return f"group {s.group_id!r}: sample_index {s.sample_index} is not below group_size {s.group_size}"
+    # A NaN reward would reach the store's reward figures (a run's mean became nan) and the group's
+    # advantages; whatever a component says is weighed into the reward.
+    if not math.isfinite(verdict.reward) or not all(math.isfinite(v) for v in verdict.components.values()):
+        return f"group {s.group_id!r}: sample {s.sample_index} has a reward or reward component that is not finite"
     return None
 
 
