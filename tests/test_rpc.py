@@ -5,7 +5,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from crucible.v1 import control_pb2, control_pb2_grpc, policy_pb2, policy_pb2_grpc, task_pb2
+from crucible.v1 import control_pb2, control_pb2_grpc, policy_pb2, policy_pb2_grpc, task_pb2, trajectory_pb2, verdict_pb2
 from crucible.services.control.servicer import ControlServicer
 from crucible.shared import bus, rpc, telemetry
 
@@ -169,6 +169,7 @@ async def test_garbage_request_bytes_are_invalid_argument_and_the_server_keeps_s
 @pytest.mark.store
 async def test_run_status_is_of_the_run_asked_for(settings, store_client):
     from crucible.services.control.handler import TASK_COLUMNS, task_row
+    from crucible.services.reward_aggregator.handler import TRAJECTORY_COLUMNS, trajectory_row
     from crucible.shared.store import migrate
 
     migrate(store_client)
@@ -189,6 +190,15 @@ async def test_run_status_is_of_the_run_asked_for(settings, store_client):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.GetRunStatus(control_pb2.RunStatusRequest(run_id="no-such-run"), timeout=10)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-run" in err.value.details()
+            # trajectories too are the run's asked for (the run id was once ignored: every run's rows came back)
+            for run_id in ("run-a", "run-b"):
+                t = trajectory_pb2.Trajectory(id=f"{run_id}/0", task_id=f"{run_id}-0", group_id=f"{run_id}/g",
+                                              group_size=1, policy_version=1)
+                store_client.insert("trajectories", [trajectory_row(verdict_pb2.Verdict(sample=t, task_kind="exact"),
+                                                                    t, "", run_id)], column_names=TRAJECTORY_COLUMNS)
+            for asked, want in (("run-a", ["run-a/0"]), ("", ["run-b/0"]), ("no-such-run", [])):
+                reply = await stub.QueryTrajectories(control_pb2.QueryTrajectoriesRequest(run_id=asked), timeout=10)
+                assert [r.trajectory_id for r in reply.rows] == want, asked
 
 
 async def _status_becomes(address: str, want: str, service: str = "", within_s: float = 10.0) -> str:

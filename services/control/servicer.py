@@ -68,17 +68,23 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         for column in ("task_id", "group_id"):
             if len(getattr(request, column)) > 512:
                 await rpc.abort_invalid(context, f"{column} is {len(getattr(request, column))} characters: at most 512")
-        where, params = ["policy_version >= {v:UInt64}"], {"v": request.min_policy_version}
+        if request.run_id and (problem := run_id_problem(request.run_id)):
+            await rpc.abort_invalid(context, problem)
+        # Of the run named (this control service's own when none is), as GetRunStatus.
+        where = ["run_id = {run_id:String}", "policy_version >= {v:UInt64}"]
+        params = {"run_id": request.run_id or self.settings.run_id, "v": request.min_policy_version}
         for column in ("task_id", "group_id"):
             if getattr(request, column):
                 where.append(f"{column} = {{{column}:String}}")
                 params[column] = getattr(request, column)
-        rows = self.store.query(
+        # In a thread: a large page took the event loop (health checks, the task log) for seconds.
+        rows = (await asyncio.to_thread(
+            self.store.query,
             "SELECT trajectory_id, task_id, group_id, sample_index, task_kind, policy_version, completion, "
             f"reward, advantage FROM trajectories FINAL WHERE {' AND '.join(where)} "
             "ORDER BY policy_version, group_id, sample_index LIMIT {limit:UInt32}",
             parameters={**params, "limit": request.limit or 100},
-        ).result_rows
+        )).result_rows
         return control_pb2.QueryTrajectoriesResponse(rows=[
             control_pb2.TrajectoryRow(
                 trajectory_id=r[0], task_id=r[1], group_id=r[2], sample_index=r[3], task_kind=r[4],
