@@ -265,6 +265,10 @@ def cmd_train(args, settings: Settings) -> int:
             echo("--seed cannot change on --resume: the run's tasks and samples follow its own seed")
             return 2
         recipe.algorithm.seed = args.seed
+    if recipe.sampling.group_size > settings.max_group_size:  # every task would be refused: a run that never steps
+        echo(f"cannot run this recipe: sampling.group_size {recipe.sampling.group_size} is above the limit of "
+             f"{settings.max_group_size} samples a task (CRUCIBLE_MAX_GROUP_SIZE)")
+        return 2
     echo(f"recipe: {recipe.source or 'built-in'}")
     started_here = ensure_stack(settings)
     try:
@@ -384,15 +388,21 @@ def cmd_submit(args, settings: Settings) -> int:
     """Publishes a JSONL file of tasks (or stdin) to crucible.tasks, signed: all of them, or none
     when any line is bad (each bad line named)."""
     from crucible.ml.task_sources import parse_jsonl
+    from crucible.ml.tasks import is_heldout
     from crucible.shared import bus
+
+    from crucible.shared import files
 
     source = "stdin" if args.file == "-" else args.file
     try:
-        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
-    except OSError as exc:
-        echo(f"crucible submit: cannot read {source}: {exc.strerror}")
+        text = sys.stdin.buffer.read().decode("utf-8") if args.file == "-" else files.read_text(args.file)
+    except (files.Unreadable, UnicodeDecodeError) as exc:
+        echo(f"crucible submit: cannot read {source}: {exc if isinstance(exc, files.Unreadable) else 'not UTF-8 text'}")
         return 2
     tasks, problems = parse_jsonl(text.splitlines(), source, settings=settings)
+    problems += [f"{source}: task {t.id!r} has split {t.split!r}: crucible.tasks is sampled for training, which "
+                 "never takes a held-out task (give held-out tasks to a recipe's [heldout] file)"
+                 for t in tasks if is_heldout(t)]
     if problems:
         for problem in problems[:50]:
             echo(problem)

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from crucible.shared import files
 from crucible.shared.settings import RunConfig
 
 # Which section of a recipe holds each RunConfig field (run_id and init_checkpoint are set by the job).
@@ -150,9 +151,9 @@ def load(path: str | Path) -> Recipe:
     """The recipe in `path`; RecipeError naming the file, line and field for anything wrong in it."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RecipeError(f"cannot read recipe {path}: {exc.strerror}") from None
+        text = files.read_text(path)
+    except files.Unreadable as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc}") from None
     return parse(text, path)
 
 

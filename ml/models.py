@@ -101,10 +101,27 @@ def resolve(name_or_path: str | os.PathLike, settings: Settings) -> Path:
         if not (path / "config.json").exists():
             raise ValueError(f"{path} has no config.json, so it is not a Hugging Face model folder "
                              f"(one written by save_pretrained, `crucible models add`, or a Crucible checkpoint)")
+        _check_config(path)
         return path.absolute()
     raise ValueError(f"unknown model {text!r}: not a known name and no folder at {path.absolute()}. "
                      f"Known models: {', '.join(known_names())}; add one with `crucible models add NAME`, "
                      f"or give the path of a Hugging Face model folder")
+
+
+def _check_config(path: Path) -> None:
+    """ValueError unless the folder's config.json is one transformers builds a model configuration from
+    (a broken one let a run start, and every service that loads the model died at start)."""
+    from crucible.ml.policy import hf
+
+    try:
+        if hf.is_builtin(path):
+            return
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 -- whatever the folder holds, say why it is no model
+        raise ValueError(f"{path}/config.json does not load as a model configuration: "
+                         f"{type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 @dataclass(frozen=True)

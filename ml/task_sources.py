@@ -15,7 +15,7 @@ from pathlib import Path
 from crucible.ml.kinds import builtin_sets
 from crucible.ml.task_families import FAMILIES, graded_by, with_canaries
 from crucible.ml.tasks import HELDOUT_SPLIT, task_problems
-from crucible.shared import messages
+from crucible.shared import files, messages
 from crucible.v1 import task_pb2
 
 
@@ -26,9 +26,9 @@ class TaskFileError(ValueError):
 def read_jsonl(path: Path, group_size: int | None = None) -> list[task_pb2.Task]:
     """Every task in a JSONL file, checked as the generator would check it; TaskFileError naming the line."""
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise TaskFileError(f"cannot read task file {path}: {exc.strerror}") from None
+        lines = files.read_text(path).splitlines()
+    except files.Unreadable as exc:
+        raise TaskFileError(f"cannot read task file {path}: {exc}") from None
     tasks, problems = parse_jsonl(lines, str(path), group_size)
     if problems:
         raise TaskFileError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

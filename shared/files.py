@@ -1,4 +1,5 @@
-"""Folders that appear whole or not at all: written under a temporary sibling name, then renamed into place."""
+"""Files a user hands us, read with a clear error; folders that appear whole or not at all (written
+under a temporary sibling name, then renamed into place)."""
 from __future__ import annotations
 
 import os
@@ -24,3 +25,17 @@ def replace_folder(tmp: Path, folder: Path) -> Path:
     else:
         tmp.rename(folder)
     return folder
+
+
+class Unreadable(ValueError):
+    """A user's file that cannot be read as text; the text says why (no traceback reaches the user)."""
+
+
+def read_text(path: Path | str) -> str:
+    """A user's text file (a recipe, a task file) as UTF-8; Unreadable saying why it cannot be."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise Unreadable(exc.strerror or str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise Unreadable(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None

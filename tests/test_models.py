@@ -36,7 +36,7 @@ def test_known_name_not_yet_added_says_how_to_add_it(home_settings):
 def test_folder_path_resolves_to_itself(home_settings, tmp_path):
     folder = tmp_path / "my-model"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
     assert models.resolve(str(folder), home_settings) == folder
     assert models.resolve(folder, home_settings) == folder
 
@@ -44,6 +44,11 @@ def test_folder_path_resolves_to_itself(home_settings, tmp_path):
 def test_folder_that_is_not_a_model_is_refused(home_settings, tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         models.resolve(str(tmp_path), home_settings)
+    # a config.json transformers cannot build a configuration from is refused before any service loads it
+    for written in ('{"model_type": "llama", "hidden_size": "big"}', "{not json", "{}"):
+        (tmp_path / "config.json").write_text(written)
+        with pytest.raises(ValueError, match="config.json does not load as a model configuration"):
+            models.resolve(str(tmp_path), home_settings)
 
 
 def test_added_model_resolves_and_is_not_converted_again(home_settings):

@@ -68,6 +68,15 @@ def test_bad_toml_names_its_line(tmp_path):
         recipes.load(path)
 
 
+def test_a_file_that_is_not_utf8_text_is_named_not_a_traceback(tmp_path):
+    for path in (tmp_path / "r.toml", tmp_path / "t.jsonl"):
+        path.write_bytes(b"[budget]\nsteps = 3 # \xff\n")
+    with pytest.raises(recipes.RecipeError, match=r"cannot read recipe .*r.toml: not UTF-8 text \(byte 0xff at offset 21\)"):
+        recipes.load(tmp_path / "r.toml")
+    with pytest.raises(task_sources.TaskFileError, match=r"cannot read task file .*t.jsonl: not UTF-8 text"):
+        task_sources.read_jsonl(tmp_path / "t.jsonl", 4)
+
+
 def test_a_task_file_with_a_bad_line_names_the_line(tmp_path):
     good = '{"id": "a", "kind": "exact", "prompt": "1+1?", "answer": {"answer": "2"}}'
     path = tmp_path / "tasks.jsonl"
@@ -161,6 +170,16 @@ def test_crucible_submit_publishes_signed_tasks_or_names_every_bad_line(settings
             out = capsys.readouterr().out
             assert f"{bad}:2: invalid JSON" in out and f"{bad}:3:" in out and "unknown kind 'haiku'" in out
             assert f"{bad}:4: task id 's0' already used on line 1" in out and "nothing was published" in out
+            (tmp_path / "latin1.jsonl").write_bytes(json.dumps(good[0]).encode()[:-2] + b'\xe9"}\n')
+            assert crucible_main(["submit", str(tmp_path / "latin1.jsonl")]) == 2
+            assert "latin1.jsonl: not UTF-8 text (byte 0xe9" in capsys.readouterr().out
+            (tmp_path / "heldout.jsonl").write_text(json.dumps({**good[0], "split": "heldout"}) + "\n")
+            assert crucible_main(["submit", str(tmp_path / "heldout.jsonl")]) == 2
+            assert "has split 'heldout'" in capsys.readouterr().out
+            huge = tmp_path / "huge.toml"
+            huge.write_text("[sampling]\ngroup_size = 1000000000\n")
+            assert crucible_main(["train", str(huge)]) == 2  # refused before anything starts
+            assert "sampling.group_size 1000000000 is above the limit of 64" in capsys.readouterr().out
             assert crucible_main(["submit", str(ok)]) == 0
         finally:
             get_settings.cache_clear()
