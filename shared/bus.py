@@ -313,9 +313,9 @@ class Producer:
             return await self._producer.send(topic, messages.encode(message), key=_key_bytes(key), headers=headers)
 
     def _vouch(self, message: Message) -> None:
-        """A task or policy version a Crucible producer publishes is signed with the deployment's key,
-        in place: this process holds the key, so it is trusted (shared/integrity.py). The generators,
-        the evaluator and the verifier refuse what nobody holding the key published."""
+        """A task, policy version, verdict group or trajectory a Crucible producer publishes is signed with
+        the deployment's key, in place: this process holds the key, so it is trusted
+        (shared/integrity.py). Their consumers refuse what nobody holding the key published."""
         if isinstance(message, integrity.SIGNED):
             integrity.sign(message, integrity.key(self.settings))
 

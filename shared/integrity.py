@@ -9,7 +9,11 @@ MACs (HMAC-SHA256 with the deployment's integrity key) close that:
   signature does not match: its tests, expected answer and instance are the submitter's;
 - an **execution result** is sealed by the sandbox that produced it, over the result and a digest of
   the job it ran (code, tests, prelude, limits); the verifier rebuilds the job from the signed task
-  and the completion, and refuses a result that is not sealed, was changed, or belongs to another job.
+  and the completion, and refuses a result that is not sealed, was changed, or belongs to another job;
+- the **rewards** themselves: a group's verdicts (crucible.verdicts) are signed by the verifier and the
+  aggregator refuses any it did not sign; each trajectory (crucible.trajectories, reward and advantage
+  in it) is signed by the aggregator and the learner refuses any it did not sign. Otherwise a record
+  on either topic would set a reward directly.
 
 The key is `CRUCIBLE_INTEGRITY_KEY` (hex, at least 32 bytes: a k8s Secret), or else a key file under
 CRUCIBLE_HOME (`secrets/integrity.key`, 0600) that the first process to need it creates; every process
@@ -23,7 +27,7 @@ import os
 import secrets
 from pathlib import Path
 
-from crucible.v1 import execution_pb2, policy_pb2, task_pb2
+from crucible.v1 import execution_pb2, policy_pb2, task_pb2, trajectory_pb2, verdict_pb2
 
 KEY_BYTES = 32
 
@@ -73,7 +77,8 @@ def _mac(secret: bytes, domain: bytes, body: bytes) -> bytes:
 
 # --- signed messages: tasks, policy versions ---------------------------------------------------------
 
-SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion)  # messages with a `signature` field, signed by who publishes
+# Messages with a `signature` field, signed by whoever publishes them (bus.Producer, as it sends).
+SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion, verdict_pb2.VerdictGroup, trajectory_pb2.Trajectory)
 
 
 def _body(message) -> bytes:
@@ -88,7 +93,7 @@ def _domain(message) -> bytes:
 
 
 def sign(message, secret: bytes):
-    """Signs a Task or PolicyVersion in place (and returns it)."""
+    """Signs a message of SIGNED in place (and returns it)."""
     message.signature = _mac(secret, _domain(message), _body(message))
     return message
 

@@ -36,9 +36,15 @@ SEMANTIC = {
     "heldout": task_pb2.Task(id="poison-heldout", prompt="2+2=", kind="exact", group_size=2),
     "rollouts": rollout_pb2.RolloutGroup(group_id="poison-group"),
     "executions": execution_pb2.Execution(),
-    "verdicts": verdict_pb2.VerdictGroup(verdicts=[verdict_pb2.Verdict(sample=trajectory_pb2.Trajectory(group_id="g",
-                                                                                     group_size=0))]),
-    "trajectories": trajectory_pb2.Trajectory(id="poison/0"),
+    # whole and well-formed, only unsigned: a reward nobody but the verifier (and an advantage nobody but
+    # the aggregator) may set
+    "verdicts": verdict_pb2.VerdictGroup(verdicts=[verdict_pb2.Verdict(
+        id="poison/v", reward=1.0, components={"answer_correct": 1.0}, sample=trajectory_pb2.Trajectory(
+            id="poison/0", group_id="poison-g", group_size=1, prompt_token_ids=[1], completion_token_ids=[2],
+            logprobs=[-0.1], temperature=1.0, top_p=1.0))]),
+    "trajectories": trajectory_pb2.Trajectory(id="poison/0", group_id="poison-g", group_size=1, group_received=1,
+                                              prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-0.1],
+                                              temperature=1.0, top_p=1.0, reward=1.0, advantage=5.0),
     "policy": policy_pb2.PolicyVersion(version=1_000_000, checkpoint_uri="file:///tmp/x", checkpoint_sha256="ab"),
     "actions": episode_pb2.Episode(id="poison-episode"),
     "observations": episode_pb2.Episode(id="poison-episode"),
@@ -178,6 +184,8 @@ async def test_poison_on_every_topic_and_every_rpc_is_refused_and_nothing_restar
                 break
             await asyncio.sleep(2)
         assert missing == {}, f"not dead-lettered (topic: offsets): {missing}"
+        for topic in ("verdicts", "trajectories"):  # the corpus's last record: whole, only unsigned
+            assert "not signed" in (await dead_letters(s, topic))[sent[topic][-1]], topic
         assert len(trajectories) == 2, "the valid task did not become trajectories after the poison"
         assert run.services.restarts == {} and {n: p.pid for n, p in run.processes.items()} == pids
         assert all(p.poll() is None for p in run.processes.values())

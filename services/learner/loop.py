@@ -23,7 +23,7 @@ from crucible.services.learner.rows import record_alert, record_steps, step_entr
 from crucible.services.learner.trainer import StepResult, Trainer
 from opentelemetry.metrics import Observation
 
-from crucible.shared import metrics, bus, telemetry
+from crucible.shared import bus, integrity, metrics, telemetry
 from crucible.shared.settings import Settings
 from crucible.v1 import policy_pb2
 
@@ -140,6 +140,7 @@ class Learner:
     def __init__(self, settings: Settings, store_client, producer: bus.Producer, trainer: Trainer, meta: dict,
                  on_publish=None):
         self.settings = settings
+        self.secret = integrity.key(settings)  # trajectories are the aggregator's, signed with it
         self.store = store_client
         self.producer = producer
         self.trainer = trainer
@@ -211,7 +212,11 @@ class Learner:
                 if self.restored and not fetched and await self.reader.at_end():
                     self.restored.clear()
                 for incoming in fetched:
-                    problem = sample_problem(incoming.message, self.trainer.vocab_size, self.trainer.max_positions)
+                    problem = None if integrity.signed_correctly(incoming.message, self.secret) else (
+                        f"trajectory {incoming.message.id[:200]!r} is not signed by a reward aggregator of this "
+                        "deployment (integrity key): only the aggregator sets rewards and advantages")
+                    problem = problem or sample_problem(incoming.message, self.trainer.vocab_size,
+                                                        self.trainer.max_positions)
                     if problem:
                         await self.reader.reject(incoming, problem)
                         continue

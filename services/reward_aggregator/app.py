@@ -39,7 +39,7 @@ from crucible.services.reward_aggregator.handler import (
 from crucible.services.reward_aggregator.batches import batches
 from crucible.services.reward_aggregator.detectors import WindowDetectors
 from crucible.shared import alerts as alert_rows
-from crucible.shared import bus, messages, metrics, telemetry
+from crucible.shared import bus, integrity, messages, metrics, telemetry
 from crucible.shared.settings import Settings
 from crucible.shared.store import writes
 from crucible.v1 import alert_pb2, verdict_pb2
@@ -106,6 +106,7 @@ class Aggregator:
                  timer_interval_s: float = 1.0):
         self.settings = settings
         self.producer = producer
+        self.secret = integrity.key(settings)  # verdict groups are the verifier's, signed with it
         self.store = store_client
         if store_client is not None:
             self.trajectory_rows = writes.BatchedRows(store_client, "trajectories", TRAJECTORY_COLUMNS,
@@ -227,6 +228,9 @@ class Aggregator:
             record = bus.decode_record(event.value, headers, verdict_pb2.VerdictGroup)
         except messages.MessageDecodeError as exc:
             return await self._dead_letter(event, headers, f"undecodable: {exc}")
+        if not integrity.signed_correctly(record, self.secret):
+            return await self._dead_letter(event, headers, "rejected: the verdicts are not signed by a verifier of "
+                                           "this deployment (integrity key): only a verifier sets rewards")
         problem = check_record(record)
         if problem:
             return await self._dead_letter(event, headers, f"rejected: {problem}")

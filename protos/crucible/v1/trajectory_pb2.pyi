@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Trajectory(_message.Message):
-    __slots__ = ("id", "task_id", "group_id", "sample_index", "group_size", "policy_version", "prompt_token_ids", "completion_token_ids", "logprobs", "temperature", "top_p", "reward", "advantage", "estimator", "passed", "tampered", "truncated", "group_complete", "group_received", "created_at", "heldout", "loss_mask", "turns")
+    __slots__ = ("id", "task_id", "group_id", "sample_index", "group_size", "policy_version", "prompt_token_ids", "completion_token_ids", "logprobs", "temperature", "top_p", "reward", "advantage", "estimator", "passed", "tampered", "truncated", "group_complete", "group_received", "created_at", "heldout", "loss_mask", "turns", "signature")
     ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Trajectory(_message.Message):
     HELDOUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     id: str
     task_id: str
     group_id: str
@@ -57,4 +58,5 @@ class Trajectory(_message.Message):
     heldout: bool
     loss_mask: _containers.RepeatedScalarFieldContainer[bool]
     turns: int
-    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., estimator: _Optional[str] = ..., passed: _Optional[bool] = ..., tampered: _Optional[bool] = ..., truncated: _Optional[bool] = ..., group_complete: _Optional[bool] = ..., group_received: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., heldout: _Optional[bool] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., estimator: _Optional[str] = ..., passed: _Optional[bool] = ..., tampered: _Optional[bool] = ..., truncated: _Optional[bool] = ..., group_complete: _Optional[bool] = ..., group_received: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., heldout: _Optional[bool] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...

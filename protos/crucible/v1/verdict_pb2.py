@@ -30,7 +30,7 @@ from crucible.v1 import task_pb2 as crucible_dot_v1_dot_task__pb2
 from crucible.v1 import trajectory_pb2 as crucible_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/verdict.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/episode.proto\x1a\x1b\x63rucible/v1/execution.proto\x1a\x19\x63rucible/v1/rollout.proto\x1a\x16\x63rucible/v1/task.proto\x1a\x1c\x63rucible/v1/trajectory.proto\"\xe6\x03\n\x07Verdict\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x06sample\x18\x02 \x01(\x0b\x32\x17.crucible.v1.Trajectory\x12\x11\n\ttask_kind\x18\x03 \x01(\t\x12\x38\n\ncomponents\x18\x04 \x03(\x0b\x32$.crucible.v1.Verdict.ComponentsEntry\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x10\n\x08tampered\x18\x06 \x01(\x08\x12\x17\n\x0ftamper_patterns\x18\x07 \x03(\t\x12/\n\texecution\x18\x08 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\x12\n\ncompletion\x18\t \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\n \x01(\x08\x12\x18\n\x10verifier_version\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x0c \x01(\t\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rgeneration_ms\x18\x0e \x01(\x01\x12%\n\x07\x65pisode\x18\x0f \x01(\x0b\x32\x14.crucible.v1.Episode\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0cVerdictGroup\x12&\n\x08verdicts\x18\x01 \x03(\x0b\x32\x14.crucible.v1.Verdict\"\x88\x01\n\rVerifyRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.crucible.v1.Task\x12%\n\x07rollout\x18\x02 \x01(\x0b\x32\x14.crucible.v1.Rollout\x12/\n\texecution\x18\x03 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\"B\n\x12VerifyBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.crucible.v1.VerifyRequest\".\n\rVerifyRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"r\n\rVerifyOutcome\x12\'\n\x07verdict\x18\x01 \x01(\x0b\x32\x14.crucible.v1.VerdictH\x00\x12-\n\x07refusal\x18\x02 \x01(\x0b\x32\x1a.crucible.v1.VerifyRefusalH\x00\x42\t\n\x07outcome\"C\n\x13VerifyBatchResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.crucible.v1.VerifyOutcome2\x98\x01\n\x08Verifier\x12:\n\x06Verify\x12\x1a.crucible.v1.VerifyRequest\x1a\x14.crucible.v1.Verdict\x12P\n\x0bVerifyBatch\x12\x1f.crucible.v1.VerifyBatchRequest\x1a .crucible.v1.VerifyBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/verdict.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/episode.proto\x1a\x1b\x63rucible/v1/execution.proto\x1a\x19\x63rucible/v1/rollout.proto\x1a\x16\x63rucible/v1/task.proto\x1a\x1c\x63rucible/v1/trajectory.proto\"\xe6\x03\n\x07Verdict\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x06sample\x18\x02 \x01(\x0b\x32\x17.crucible.v1.Trajectory\x12\x11\n\ttask_kind\x18\x03 \x01(\t\x12\x38\n\ncomponents\x18\x04 \x03(\x0b\x32$.crucible.v1.Verdict.ComponentsEntry\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x10\n\x08tampered\x18\x06 \x01(\x08\x12\x17\n\x0ftamper_patterns\x18\x07 \x03(\t\x12/\n\texecution\x18\x08 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\x12\x12\n\ncompletion\x18\t \x01(\t\x12\x0e\n\x06\x63\x61nary\x18\n \x01(\x08\x12\x18\n\x10verifier_version\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x0c \x01(\t\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rgeneration_ms\x18\x0e \x01(\x01\x12%\n\x07\x65pisode\x18\x0f \x01(\x0b\x32\x14.crucible.v1.Episode\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x0cVerdictGroup\x12&\n\x08verdicts\x18\x01 \x03(\x0b\x32\x14.crucible.v1.Verdict\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\x88\x01\n\rVerifyRequest\x12\x1f\n\x04task\x18\x01 \x01(\x0b\x32\x11.crucible.v1.Task\x12%\n\x07rollout\x18\x02 \x01(\x0b\x32\x14.crucible.v1.Rollout\x12/\n\texecution\x18\x03 \x01(\x0b\x32\x1c.crucible.v1.ExecutionResult\"B\n\x12VerifyBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.crucible.v1.VerifyRequest\".\n\rVerifyRefusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"r\n\rVerifyOutcome\x12\'\n\x07verdict\x18\x01 \x01(\x0b\x32\x14.crucible.v1.VerdictH\x00\x12-\n\x07refusal\x18\x02 \x01(\x0b\x32\x1a.crucible.v1.VerifyRefusalH\x00\x42\t\n\x07outcome\"C\n\x13VerifyBatchResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.crucible.v1.VerifyOutcome2\x98\x01\n\x08Verifier\x12:\n\x06Verify\x12\x1a.crucible.v1.VerifyRequest\x1a\x14.crucible.v1.Verdict\x12P\n\x0bVerifyBatch\x12\x1f.crucible.v1.VerifyBatchRequest\x1a .crucible.v1.VerifyBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,17 +44,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERDICT_COMPONENTSENTRY']._serialized_start=650
   _globals['_VERDICT_COMPONENTSENTRY']._serialized_end=699
   _globals['_VERDICTGROUP']._serialized_start=701
-  _globals['_VERDICTGROUP']._serialized_end=755
-  _globals['_VERIFYREQUEST']._serialized_start=758
-  _globals['_VERIFYREQUEST']._serialized_end=894
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=896
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=962
-  _globals['_VERIFYREFUSAL']._serialized_start=964
-  _globals['_VERIFYREFUSAL']._serialized_end=1010
-  _globals['_VERIFYOUTCOME']._serialized_start=1012
-  _globals['_VERIFYOUTCOME']._serialized_end=1126
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=1128
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1195
-  _globals['_VERIFIER']._serialized_start=1198
-  _globals['_VERIFIER']._serialized_end=1350
+  _globals['_VERDICTGROUP']._serialized_end=774
+  _globals['_VERIFYREQUEST']._serialized_start=777
+  _globals['_VERIFYREQUEST']._serialized_end=913
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=915
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=981
+  _globals['_VERIFYREFUSAL']._serialized_start=983
+  _globals['_VERIFYREFUSAL']._serialized_end=1029
+  _globals['_VERIFYOUTCOME']._serialized_start=1031
+  _globals['_VERIFYOUTCOME']._serialized_end=1145
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=1147
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1214
+  _globals['_VERIFIER']._serialized_start=1217
+  _globals['_VERIFIER']._serialized_end=1369
 # @@protoc_insertion_point(module_scope)

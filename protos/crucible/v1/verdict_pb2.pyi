@@ -56,10 +56,12 @@ class Verdict(_message.Message):
     def __init__(self, id: _Optional[str] = ..., sample: _Optional[_Union[_trajectory_pb2.Trajectory, _Mapping]] = ..., task_kind: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., reward: _Optional[float] = ..., tampered: _Optional[bool] = ..., tamper_patterns: _Optional[_Iterable[str]] = ..., execution: _Optional[_Union[_execution_pb2.ExecutionResult, _Mapping]] = ..., completion: _Optional[str] = ..., canary: _Optional[bool] = ..., verifier_version: _Optional[str] = ..., detail: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation_ms: _Optional[float] = ..., episode: _Optional[_Union[_episode_pb2.Episode, _Mapping]] = ...) -> None: ...
 
 class VerdictGroup(_message.Message):
-    __slots__ = ("verdicts",)
+    __slots__ = ("verdicts", "signature")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
-    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("task", "rollout", "execution")
