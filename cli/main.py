@@ -360,6 +360,12 @@ def cmd_query(args, settings: Settings) -> int:
             echo(f"{q.name:22s} {q.about}" + (f"  ({params})" if params else ""))
         return 0
     params = {k: getattr(args, k) for k in queries.PARAMETERS if getattr(args, k, None) is not None}
+    wanted = queries.QUERIES[args.name].parameters if args.name in queries.QUERIES else params
+    ignored = [p for p in params if p not in wanted]
+    if ignored:  # a filter dropped in silence would show every run's rows as if they were one run's
+        echo(f"crucible query: {args.name} takes {', '.join('--' + p for p in wanted) or 'no parameters'}, "
+             f"not {', '.join('--' + p for p in ignored)}")
+        return 2
     try:
         client = store.connect(settings, create_database=False)
         columns, rows = queries.run(client, args.name, **params)

@@ -15,6 +15,11 @@ def is_heldout(task: task_pb2.Task) -> bool:
     return task.split == HELDOUT_SPLIT
 
 
+# What google.protobuf.Timestamp can hold (0001-01-01 to 9999-12-31): a task stamped outside it was taken,
+# and then every writer of its row (control's task log) failed on it.
+_TIMESTAMP_MIN_S, _TIMESTAMP_MAX_S = -62_135_596_800, 253_402_300_799
+
+
 def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list[str]:
     """Everything wrong with `task`, each as a sentence a publisher can act on; [] when it is fine."""
     settings = settings or get_settings()
@@ -27,6 +32,9 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
         problems.append("prompt is empty")
     elif len(task.prompt) > settings.max_prompt_chars:
         problems.append(f"prompt is {len(task.prompt)} characters long: at most {settings.max_prompt_chars}")
+    if task.HasField("created_at") and not (_TIMESTAMP_MIN_S <= task.created_at.seconds <= _TIMESTAMP_MAX_S
+                                            and 0 <= task.created_at.nanos < 1_000_000_000):
+        problems.append(f"created_at {task.created_at.seconds}s is not a time (years 1 to 9999)")
     if task.group_size < 1:
         problems.append("group_size must be at least 1")
     elif task.group_size > settings.max_group_size:

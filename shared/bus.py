@@ -422,7 +422,10 @@ class Reader:
 
     A topic's records are judged once, by the service that acts on them (its owner); a reader
     with `dead_letters=False` only observes (control's task log on crucible.tasks): what it
-    cannot decode is skipped and counted, and the owner dead-letters it, once.
+    cannot decode is skipped and counted, and the owner dead-letters it, once. Where two services
+    act on one topic (crucible.rollouts: the sandbox runs code, the verifier scores answers), one of
+    them dead-letters what does not decode and the other passes `undecodable_owned=False`: it skips
+    those and still dead-letters what it rejects itself.
     """
 
     def __init__(
@@ -435,10 +438,12 @@ class Reader:
         schemas: dict[str, type[Message]] | None = None,
         offsets: dict[str, dict[int, int]] | None = None,
         dead_letters: bool = True,
+        undecodable_owned: bool = True,
         **consumer_options,
     ):
         self.settings = settings or get_settings()
         self.dead_letters = dead_letters
+        self.undecodable_owned = undecodable_owned
         self.topics = [self.settings.topic(t) for t in topics]
         self.group_id = group_id
         self.schemas = schemas_for(self.settings, topics, schemas)
@@ -605,9 +610,17 @@ class Reader:
         `message`: its value decoded already (decode_records)."""
         incoming = self._decoded(record, message)
         if isinstance(incoming, str):
-            await self.dead_letter(record, incoming)
+            await self._undecodable(record, incoming)
             return None
         return incoming
+
+    async def _undecodable(self, record: ConsumerRecord, reason: str) -> None:
+        if self.undecodable_owned:
+            await self.dead_letter(record, reason)
+        else:  # the topic's other consumer dead-letters it
+            log.info("skipping %s[%d]@%d (dead-lettered by the topic's other consumer): %s", record.topic,
+                     record.partition, record.offset, reason)
+            self.skipped += 1
 
     def _decoded(self, record: ConsumerRecord, message: Message | None = None) -> Incoming | str:
         """The record decoded (inside the caller's consumer span) unless `message` is its value decoded
@@ -882,7 +895,7 @@ class Consumer(Reader):
         outputs."""
         incoming = self._decoded(record, message)
         if isinstance(incoming, str):
-            await self.dead_letter(record, incoming)
+            await self._undecodable(record, incoming)
             return []
         try:
             outputs = await self.handler(incoming)

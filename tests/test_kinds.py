@@ -52,6 +52,9 @@ def test_task_problems_consult_the_registry():
     assert any("imports numpy, pytest: the sandbox has the standard library only" in p
                for p in task_problems(pytest_tests)), task_problems(pytest_tests)
     assert task_problems(builtin_sets.humaneval()[0]) == []
+    stamped = answer_task("exact", "1")
+    stamped.created_at.seconds = 2**62
+    assert any("created_at" in p for p in task_problems(stamped))
     # a payload that breaks its kind's check is a problem of the task, never an exception of the reader
     for kind, payload in [("regex", task_pb2.ExpectedAnswer(answer="a{4294967296}")),
                           ("regex", task_pb2.ExpectedAnswer(answer="(" * 5000 + ")" * 5000)),

@@ -68,8 +68,9 @@ def corpus(topic: str, run_id: str) -> list[tuple[bytes | None, list[tuple[str, 
     ]
 
 
-async def dead_letters(settings, topic: str) -> dict[int, str]:
-    """{offset of the original record: reason} for everything in `topic`'s DLQ (read raw)."""
+async def dead_letters(settings, topic: str, counts: dict | None = None) -> dict[int, str]:
+    """{offset of the original record: reason} for everything in `topic`'s DLQ (read raw); `counts`, where
+    given, gets how often each offset was dead-lettered."""
     consumer = AIOKafkaConsumer(settings.topic(topic) + bus.DLQ_SUFFIX, **bus.connection(settings),
                                 auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
@@ -85,6 +86,8 @@ async def dead_letters(settings, topic: str) -> dict[int, str]:
                     source = headers.get(bus.H_DLQ_SOURCE, b"").decode()
                     if source.startswith(settings.topic(topic) + "/"):
                         found[int(source.rsplit("@", 1)[1])] = headers.get(bus.H_DLQ_REASON, b"").decode()
+                        if counts is not None:
+                            counts[int(source.rsplit("@", 1)[1])] = counts.get(int(source.rsplit("@", 1)[1]), 0) + 1
     finally:
         await consumer.stop()
 
@@ -186,6 +189,10 @@ async def test_poison_on_every_topic_and_every_rpc_is_refused_and_nothing_restar
         assert missing == {}, f"not dead-lettered (topic: offsets): {missing}"
         for topic in ("verdicts", "trajectories"):  # the corpus's last record: whole, only unsigned
             assert "not signed" in (await dead_letters(s, topic))[sent[topic][-1]], topic
+        # crucible.rollouts has two consumers (the sandbox and the verifier): each bad record is judged once
+        counts: dict = {}
+        await dead_letters(s, "rollouts", counts)
+        assert counts and all(n == 1 for n in counts.values()), counts
         assert len(trajectories) == 2, "the valid task did not become trajectories after the poison"
         assert run.services.restarts == {} and {n: p.pid for n, p in run.processes.items()} == pids
         assert all(p.poll() is None for p in run.processes.values())

@@ -182,6 +182,8 @@ def test_crucible_query_prints_a_table(filled, store_url, store_database, monkey
     assert len(out) == 4  # header, rule, two samples
     assert crucible_main(["query", "task"]) == 2
     assert "--task VALUE" in capsys.readouterr().out
+    assert crucible_main(["query", "task", "--task", task.id, "--run", "x' OR '1'='1"]) == 2  # not a filter of it
+    assert "task takes --task, not --run" in capsys.readouterr().out
     assert crucible_main(["query"]) == 0 and "reward-by-version" in capsys.readouterr().out
 
 

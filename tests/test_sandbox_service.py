@@ -13,7 +13,7 @@ from crucible.services.sandbox_executor.__main__ import group_handler
 from crucible.services.sandbox_executor import pool as pool_module
 from crucible.services.sandbox_executor.pool import Job, SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
-from crucible.shared import bus, rpc
+from crucible.shared import bus, integrity, rpc
 from crucible.shared.settings import Settings
 from tests.test_bus import read_raw
 
@@ -147,12 +147,18 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
 
     prose = task_pb2.Task(id="prose", kind="python_tests", prompt="Write add(a, b).", group_size=2,
                           python_tests=task.python_tests)
+    unsigned = task_pb2.Task()
+    unsigned.CopyFrom(task)
+    for t in (task, answer_task, cobol, prose):
+        integrity.sign(t, KEY)  # as a trusted submitter did
     groups = [
         group("g", task, "    return a + b\n", "    return a - b\n"),
         # the second completion holds no program: recorded as not run (a failure to score), not dead-lettered
         group("p", prose, "```python\ndef add(a, b):\n    return a + b\n```", "   "),
         group("h", answer_task, "4"),
         group("c", cobol, "x"),
+        # a task nobody trusted signed: nothing of it is run (the verifier would refuse it after the fact)
+        group("u", unsigned, "    import time\n    time.sleep(30)\n"),
     ]
     async with bus.Producer(settings) as producer:
         for g in groups:
@@ -161,7 +167,7 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
     handler = group_handler(pool, consumer_ref, "test", KEY)
     async with bus.Consumer(["rollouts"], "sandbox", handler, settings=settings, concurrency=4) as consumer:
         consumer_ref.append(consumer)
-        await asyncio.wait_for(consumer.run(max_records=4), 60)
+        await asyncio.wait_for(consumer.run(max_records=5), 20)
     records = await read_raw(settings, "executions", 2)
     assert sorted(r.key for r in records) == [b"g", b"p"]  # the answer-only group needs no execution
     e = {x.group.group_id: x for x in (execution_pb2.Execution.FromString(r.value) for r in records)}
@@ -172,8 +178,8 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
     fenced, empty = e["p"].results
     assert fenced.tests[0].passed
     assert empty.not_run and not empty.tests
-    dead = await read_raw(settings, "rollouts.dlq", 1)
-    assert "language 'cobol'" in dict(dead[0].headers)["dlq-reason"].decode()
+    reasons = sorted(dict(r.headers)["dlq-reason"].decode() for r in await read_raw(settings, "rollouts.dlq", 2))
+    assert "language 'cobol'" in reasons[0] and "'u'" in reasons[1] and "not signed" in reasons[1], reasons
 
 
 async def test_streaming_execute_batch_continues_the_callers_trace(sandbox):
@@ -225,6 +231,7 @@ async def test_a_garbage_request_in_an_execute_batch_stream_is_invalid_argument(
 async def test_a_completion_the_sandbox_refuses_is_scored_not_run_and_its_group_goes_on(settings, pool):
     add = task_pb2.Task(id="add-nul", kind="python_tests", prompt="def add(a, b):\n", group_size=2,
                         python_tests=task_pb2.PythonTests(entry_point="add", test_code="def check(f):\n    assert f(1, 2) == 3\n"))
+    integrity.sign(add, KEY)
     group = rollout_pb2.RolloutGroup(group_id="nul", task=add, rollouts=[
         rollout_pb2.Rollout(id="nul/0", completion="    return a + b\x00\n"),
         rollout_pb2.Rollout(id="nul/1", completion="    return a + b\n", sample_index=1)])

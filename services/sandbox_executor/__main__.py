@@ -81,6 +81,10 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
         group = incoming.message
         if not needs_execution(group):
             return []  # answer-only kinds go straight from rollouts to the verifier
+        try:  # nothing of a task no trusted submitter signed is run (the verifier would refuse it after)
+            integrity.check_task(group.task, secret)
+        except integrity.IntegrityError as exc:
+            raise bus.Reject(f"group {group.group_id[:200]!r}: {exc}") from None
         try:
             results = await asyncio.gather(*(run_one(group.task, r) for r in group.rollouts))
         except (JobRejected, ValueError) as exc:  # the task asks for something no job can be (its language, ...)
@@ -134,8 +138,9 @@ async def main(allow_weak: bool) -> None:
                                depends_on=service.dependencies(settings))
         consumer_ref: list = []
         handler = group_handler(pool, consumer_ref, f"{socket.gethostname()}/sandbox", secret)
+        # crucible.rollouts is the verifier's too: it dead-letters what does not decode, once.
         consumer = bus.Consumer(["rollouts"], settings.consumer_group_prefix + "sandbox-executor", handler,
-                                settings=settings, concurrency=2)
+                                settings=settings, concurrency=2, undecodable_owned=False)
         consumer_ref.append(consumer)
         # A tool call is carried out, and its observation published, once: in one Kafka transaction
         # with the consumed record (code the model wrote may not be repeatable).

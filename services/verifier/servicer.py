@@ -78,9 +78,12 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
     async def _executed(self, request: verdict_pb2.VerifyRequest) -> verdict_pb2.VerifyRequest | Refusal:
         """The request with the execution its kind scores (run in the sandbox where it came without
         one), or why it cannot be scored."""
-        try:
-            kind = handler.kind_for(request.task, f"rollout {request.rollout.id!r}")
-        except handler.Unverifiable as exc:
+        try:  # the task's signature first (a request with no task is told so): nothing of a task no
+            # trusted submitter signed is run
+            if request.task.kind:
+                integrity.check_task(request.task, self.scorer.secret)
+            kind = handler.kind_for(request.task, f"rollout {request.rollout.id[:200]!r}")
+        except (handler.Unverifiable, integrity.IntegrityError) as exc:
             return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not kind.needs_execution or request.HasField("execution"):
             return request
