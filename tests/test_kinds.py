@@ -52,6 +52,15 @@ def test_task_problems_consult_the_registry():
     assert any("imports numpy, pytest: the sandbox has the standard library only" in p
                for p in task_problems(pytest_tests)), task_problems(pytest_tests)
     assert task_problems(builtin_sets.humaneval()[0]) == []
+    # test code in which nothing would call the program is refused when the task comes in
+    for test_code in ("import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n        assert f(1)\n",
+                      "if __name__ == '__main__':\n    assert f(1)\n", "x = 1\n"):
+        vacuous = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
+                                python_tests=task_pb2.PythonTests(entry_point="f", test_code=test_code))
+        assert any("nothing in it would test the program" in p for p in task_problems(vacuous)), test_code
+    mbpp = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="f", test_code="assert f(1) == 2\n"))
+    assert task_problems(mbpp) == []
     stamped = answer_task("exact", "1")
     stamped.created_at.seconds = 2**62
     assert any("created_at" in p for p in task_problems(stamped))

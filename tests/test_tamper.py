@@ -331,6 +331,10 @@ HONEST_SHAPES = {
     "runs_its_own_doctests": _honest('def dbl(x):\n    """2 * x\n\n    >>> dbl(2)\n    4\n    """\n', "dbl",
                                      "def check(candidate):\n    assert candidate(3) == 6\n",
                                      "    return 2 * x\n\nimport doctest\ndoctest.testmod()\n"),
+    "nan_beside_a_list_in_a_tuple": _honest('def total(pair):\n    """sum of the list, plus the float"""\n', "total",
+                                            "import math\n\ndef check(candidate):\n"
+                                            "    assert math.isnan(candidate(([1, 2], (float('nan'),))))\n",
+                                            "    return sum(pair[0]) + pair[1][0]\n"),
     "tests_calling_from_threads": _honest(
         'def sq(x):\n    """x * x"""\n', "sq",
         "import concurrent.futures\n\ndef check(candidate):\n"
@@ -351,6 +355,46 @@ async def test_tests_of_top_level_asserts_judge_the_candidate_as_one_test(pool):
                   "def sq(x):\n    if x < 0:\n        import os\n        os._exit(0)\n    return x * x\n"):
         score, result = await run(pool, task, f"```python\n{wrong}```")
         assert score.reward == 0.0, (score.detail, result.tests)
+
+
+# Test code in which nothing would call the program: each once paid a wrong answer in full.
+VACUOUS_TESTS = {
+    "unittest_class": "import unittest\n\nclass TestAdd(unittest.TestCase):\n    def test_small(self):\n"
+                      "        self.assertEqual(add(2, 3), 5)\n",
+    "main_guard": "if __name__ == '__main__':\n    assert add(2, 3) == 5\n",
+    "check_under_another_name": "def check_add(candidate):\n    assert candidate(2, 3) == 5\n",
+    "async_test": "async def test_add():\n    assert add(2, 3) == 5\n",
+    "test_that_calls_nothing": "def test_constant():\n    assert 2 + 3 == 5\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(VACUOUS_TESTS))
+async def test_a_test_that_never_calls_the_program_passes_nothing(pool, name):
+    task = task_pb2.Task(id=f"vacuous-{name}", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=VACUOUS_TESTS[name]))
+    for completion in (HONEST, "    return 0\n"):
+        score, result = await run(pool, task, completion)
+        assert score.reward == 0.0, (score.detail, result.tests)
+
+
+async def test_the_tests_own_exceptions_and_the_prompts_example_tests_are_not_the_candidates(pool):
+    # A class only the tests define: a candidate raising its own of that name once got its case skipped
+    # (in one process it could not raise the tests' class).
+    skip = ("class Slow(Exception):\n    pass\n\ndef check(candidate):\n    for a in (2, -1, 10):\n"
+            "        try:\n            assert candidate(a, 1) == a + 1\n        except Slow:\n            continue\n")
+    task = task_pb2.Task(id="skip", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=skip))
+    assert (await run(pool, task, HONEST))[0].reward == 1.0
+    score, result = await run(pool, task, "    class Slow(Exception):\n        pass\n    raise Slow()\n")
+    assert score.reward == 0.0, (score.detail, result.tests)
+    # An example test a prose prompt shows is not one of the task's tests (it once paid `return 0` half).
+    prose = ("Write double(x), 2 * x.\n\n```python\ndef twice(x):\n    return x + x\n```\n\nTry:\n\n"
+             "```python\ndef test_example():\n    assert double(0) == 0\n```\n")
+    task = task_pb2.Task(id="prose-example", kind="python_tests", prompt=prose, group_size=1, python_tests=task_pb2.PythonTests(
+        entry_point="double", test_code="def test_values():\n    assert double(3) == twice(3) and double(5) == 10\n"))
+    score, result = await run(pool, task, "```python\ndef double(x):\n    return 0\n```")
+    assert score.reward == 0.0 and score.components["tests_total"] == 1.0, (score.detail, result.tests)
+    assert (await run(pool, task, "```python\ndef double(x):\n    return 2 * x\n```"))[0].reward == 1.0
 
 
 @pytest.mark.parametrize("shape", sorted(HONEST_SHAPES))

@@ -92,6 +92,10 @@ def _prelude(prompt: str, tests: str, entry_point: str) -> str:
     return code if (defined - {entry_point}) & used else ""
 
 
+def _is_test_name(name: str) -> bool:
+    return name == "check" or name.startswith("test_")
+
+
 def prompt_code(prompt: str) -> str:
     """The Python a prompt gives: the prompt itself where it compiles (a last signature without a body,
     as a completion continues it, given one), else the definitions and imports of its fenced blocks (a
@@ -108,7 +112,8 @@ def prompt_code(prompt: str) -> str:
             except (SyntaxError, ValueError):
                 continue
             kept += [node for node in tree.body if isinstance(node, (
-                ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))]
+                ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))
+                and not _is_test_name(getattr(node, "name", ""))]  # (an example test shown is no test)
             break
     return ast.unparse(ast.Module(body=kept, type_ignores=[])) + "\n" if kept else ""
 
@@ -140,6 +145,18 @@ def _declared(test_code: str, has_entry: bool) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _named_at_top_level(test_code: str, name: str) -> bool:
+    """Whether a statement the module runs as it loads (not a def, a class, or a __main__ guard) names `name`."""
+    for node in ast.parse(test_code).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and "__name__" in {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}:
+            continue
+        if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node)):
+            return True
+    return False
+
+
 def _not_in_the_sandbox(test_code: str) -> list[str]:
     """Modules the tests import that the sandbox cannot give them (it runs the standard library only)."""
     found = []
@@ -169,6 +186,12 @@ class PythonTestsKind(Kind):
             except SyntaxError as exc:
                 problems.append(f"python_tests.test_code does not compile: {exc.msg} (line {exc.lineno})")
             else:
+                if tests.entry_point and declared_tests(task) == [MODULE_TEST] and \
+                        not _named_at_top_level(tests.test_code, tests.entry_point):
+                    problems.append(
+                        f"python_tests.test_code has no check(candidate), no test_* function and no top-level "
+                        f"statement that calls {tests.entry_point}: nothing in it would test the program "
+                        "(unittest.TestCase classes and code under `if __name__ == '__main__':` are not run)")
                 missing = _not_in_the_sandbox(tests.test_code)
                 if missing:
                     problems.append(f"python_tests.test_code imports {', '.join(missing)}: the sandbox has the "

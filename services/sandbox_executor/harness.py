@@ -125,6 +125,7 @@ class Candidate:
         self.usage = (0.0, 0.0, 0)  # what the candidate last said it used (informational only)
         self.known: dict = {}  # the prompt's and the tests' names (_run_tests): their exception classes
         self._calling = _thread.allocate_lock()
+        self.calls = 0  # calls the tests made (_run_tests: a test that made none passed nothing)
         self._before_tests = True  # what the reply being read is (_read_some reports a loss as such)
         self._replies = framing.Reader(self._read_some, candidate.MAX_FRAME)
 
@@ -133,6 +134,7 @@ class Candidate:
         return self._receive(before_tests=True)
 
     def call(self, name: str, args: tuple, kwargs: dict):
+        self.calls += 1
         if self.gone:
             raise CandidateGone(self.gone)
         try:
@@ -408,6 +410,7 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
     try:
         if tests.get("prelude") is not None:
             exec(_code(tests["prelude"]), namespace)
+        prelude_names = dict(namespace)  # what the prompt defines: the candidate's program has it too
         trusted = set(namespace)
         test_code = _code(tests["tests"])
         # Tests that are statements at the top level (MBPP's `assert f(2) == 4` lines) name the entry
@@ -415,7 +418,8 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
         module_level = bool(entry) and not _defines_test_functions(test_code)
         if not module_level:
             exec(test_code, namespace)
-        defined_by_tests = set(namespace) - trusted
+        # What the tests define (or define again): only these are tests (a prompt's example test_* is not)
+        defined_by_tests = {n for n, v in namespace.items() if prelude_names.get(n, _MISSING) is not v}
         used_by_tests = _names(test_code)
     except BaseException as exc:
         report.outcome("load_tests", False, str(exc) if type(exc) is _DidNotCompile else f"{type(exc).__name__}: {exc}")
@@ -423,9 +427,10 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
     selected = []
     if module_level:
         selected.append((MODULE_TEST, lambda: exec(test_code, namespace)))
-    if entry and callable(namespace.get("check")):
+    if entry and callable(namespace.get("check")) and "check" in defined_by_tests:
         selected.append(("check", lambda: namespace["check"](namespace[entry])))
-    selected += [(n, f) for n, f in list(namespace.items()) if n.startswith("test_") and callable(f)]
+    selected += [(n, f) for n, f in list(namespace.items())
+                 if n.startswith("test_") and callable(f) and n in defined_by_tests]
     if not selected:
         report.outcome("load_tests", False,
                        "the tests define neither check(candidate) with an entry point nor test_* functions")
@@ -464,17 +469,25 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
             proxied.add(name)
     for name in proxied:
         namespace[name] = _proxy(child, name)
-    child.known = {name: value for name, value in namespace.items() if name not in proxied}
+    # The exception classes a raise of the candidate's may be: the prompt's, which its program shares
+    # (never one only the tests define: in one process the candidate could not raise that).
+    child.known = {name: value for name, value in prelude_names.items() if name not in proxied}
 
     for name, test in selected:
+        calls = child.calls
         try:
-            test()
+            returned = test()
+            if type(returned).__name__ in ("coroutine", "generator"):
+                returned.close()  # an async or generator test: nothing of it ran
         except (CandidateGone, NotPlainData) as exc:
             report.outcome(name, False, str(exc))
         except BaseException as exc:
             report.outcome(name, False, f"{type(exc).__name__}: {exc}")
         else:
-            report.outcome(name, True)
+            if child.calls == calls:  # no evidence: a test that never reached the program passes nothing
+                report.outcome(name, False, "the test never called the program")
+            else:
+                report.outcome(name, True)
 
 
 def _not_ready(ready: dict) -> str:
@@ -543,10 +556,8 @@ def _update(old, new) -> None:
         if len(new) != len(old):
             raise ValueError("a tuple argument changed its length")
         for was, now in zip(old, new):
-            if _holds_mutable(was):
-                _update(was, now)
-            elif was != now and was == was:  # (NaN is never equal to itself)
-                raise ValueError("a value in a tuple argument changed")
+            if _holds_mutable(was):  # (the rest no call can change, and rebuilt it may not compare equal:
+                _update(was, now)    # NaN, a dict view, an iterator)
     elif type(old) is list and len(old) == len(new):
         for i, (was, now) in enumerate(zip(old, new)):
             if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
