@@ -244,6 +244,13 @@ async def test_calls_that_describe_the_hosts_mounts_or_file_activity_are_forbidd
         (r.violation, r.violation_detail, r.stdout)
 
 
+async def test_a_job_cannot_move_off_its_workers_cpu_and_goes_on(pool):
+    code = ("import os\ntry:\n    os.sched_setaffinity(0, range(os.cpu_count() or 1))\n    print('moved')\n"
+            "except PermissionError:\n    print('refused')\n")
+    r = await run(pool, code)
+    assert r.exit_code == 0 and not r.violation and r.stdout == b"refused\n", (r.violation, r.stdout, r.stderr[-300:])
+
+
 async def test_a_call_newer_than_the_filter_knows_fails_as_unknown_and_the_job_goes_on(pool):
     from crucible.services.sandbox_executor.jail.seccomp import FORBIDDEN_SYSCALLS_X86_64, NEWEST_KNOWN_SYSCALL
 

@@ -235,10 +235,12 @@ async def test_in_place_changes_to_arguments_are_seen_by_the_tests(pool):
 ARGUMENT_CASES = {
     # a call that fails must leave its input as it was
     "changed_then_raised": (
-        "def check(candidate):\n    s = [1, 2]\n    try:\n        candidate(s, 5)\n    except ValueError:\n"
-        "        pass\n    else:\n        raise AssertionError('no error')\n    assert s == [1, 2]\n"
+        "def check(candidate):\n    s = [1, 2]\n    try:\n        candidate(s, 5)\n    except ValueError as e:\n"
+        "        assert str(e) == 'too many', str(e)\n    else:\n        raise AssertionError('no error')\n"
+        "    assert s == [1, 2]\n"
         "    assert candidate(s, 1) == [2] and s == [1]\n",
-        "    out = []\n    while n:\n        out.append(s.pop())\n        n -= 1\n    return out\n",
+        "    out = []\n    while n:\n        if not s:\n            raise ValueError('too many')\n"
+        "        out.append(s.pop())\n        n -= 1\n    return out\n",
         "    if n > len(s):\n        raise ValueError('too many')\n    return [s.pop() for _ in range(n)]\n"),
     # lists inside a tuple
     "inside_a_tuple": (

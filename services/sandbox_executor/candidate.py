@@ -468,11 +468,12 @@ def _exit_code(code) -> int:
 
 def _raised(exc: BaseException) -> dict:
     """A call's raise, as the harness rebuilds it: the nearest builtin class the exception's derives from
-    (ValueError for a json.JSONDecodeError), the class's own name (the tests' or the prompt's class of
-    that name is raised where they define one) and its message."""
+    (ValueError for a json.JSONDecodeError), the class's own name (the prompt's class of that name is
+    raised where it defines one) and its message."""
     reply = {"raise": _builtin_class(exc).__name__, "class": _class_name(exc), "message": _message(exc)}
     try:  # its arguments too, where they are plain and small (UnicodeDecodeError is made from five)
-        reply["args"] = plain.to_tree(tuple(BaseException.__dict__["args"].__get__(exc)), None, 0, [EXCEPTION_ARGS])
+        reply["exception_args"] = plain.to_tree(tuple(BaseException.__dict__["args"].__get__(exc)), None, 0,
+                                                [EXCEPTION_ARGS])
     except Exception:
         pass
     return reply

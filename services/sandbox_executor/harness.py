@@ -171,7 +171,7 @@ class Candidate:
             if raised in ("SystemExit", "KeyboardInterrupt", "GeneratorExit"):
                 raise CandidateGone(f"{name}() raised {raised}: {message}")
             try:
-                args = plain.from_tree(reply["args"]) if "args" in reply else (message,)
+                args = plain.from_tree(reply["exception_args"]) if "exception_args" in reply else (message,)
             except ValueError:
                 args = (message,)
             raise _exception(raised, args if type(args) is tuple else (message,), message,

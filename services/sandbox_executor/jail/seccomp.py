@@ -62,6 +62,9 @@ FORBIDDEN_SYSCALLS_X86_64 = {
     # outrank the listener's USER_NOTIF), so it would go unnamed: no filters but the jail's.
     "seccomp": 317,
 }
+# Calls a job may not make but honest code might try, refused with EPERM (the job goes on): moving off
+# the CPU its worker was given (pool.worker_cpus), onto a neighbour's.
+REFUSED_SYSCALLS_X86_64 = {"sched_setaffinity": 203}
 # prctl is needed (Python calls it), but not to install a filter: PR_SET_SECCOMP as its first argument.
 SYS_PRCTL, PR_SET_SECCOMP_ARG = 157, 22
 # The newest call this filter was written against (futex_requeue, Linux 6.7). A newer one, never
@@ -104,6 +107,11 @@ def compile_filter(notify: bool = False) -> bytes:
         stmt(RET, deny),
         stmt(LD_W_ABS, 0),                          # back to the syscall number
     ]
+    for nr in REFUSED_SYSCALLS_X86_64.values():
+        prog += [
+            jump(JEQ, nr, 0, 1),
+            stmt(RET, SECCOMP_RET_ERRNO | errno.EPERM),
+        ]
     for nr in UNIX_ONLY_X86_64.values():
         prog += [
             jump(JEQ, nr, 0, 4),                    # not this call: skip its four instructions
