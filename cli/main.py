@@ -395,15 +395,13 @@ def cmd_submit(args, settings: Settings) -> int:
     when any line is bad (each bad line named)."""
     from crucible.ml.task_sources import parse_jsonl
     from crucible.ml.tasks import is_heldout
-    from crucible.shared import bus
-
-    from crucible.shared import files
+    from crucible.shared import bus, files
 
     source = "stdin" if args.file == "-" else args.file
     try:
-        text = sys.stdin.buffer.read().decode("utf-8") if args.file == "-" else files.read_text(args.file)
-    except (files.Unreadable, UnicodeDecodeError) as exc:
-        echo(f"crucible submit: cannot read {source}: {exc if isinstance(exc, files.Unreadable) else 'not UTF-8 text'}")
+        text = files.decode_text(sys.stdin.buffer.read()) if args.file == "-" else files.read_text(args.file)
+    except files.Unreadable as exc:
+        echo(f"crucible submit: cannot read {source}: {exc}")
         return 2
     tasks, problems = parse_jsonl(text.splitlines(), source, settings=settings)
     problems += [f"{source}: task {t.id!r} has split {t.split!r}: crucible.tasks is sampled for training, which "

@@ -34,8 +34,15 @@ class Unreadable(ValueError):
 def read_text(path: Path | str) -> str:
     """A user's text file (a recipe, a task file) as UTF-8; Unreadable saying why it cannot be."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc)) from None
+    return decode_text(data)
+
+
+def decode_text(data: bytes) -> str:
+    """Bytes a user handed us (a file's, stdin's) as UTF-8 text; Unreadable naming the first bad byte."""
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise Unreadable(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None

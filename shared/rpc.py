@@ -84,7 +84,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 
         async def refuse(request, context):
             await abort(context, grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong bearer token (set CRUCIBLE_RPC_TOKEN to the deployment's)")
+                        "missing or wrong bearer token (set CRUCIBLE_RPC_TOKEN to the deployment's)")
 
         return getattr(grpc, f"{kind}_rpc_method_handler")(
             refuse, request_deserializer=handler.request_deserializer,

@@ -85,9 +85,10 @@ async def dead_letters(settings, topic: str, counts: dict | None = None) -> dict
                     headers = dict(r.headers or [])
                     source = headers.get(bus.H_DLQ_SOURCE, b"").decode()
                     if source.startswith(settings.topic(topic) + "/"):
-                        found[int(source.rsplit("@", 1)[1])] = headers.get(bus.H_DLQ_REASON, b"").decode()
+                        offset = int(source.rsplit("@", 1)[1])
+                        found[offset] = headers.get(bus.H_DLQ_REASON, b"").decode()
                         if counts is not None:
-                            counts[int(source.rsplit("@", 1)[1])] = counts.get(int(source.rsplit("@", 1)[1]), 0) + 1
+                            counts[offset] = counts.get(offset, 0) + 1
     finally:
         await consumer.stop()
 
