@@ -13,7 +13,8 @@ HumanEval solution with its tests:
              check as one plain program (the very file the bare runs execute: an untested job,
              one process).
 Prints executions/s (sandbox with two jobs outstanding per worker), p50/p99
-latency (one job per worker, like the bare runs) and the throughput ratio.
+latency (one job per worker, like the bare runs), the throughput ratio, and what one call
+of a test to the candidate costs (a test that calls it 2000 times).
 Not a test: nothing gates on these numbers.
 """
 from __future__ import annotations
@@ -112,6 +113,28 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int, tested: 
         return rate, latencies, pool.report.describe()
 
 
+CALLS = 2000
+
+
+async def call_cost(workers: int, jobs: int = 5) -> float:
+    """Microseconds a call of a tested job costs (the median of `jobs` jobs whose one test makes
+    CALLS calls of a function that adds one, less a job that makes one call): the two processes'
+    round trip, each call's arguments and value as plain data, the candidate's checks after it."""
+    def job(calls: int) -> Job:
+        return Job(code="def inc(x):\n    return x + 1\n", entry_point="inc",
+                   tests=f"def check(candidate):\n    for i in range({calls}):\n        assert candidate(i) == i + 1\n")
+
+    async with SandboxPool(Settings(sandbox_workers=workers, sandbox_queue_size=4 * workers)) as pool:
+        await pool.execute(job(1))
+        taken = []
+        for _ in range(jobs):
+            one = await pool.execute(job(1))
+            many = await pool.execute(job(CALLS + 1))
+            assert many.exit_code == 0 and one.exit_code == 0, (many.tests, many.stderr[-300:])
+            taken.append((many.duration_ms - one.duration_ms) * 1000 / CALLS)
+        return statistics.median(taken)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--problems", type=int, default=164)
@@ -139,11 +162,13 @@ def main() -> None:
                 plain_rates.append(asyncio.run(sandboxed(problems, workers, in_flight=2 * workers, tested=False))[0])
                 plain_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers, tested=False))[1]
             s, plain = statistics.median(sb_rates), statistics.median(plain_rates)
+            per_call = asyncio.run(call_cost(workers))
             print(f"\n{workers} worker(s)   [{isolation}]")
             print(f"  sandbox, tested       : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
                   f"p99 {percentile(sb_lat, .99):6.1f} ms")
             print(f"  sandbox, plain program: {plain:7.1f} exec/s  p50 {percentile(plain_lat, .5):6.1f} ms  "
                   f"p99 {percentile(plain_lat, .99):6.1f} ms")
+            print(f"  a tested job's call   : {per_call:7.1f} us (median of 5 jobs of {CALLS} calls, one at a time)")
             for name in BASELINES:
                 b = statistics.median(bare_rates[name])
                 print(f"  bare {name:<17}: {b:7.1f} exec/s  p50 {percentile(bare_lat[name], .5):6.1f} ms  "

@@ -130,6 +130,22 @@ async def test_each_workers_jobs_run_on_its_own_cpu(pool):
         assert set(seen) == {str([cpus[0]]), str([cpus[1]])}, seen
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to choose from")
+async def test_a_tested_jobs_two_processes_share_one_cpu_where_the_worker_has_several():
+    """A worker free to run on every CPU (one worker here) keeps each tested job's candidate and the
+    harness running its tests on one CPU, the same one: each call of a test wakes the other process
+    where it runs, not across CPUs."""
+    async with SandboxPool(Settings(sandbox_workers=1, sandbox_wall_s=5.0)) as one_worker:
+        for _ in range(3):
+            result = await one_worker.execute(Job(
+                code="import os\ndef cpus():\n    return sorted(os.sched_getaffinity(0))\n",
+                tests="import os\ndef check(candidate):\n    theirs = candidate()\n"
+                      "    assert len(theirs) == 1, theirs\n"
+                      "    assert theirs == sorted(os.sched_getaffinity(0)), (theirs, os.sched_getaffinity(0))\n",
+                entry_point="cpus"))
+            assert result.exit_code == 0 and [t["passed"] for t in result.tests] == [True], (result.tests, result.stderr)
+
+
 async def test_fork_bomb(pool):
     r = await run(pool, "import os\nwhile True:\n    os.fork()")
     assert r.exit_code != 0 and r.violation in ("processes", "timeout", "cpu")

@@ -25,6 +25,7 @@ libc.unshare.argtypes = [ctypes.c_int]
 libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 libc.syscall.restype = ctypes.c_long
+libc.sched_getcpu.argtypes = []
 
 
 def check(result: int, what: str) -> int:
@@ -62,3 +63,8 @@ def prctl(option: int, arg: int, what: str) -> None:
 
 def set_hostname(name: bytes) -> None:
     libc.sethostname(name, len(name))
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on (-1 where the kernel cannot say)."""
+    return libc.sched_getcpu()
