@@ -83,7 +83,7 @@ def load(folder: Path):
         log.info("resuming at %s with the optimiser state written at %s", folder.name, source.name)
     if (source / OPTIMIZER_SHARDS).is_dir():
         return model, meta, source / OPTIMIZER_SHARDS
-    return model, meta, torch.load(source / OPTIMIZER_FILE)
+    return model, meta, torch.load(source / OPTIMIZER_FILE, weights_only=True)  # tensors and numbers only: never code
 
 
 def has_optimizer(folder: Path) -> bool:
