@@ -270,6 +270,11 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     done_already.turns[-1].observation = "red"
     with pytest.raises(bus.Reject, match="carried out already"):
         await handle(bus.Incoming("actions", 0, 0, None, done_already))
+    unsigned = episode_pb2.Episode()  # a call waiting, of a task no trusted submitter signed: nothing is run
+    unsigned.CopyFrom(odd_format)
+    unsigned.call_format = "plain"
+    with pytest.raises(bus.Reject, match="not signed"):
+        await handle(bus.Incoming("actions", 0, 0, None, unsigned))
 
     with pytest.raises(Unverifiable, match="has not ended"):
         verify_episode(answered)
@@ -315,3 +320,86 @@ def test_lookup_asks_for_every_value_once_in_every_stretch_and_the_table_holds_i
     assert len({tuple(asked[i:i + len(VALUES)]) for i in range(0, len(asked), len(VALUES))}) > 10, "not shuffled"
     others = [v for t in tasks for k, v in env.instance(t)["table"].items() if k != env.instance(t)["key"]]
     assert set(others) == set(VALUES), "the rest of each table is still drawn from every value"
+
+
+def test_a_call_whose_json_makes_text_no_record_can_hold_is_a_malformed_call_not_a_crash():
+    """JSON's escapes turn ASCII into a lone surrogate, which no protobuf string takes, and nesting
+    into arguments that overflow the stack when read again: each is a call with an error (an
+    observation saying so, a quarter of the reward), and the turn is recorded."""
+    env, task = envs.get("sql"), first_task("sql")
+    for text in ['<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "sql", "arguments": {"query": "SELECT \\udfff"}}</tool_call>',
+                 '<tool_call>{"name": "sql", "arguments": {"\\ud800": "x"}}</tool_call>',
+                 '<tool_call>{"name": "sql", "arguments": "{\\"query\\": \\"\\\\ud800\\"}"}</tool_call>',
+                 '<tool_call>{"name": "sql", "arguments": {"query": ' + "[" * 900 + "]" * 900 + '}}</tool_call>']:
+        episode = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="hermes")
+        turn = ep.add_turn(episode, text, [5], [-0.1], "stop", 0)
+        assert turn.call.error and turn.text == text, (text[:80], turn.call)
+        assert "malformed tool call" in calls.resolve(turn.call, env.tools)
+        episode.ParseFromString(episode.SerializeToString())  # the record as the next service reads it
+    plain = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
+    assert ep.add_turn(plain, '@sql {"query": "\\ud800"}', [5], [-0.1], "stop", 0).call.error
+    # a task's own data: refused when it is submitted, not when an observation would carry it
+    lookup = first_task("lookup")
+    data = json.loads(lookup.environment.instance_json)
+    data["table"][data["key"]] = "\ud800"
+    lookup.environment.instance_json = json.dumps(data)
+    assert any("not valid Unicode" in p for p in task_problems(lookup))
+
+
+def test_an_answer_written_past_the_episodes_token_budget_is_not_paid():
+    """A turn the budget cut keeps only the tokens within it: an answer, or a call, in the text past
+    them ends the episode at the token limit, unpaid."""
+    from types import SimpleNamespace
+
+    env, task = envs.get("python"), first_task("python")
+    answer = str(json.loads(task.environment.instance_json)["answer"])
+    long_turn = SimpleNamespace(text="Let me think step by step. " * 20 + answer, token_ids=list(range(200)),
+                                logprobs=[-0.1] * 200, finish_reason="stop")
+    episode = ep.start(task, "g", 0, list(range(10)), temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_completion(episode, long_turn, 0, 0.0, limit=30)
+    assert len(episode.turns[0].token_ids) == 20
+    assert ep.route(env, episode, 30) == "done" and episode.end == episode_pb2.EPISODE_END_TOKEN_LIMIT
+    assert env.score(task, episode).reward == 0.0
+    # within the budget, the same answer is paid
+    whole = ep.start(task, "g", 0, list(range(10)), temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_completion(whole, long_turn, 0, 0.0, limit=1000)
+    assert ep.route(env, whole, 1000) == "done" and env.score(task, whole).reward == 1.0
+
+
+def test_task_data_that_breaks_scoring_or_costs_without_bound_is_refused_at_submission():
+    sql_task, logs_task = first_task("sql"), first_task("logs")
+    data = json.loads(sql_task.environment.instance_json)
+    for rows, ok in [({"employees": [5, 6]}, False), ({"employees": [[1, "a"], [2]]}, False),
+                     ({"employees": [[1, {"x": 1}]]}, False), ({"employees": [[1, None, 2.5]]}, True)]:
+        sql_task.environment.instance_json = json.dumps({**data, "rows": rows, "schema": ["CREATE TABLE employees (a, b, c)"],
+                                                         "reference": "SELECT count(*) FROM employees"})
+        assert (not any("every row" in p for p in task_problems(sql_task))) == ok, rows
+    # a value past the reference database's size limit: an error at once, not a run past the deadline
+    sql_task.environment.instance_json = json.dumps({**data, "reference": "SELECT length(randomblob(200000000))"})
+    assert any("reference query fails" in p and "too big" in p for p in task_problems(sql_task))
+    logs = json.loads(logs_task.environment.instance_json)
+    logs_task.environment.instance_json = json.dumps({**logs, "components": [logs["component"]] * 20_000})
+    assert any("each once" in p for p in task_problems(logs_task))
+
+
+def test_answers_are_checked_as_exactly_as_their_task_states_them():
+    sql = envs.get("sql")
+    task = sql.task("q", {"schema": ["CREATE TABLE t (name)"], "rows": {"t": [["a"], ["b"], ["c"], ["d"]]},
+                          "reference": "SELECT name FROM t WHERE name IN ('a', 'b')"}, split="train", key="k",
+                    group_size=1)
+    everything = sql.check_answer(task, "a\nb\nc\nd", [])
+    assert everything["answer_correct"] == 0.0 and everything["rows_overlap"] == pytest.approx(2 * 2 / 6)
+    assert sql.check_answer(task, "a\nb", [])["rows_overlap"] == 1.0
+    python = envs.get("python")
+    big = python.task("q", {"answer": 1130577844, "template": 0, "n": 1, "k": 2}, split="train", key="k",
+                      group_size=1)
+    assert python.check_answer(big, "1130577844", [])["answer_correct"] == 1.0
+    assert python.check_answer(big, "1,130,577,844.0", [])["answer_correct"] == 1.0
+    assert python.check_answer(big, "1130577845", [])["answer_correct"] == 0.0
+    real = python.task("q", {"answer": 2.5, "template": 0, "n": 1, "k": 2}, split="train", key="r", group_size=1)
+    assert python.check_answer(real, "2.5000000001", [])["answer_correct"] == 1.0
+    lookup = envs.get("lookup")
+    capital = lookup.task("q", {"table": {"a": "Red"}, "key": "a"}, split="train", key="k", group_size=1)
+    assert lookup.check_answer(capital, "Red", [])["answer_correct"] == 1.0
+    assert lookup.check_answer(capital, "red ", [])["answer_correct"] == 1.0

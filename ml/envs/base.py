@@ -60,10 +60,30 @@ class Call:
 
 
 def cut(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:
-    """`text`, cut to `limit` characters with a note saying how much was left out."""
+    """`text` as valid Unicode (valid_text), cut to `limit` characters with a note saying how much was left out."""
+    text = valid_text(text)
     if len(text) <= limit:
         return text
     return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
+
+
+def valid_text(text: str) -> str:
+    """`text` with whatever UTF-8 cannot encode (a lone surrogate, from JSON's \\ud800) replaced by '?': every
+    text field of an episode is a protobuf string, which refuses such text when it is set."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def is_unicode(data) -> bool:
+    """Whether every string in JSON data (keys too, at any depth) is valid Unicode."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, TypeError, RecursionError):  # not data json.loads made: the caller's checks say what
+        return True
+    return True
 
 
 class Environment(ABC):
@@ -89,6 +109,9 @@ class Environment(ABC):
             raise InstanceError(f"environment.instance_json is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise InstanceError("environment.instance_json must be a JSON object")
+        if not is_unicode(data):
+            raise InstanceError("environment.instance_json holds text that is not valid Unicode (an escaped lone "
+                                "surrogate such as \\ud800): no observation or answer could carry it")
         self.check_instance(data)
         return data
 

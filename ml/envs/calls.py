@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from crucible.ml.envs.base import MAX_ARGUMENTS_CHARS, Call, Tool
+from crucible.ml.envs.base import MAX_ARGUMENTS_CHARS, Call, Tool, is_unicode
 from crucible.v1 import episode_pb2
 
 FORMATS = ("hermes", "plain")
@@ -26,10 +26,30 @@ _HERMES = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re
 
 def parse(text: str, call_format: str) -> episode_pb2.ToolCall | None:
     """The call a turn makes (with `error` set when malformed), or None when the turn is an answer."""
-    if call_format == "plain":
-        return _parse_plain(text)
-    if call_format != "hermes":
+    if call_format not in FORMATS:
         raise ValueError(f"unknown call format {call_format!r}: {', '.join(FORMATS)}")
+    return _parse_plain(text) if call_format == "plain" else _parse_hermes(text)
+
+
+_NOT_UNICODE = "the call holds text that is not valid Unicode (an escaped lone surrogate such as \\ud800)"
+
+
+def _call(name: str, arguments: dict) -> episode_pb2.ToolCall:
+    """The call of a name and arguments JSON made: what a model wrote is text, what JSON makes of it may
+    not be (a lone surrogate, which no protobuf string takes; arguments nested so deep that reading them
+    again overflows the stack). Arguments are flat: strings and numbers."""
+    nested = [p for p, v in arguments.items() if isinstance(v, (dict, list))]
+    if not is_unicode([name, list(arguments)]):
+        return episode_pb2.ToolCall(error=_NOT_UNICODE)
+    if nested:
+        return episode_pb2.ToolCall(name=name[:100], error=f"arguments {', '.join(nested)[:200]} must be strings, "
+                                                            "not objects or lists")
+    if not is_unicode(arguments):
+        return episode_pb2.ToolCall(name=name[:100], error=_NOT_UNICODE)
+    return episode_pb2.ToolCall(name=name[:100], arguments_json=json.dumps(arguments))
+
+
+def _parse_hermes(text: str) -> episode_pb2.ToolCall | None:
     match = _HERMES.search(text)
     if match is None:
         return None
@@ -47,6 +67,8 @@ def parse(text: str, call_format: str) -> episode_pb2.ToolCall | None:
     name, arguments = data.get("name"), data.get("arguments", {})
     if not isinstance(name, str) or not name:
         return episode_pb2.ToolCall(error='the call has no "name" (a string)')
+    if not is_unicode(name):
+        return episode_pb2.ToolCall(error=_NOT_UNICODE)
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -54,7 +76,7 @@ def parse(text: str, call_format: str) -> episode_pb2.ToolCall | None:
             pass
     if not isinstance(arguments, dict):
         return episode_pb2.ToolCall(name=name[:100], error='"arguments" must be a JSON object')
-    return episode_pb2.ToolCall(name=name[:100], arguments_json=json.dumps(arguments))  # one call a turn: the first
+    return _call(name, arguments)  # one call a turn: the first
 
 
 def _parse_plain(text: str) -> episode_pb2.ToolCall | None:
@@ -74,7 +96,7 @@ def _parse_plain(text: str) -> episode_pb2.ToolCall | None:
         except (ValueError, RecursionError) as exc:
             return episode_pb2.ToolCall(name=name[:100], error=f"the arguments are not valid JSON ({str(exc)[:120]})")
         if isinstance(arguments, dict):
-            return episode_pb2.ToolCall(name=name[:100], arguments_json=json.dumps(arguments))
+            return _call(name, arguments)
     # the rest of the turn is the tool's only argument (checked against the tool by `resolve`)
     return episode_pb2.ToolCall(name=name[:100], arguments_json=json.dumps({"": rest}))
 

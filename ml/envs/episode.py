@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from crucible.ml.envs import calls as call_parser
-from crucible.ml.envs.base import Call, Environment, Observation, cut
+from crucible.ml.envs.base import Call, Environment, Observation, cut, valid_text
 from crucible.v1 import episode_pb2, execution_pb2, rollout_pb2, task_pb2
 
 Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.ExecutionResult]]
@@ -36,9 +36,10 @@ def start(task: task_pb2.Task, group_id: str, index: int, prompt_ids: list[int],
 def add_turn(episode: episode_pb2.Episode, text: str, token_ids: list[int], logprobs: list[float],
              finish_reason: str, policy_version: int, sample_ms: float = 0.0) -> episode_pb2.Turn:
     """Appends the model's turn, with the call it makes (None: an answer)."""
+    text = valid_text(text)
+    call = call_parser.parse(text, episode.call_format)  # before the turn is added: a raise leaves the episode as it was
     turn = episode.turns.add(token_ids=token_ids, logprobs=logprobs, text=text, policy_version=policy_version,
                              finish_reason=FINISH.get(finish_reason, 0))
-    call = call_parser.parse(text, episode.call_format)
     if call is not None:
         turn.call.CopyFrom(call)
     episode.sample_ms += sample_ms
@@ -80,9 +81,15 @@ def tokens_used(episode: episode_pb2.Episode) -> int:
 
 
 def route(env: Environment, episode: episode_pb2.Episode, max_tokens: int) -> str:
-    """After a turn: "act" (its call goes to the environment) or "done" (episode.end is set)."""
+    """After a turn: "act" (its call goes to the environment) or "done" (episode.end is set).
+
+    A turn the episode's token budget cut (add_completion) ends it at the token limit: its text runs
+    past the tokens kept, so neither an answer nor a call written there counts (the trainer's sample
+    holds only the kept tokens)."""
     last = episode.turns[-1]
-    if not last.HasField("call"):
+    if last.finish_reason == rollout_pb2.FINISH_REASON_LENGTH and tokens_used(episode) >= max_tokens:
+        episode.end = episode_pb2.EPISODE_END_TOKEN_LIMIT
+    elif not last.HasField("call"):
         episode.end = episode_pb2.EPISODE_END_ANSWER
     elif len(episode.turns) >= env.turn_limit(episode.task):
         episode.end = episode_pb2.EPISODE_END_TURN_LIMIT

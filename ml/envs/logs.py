@@ -71,8 +71,9 @@ class Logs(Environment):
 
     def check_instance(self, data: dict) -> None:
         components = data.get("components")
-        if not isinstance(components, list) or not components or not all(c in COMPONENTS for c in components):
-            raise InstanceError(f"logs needs 'components': a list from {', '.join(COMPONENTS)}")
+        if (not isinstance(components, list) or not components or not all(c in COMPONENTS for c in components)
+                or len(set(components)) != len(components)):
+            raise InstanceError(f"logs needs 'components': a list from {', '.join(COMPONENTS)}, each once")
         if data.get("component") not in components:
             raise InstanceError("logs needs 'component': the failing one, among 'components'")
         if data.get("cause") not in CAUSES:

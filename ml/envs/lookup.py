@@ -40,7 +40,7 @@ class Lookup(Environment):
 
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
         data = self.instance(task)
-        return {"answer_correct": float(answer.strip().lower() == data["table"][data["key"]])}
+        return {"answer_correct": float(answer.strip().lower() == data["table"][data["key"]].strip().lower())}
 
     def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:
         """An endless, seeded stream of one split's tasks. The value asked about is balanced: tasks come

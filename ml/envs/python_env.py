@@ -2,7 +2,8 @@
 
 Each call runs in the sandbox. The interpreter keeps its state across calls of one episode: the
 earlier cells that ran are run again first, with their output discarded, then the new cell; the
-state is gone when the episode ends. The answer is a number, checked to 1e-6.
+state is gone when the episode ends. The answer is a number: an integer exactly, any other to 1e-6
+(relative 1e-9).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
+from decimal import Decimal
 
 from crucible.ml import envs
 from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool, program_output, split_of
@@ -53,17 +55,18 @@ def _fib(k: int) -> int:
     return a
 
 
-def numeric(text: str) -> float | None:
-    """The last number in `text` (commas between thousands allowed), or None."""
+def numeric(text: str) -> Decimal | None:
+    """The last number in `text` (commas between thousands allowed), exactly as written, or None."""
     import re
 
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?", text)
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?", text[-10_000:])
     if not found:
         return None
     try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
+        value = Decimal(found[-1].replace(",", ""))
+    except ArithmeticError:
         return None
+    return value if value.is_finite() else None
 
 
 class PythonInterpreter(Environment):
@@ -86,8 +89,13 @@ class PythonInterpreter(Environment):
         return program_output(result)
 
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
-        expected, given = float(self.instance(task)["answer"]), numeric(answer)
-        right = given is not None and math.isclose(given, expected, rel_tol=1e-9, abs_tol=1e-6)
+        expected, given = self.instance(task)["answer"], numeric(answer)
+        if given is None:
+            right = False
+        elif type(expected) is int:  # exactly: as a float, 1130577845 was close enough to 1130577844
+            right = given == expected
+        else:
+            right = math.isclose(float(given), expected, rel_tol=1e-9, abs_tol=1e-6)
         return {"answer_correct": float(right), "answer_numeric": float(given is not None)}
 
     def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:

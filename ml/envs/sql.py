@@ -76,6 +76,7 @@ def answer_rows(answer: str) -> Counter:
 
 
 REFERENCE_SECONDS = 5.0  # a reference query (the task's own, trusted) that runs longer is an error, not a hang
+REFERENCE_VALUE_BYTES = 1 << 20  # the largest string or blob the reference's database holds
 
 
 def reference_rows(data: dict) -> list[tuple]:
@@ -84,6 +85,9 @@ def reference_rows(data: dict) -> list[tuple]:
     import time
 
     db = sqlite3.connect(":memory:")
+    # The progress handler runs between groups of VM steps: one step making a 200 MB blob (randomblob,
+    # zeroblob, printf's width) ran on past the deadline. No value here may be larger than this.
+    db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, REFERENCE_VALUE_BYTES)
     deadline = time.monotonic() + REFERENCE_SECONDS
     db.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
@@ -115,10 +119,26 @@ class SQL(Environment):
             raise InstanceError("sql needs 'schema': a list of CREATE TABLE statements")
         if not (isinstance(rows, dict) and all(isinstance(r, list) for r in rows.values())):
             raise InstanceError("sql needs 'rows': an object of table name to a list of rows")
+        for table, table_rows in rows.items():
+            if not all(isinstance(row, list) and row and len(row) == len(table_rows[0])
+                       and all(v is None or type(v) in (str, int, float) for v in row) for row in table_rows):
+                raise InstanceError(f"sql: every row of {table[:60]!r} must be a list of values (text, numbers, "
+                                    "null), all of one length")
         if not all(t.isidentifier() for t in rows):
             raise InstanceError("sql: every table name in 'rows' must be an identifier")
         if not isinstance(reference, str) or not reference.strip():
             raise InstanceError("sql needs 'reference': the query whose result is the answer")
+
+    def problems(self, task) -> list[str]:
+        """Also whether the reference query answers: a task whose answer cannot be worked out is refused
+        when it is submitted, not after its episodes were played."""
+        found = super().problems(task)
+        if not found:
+            try:
+                reference_rows(self.instance(task))
+            except (sqlite3.Error, OverflowError, MemoryError) as exc:
+                found.append(f"sql: the reference query fails on the task's database: {type(exc).__name__}: {exc}")
+        return found
 
     def job(self, task, earlier, call) -> execution_pb2.ExecuteRequest:
         data = self.instance(task)
@@ -135,7 +155,7 @@ class SQL(Environment):
         data = self.instance(task)
         try:
             expected = reference_rows(data)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OverflowError, MemoryError) as exc:
             raise InstanceError(f"the task's reference query fails: {exc}") from None
         given = answer_rows(answer)
         if data.get("ordered"):
@@ -143,7 +163,10 @@ class SQL(Environment):
                                  for line in answer.strip().splitlines() if line.strip())] == expected
         else:
             right = given == Counter(expected)
-        overlap = sum((given & Counter(expected)).values()) / max(len(expected), 1)
+        # Rows both right and asked for, against all rows given and all expected (F1): naming every row
+        # of the table covers the expected ones, and is mostly wrong.
+        common = sum((given & Counter(expected)).values())
+        overlap = 2 * common / (sum(given.values()) + len(expected)) if common else 0.0
         return {"answer_correct": float(right), "rows_overlap": overlap}
 
     def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:

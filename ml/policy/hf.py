@@ -117,6 +117,33 @@ def observation_text(tokenizer, observation: str, chat_template: bool, turn_end:
     return suffix
 
 
+_OBSERVATION = "\x00crucible-observation\x00"
+
+
+def observation_ids(tokenizer, observation: str, chat_template: bool, turn_end: str = "") -> list[int]:
+    """The token ids of observation_text, the observation itself read as text only: a tool's output, or a
+    task's data, that spells a special token (`<|im_end|>`, `<|im_start|>assistant`) is never that token,
+    so nothing an environment shows can end the tool's message or start a turn in the model's context.
+    The template's own text around it is read as the template means it."""
+    text = observation_text(tokenizer, _OBSERVATION, chat_template, turn_end)
+    if text.count(_OBSERVATION) != 1:  # a template that rewrites message contents: read whole, specials defused
+        text = observation_text(tokenizer, _defused(tokenizer, observation), chat_template, turn_end)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    before, _, after = text.partition(_OBSERVATION)
+    return (tokenizer(before, add_special_tokens=False)["input_ids"]
+            + tokenizer(observation, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            + tokenizer(after, add_special_tokens=False)["input_ids"])
+
+
+def _defused(tokenizer, text: str) -> str:
+    """`text` with every special token's spelling broken by a zero-width space after its first character."""
+    for special in sorted(set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "added_tokens_encoder", {})),
+                          key=len, reverse=True):
+        if len(special) > 1 and special in text:
+            text = text.replace(special, special[0] + "\u200b" + special[1:])
+    return text
+
+
 def sequence_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature=1.0, top_p=1.0):
     """As crucible.ml.policy.model.sequence_logprobs, for a transformers model."""
     out = model(input_ids=ids, attention_mask=valid.long(), position_ids=positions_of(valid), use_cache=False)

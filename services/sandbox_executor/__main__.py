@@ -115,6 +115,10 @@ def action_handler(pool: SandboxPool, consumer_ref: list, secret: bytes):
             raise bus.Reject(f"episode {episode.id!r} has no call waiting for an observation")
         if episode.turns[-1].observation or episode.turns[-1].call_failed:
             raise bus.Reject(f"episode {episode.id!r}: its last call was carried out already")
+        try:  # as for rollout groups: nothing of a task no trusted submitter signed is run
+            integrity.check_task(episode.task, secret)
+        except integrity.IntegrityError as exc:
+            raise bus.Reject(f"episode {episode.id[:200]!r}: {exc}") from None
         env = envs.get(episode.task.kind)
         try:
             await ep.act(env, episode, execute)

@@ -59,8 +59,7 @@ class HFBackend(PolicyBackend):
 
     def observation_ids(self, observation: str, turn_ids: list[int]) -> list[int]:
         last = self.tokenizer.decode(turn_ids[-1:]) if turn_ids and turn_ids[-1] in self.eos else ""
-        text = hf.observation_text(self.tokenizer, observation, self.chat_template, last)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return hf.observation_ids(self.tokenizer, observation, self.chat_template, last)
 
     @torch.no_grad()
     def sample(self, prompts: list[str | list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:

@@ -46,8 +46,7 @@ class VLLMBackend(PolicyBackend):
         tokenizer = self.llm.get_tokenizer()
         ends = set(tokenizer.all_special_ids)  # a turn ended by an end-of-turn token has written it already
         last = tokenizer.decode(turn_ids[-1:]) if turn_ids and turn_ids[-1] in ends else ""
-        return tokenizer(hf.observation_text(tokenizer, observation, self.chat_template, last),
-                         add_special_tokens=False)["input_ids"]
+        return hf.observation_ids(tokenizer, observation, self.chat_template, last)
 
     def sample(self, prompts: list[str | list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams
