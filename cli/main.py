@@ -399,7 +399,7 @@ def cmd_submit(args, settings: Settings) -> int:
 
     source = "stdin" if args.file == "-" else args.file
     try:
-        text = files.decode_text(sys.stdin.buffer.read()) if args.file == "-" else files.read_text(args.file)
+        text = files.read_stdin(sys.stdin.buffer) if args.file == "-" else files.read_text(args.file)
     except files.Unreadable as exc:
         echo(f"crucible submit: cannot read {source}: {exc}")
         return 2

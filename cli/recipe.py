@@ -41,7 +41,10 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 SET_BY_THE_JOB = ("run_id", "init_checkpoint")
 
-STRICT = ConfigDict(extra="forbid")
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+# No count, size, seed or limit of a recipe means anything past this, and a seed past int64 failed inside
+# the services after the stack had started ("Overflow when unpacking long long").
+MAX_INTEGER = 2 ** 53
 
 
 class RecipeError(ValueError):
@@ -162,19 +165,34 @@ def parse(text: str, path: Path) -> Recipe:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    found = list(_outsized(data))
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
+        found += [([str(p) for p in error["loc"]], "unknown field" if error["type"] == "extra_forbidden" else error["msg"])
+                  for error in exc.errors()]
+    if found:
         problems = []
-        for error in exc.errors():
-            loc = [str(p) for p in error["loc"]]
+        for loc, what in found:
             line = find_line(text, loc)
-            what = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
             where = f"{path}:{line}" if line else str(path)
             problems.append(f"{where}: {'.'.join(loc)}: {what}")
         raise RecipeError("recipe is not valid:\n  " + "\n  ".join(problems)) from None
     recipe.source = path.resolve()
     return recipe
+
+
+def _outsized(value, loc: tuple = ()):
+    """(loc, why) of every integer of TOML data past MAX_INTEGER, at any depth (fields whose models
+    bound them say so themselves; this holds for every field, and a generator's free-form config)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _outsized(item, (*loc, str(key)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _outsized(item, (*loc, str(i)))
+    elif type(value) is int and abs(value) > MAX_INTEGER:
+        yield list(loc), f"{value} is larger than any run can use (at most 2**53)"
 
 
 def find_line(text: str, loc: list[str]) -> int | None:

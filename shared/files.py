@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -31,13 +32,36 @@ class Unreadable(ValueError):
     """A user's file that cannot be read as text; the text says why (no traceback reaches the user)."""
 
 
+MAX_TEXT_BYTES = 256 << 20  # a recipe or a file of tasks; /dev/zero read on until the process was killed
+
+
 def read_text(path: Path | str) -> str:
-    """A user's text file (a recipe, a task file) as UTF-8; Unreadable saying why it cannot be."""
+    """A user's text file (a recipe, a task file) as UTF-8; Unreadable saying why it cannot be. Only a
+    regular file of at most MAX_TEXT_BYTES: a device never ends and a FIFO may never open."""
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once, to be refused
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc)) from None
-    return decode_text(data)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Unreadable("not a regular file (a folder, device or pipe)")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_TEXT_BYTES + 1)
+        except OSError as exc:
+            raise Unreadable(exc.strerror or str(exc)) from None
+    return decode_text(_within(data))
+
+
+def read_stdin(stream) -> str:
+    """What a user piped in (a binary stream), as read_text reads a file."""
+    return decode_text(_within(stream.read(MAX_TEXT_BYTES + 1)))
+
+
+def _within(data: bytes) -> bytes:
+    if len(data) > MAX_TEXT_BYTES:
+        raise Unreadable(f"larger than {MAX_TEXT_BYTES >> 20} MiB")
+    return data
 
 
 def decode_text(data: bytes) -> str:

@@ -25,9 +25,11 @@ def run_id_problem(run_id: str) -> str | None:
 class RunConfig(BaseModel):
     """What a training run decides, each with its one default: sampling, the algorithm and its
     hyperparameters, rewards. Every service reads the fields it needs from here (through Settings,
-    so each is also CRUCIBLE_<NAME> in the environment); `crucible train` sets them per run."""
+    so each is also CRUCIBLE_<NAME> in the environment); `crucible train` sets them per run.
+    No number of it is infinite or NaN (an infinite learning rate made every weight infinite, past the
+    learner's check of the loss and the gradient)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     run_id: str = Field(default="local", pattern=RUN_ID_PATTERN,
                         description="Names the training run in stored rows and checkpoints.")
@@ -88,7 +90,7 @@ class RunConfig(BaseModel):
 
     # the policy update
     objective: str = Field(default="grpo", pattern="^(grpo|ppo|dpo)$")
-    lr: float = Field(default=1e-3, gt=0)
+    lr: float = Field(default=1e-3, gt=0, le=1.0)
     lr_decay_steps: int = Field(default=0, ge=0, description="Linear decay of the learning rate to 10% over "
                                 "this many steps (0: constant).")
     lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up of the learning rate over the first "
@@ -136,7 +138,7 @@ class RunConfig(BaseModel):
 class Settings(BaseSettings, RunConfig):
     """Where things run (brokers, stores, ports, limits) plus the run configuration."""
 
-    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore", allow_inf_nan=False)
 
     home: Path = Field(
         default=Path.home() / ".cache" / "crucible",

@@ -51,6 +51,15 @@ def test_the_builtin_recipe_is_the_shipped_digits_file():
      "tasks.sources.0.jsonll", "unknown field"),
     ('[algorithm.reward_weights]\nanswer_correct = "a lot"\n', 2, "algorithm.reward_weights.answer_correct",
      "valid number"),
+    # no number of a run is infinite or NaN (lr = inf made every weight infinite), nor an integer past 2**53
+    ('[algorithm]\nlr = inf\n', 2, "algorithm.lr", "finite number"),
+    ('[algorithm]\nlr = 1e-3\nmax_grad_norm = nan\n', 3, "algorithm.max_grad_norm", "finite number"),
+    ('[algorithm.reward_weights]\nanswer_correct = -inf\n', 2, "algorithm.reward_weights.answer_correct",
+     "finite number"),
+    ('[budget]\nminutes = inf\n', 2, "budget.minutes", "finite number"),
+    ('[algorithm]\nlr = 2.0\n', 2, "algorithm.lr", "less than or equal to 1"),
+    ('[algorithm]\nseed = 99999999999999999999\n', 2, "algorithm.seed", "at most 2**53"),
+    ('[[tasks.sources]]\nset = "math"\ncount = 9223372036854775807\n', 3, "tasks.sources.0.count", "at most 2**53"),
 ])
 def test_a_mistake_names_the_file_the_line_and_the_field(text, line, field, what, tmp_path):
     path = tmp_path / "bad.toml"
@@ -75,6 +84,27 @@ def test_a_file_that_is_not_utf8_text_is_named_not_a_traceback(tmp_path):
         recipes.load(tmp_path / "r.toml")
     with pytest.raises(task_sources.TaskFileError, match=r"cannot read task file .*t.jsonl: not UTF-8 text"):
         task_sources.read_jsonl(tmp_path / "t.jsonl", 4)
+
+
+def test_a_device_a_pipe_or_a_huge_file_is_refused_at_once_not_read_until_memory_runs_out(tmp_path, monkeypatch):
+    import os
+
+    from crucible.shared import files
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)  # no writer: reading it would wait forever
+    for path in ("/dev/zero", fifo, tmp_path):
+        with pytest.raises(recipes.RecipeError, match="not a regular file"):
+            recipes.load(path)
+    monkeypatch.setattr(files, "MAX_TEXT_BYTES", 1000)
+    (tmp_path / "big.jsonl").write_text("{}\n" * 1000)
+    with pytest.raises(task_sources.TaskFileError, match="larger than"):
+        task_sources.read_jsonl(tmp_path / "big.jsonl", 4)
+    import io
+
+    with pytest.raises(files.Unreadable, match="larger than"):
+        files.read_stdin(io.BytesIO(b"x" * 1001))
+    assert files.read_stdin(io.BytesIO(b"x" * 1000)) == "x" * 1000
 
 
 def test_a_task_file_with_a_bad_line_names_the_line(tmp_path):
