@@ -110,18 +110,42 @@ def resolve(name_or_path: str | os.PathLike, settings: Settings) -> Path:
 
 def _check_config(path: Path) -> None:
     """ValueError unless the folder's config.json is one transformers builds a model configuration from
-    (a broken one let a run start, and every service that loads the model died at start)."""
+    and its tokenizer loads (a broken one let a run start, and every service that loads the model died at
+    start), and no file of it is a link out of it (_check_links)."""
     from crucible.ml.policy import hf
 
+    _check_links(path)
+    what = "config.json does not load as a model configuration"
     try:
         if hf.is_builtin(path):
             return
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(path, local_files_only=True)
+        what = "its tokenizer does not load"
+        hf.load_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 -- whatever the folder holds, say why it is no model
-        raise ValueError(f"{path}/config.json does not load as a model configuration: "
-                         f"{type(exc).__name__}: {str(exc)[:300]}") from None
+        raise ValueError(f"{path}: {what}: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def _check_links(path: Path) -> None:
+    """ValueError naming a file of the folder that is a link to somewhere outside it: what it points at
+    would be read as the model's (its tokenizer files are copied into every checkpoint, which a user may
+    publish: a model folder from elsewhere could carry a link to ~/.ssh/id_rsa). A snapshot folder of
+    Hugging Face's cache (`models--ORG--NAME/snapshots/REV`) may link into its repository's `blobs`."""
+    root = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        allowed.append(root.parent.parent / "blobs")
+    for entry in path.iterdir():
+        if not entry.is_symlink():
+            continue
+        try:
+            target = entry.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise ValueError(f"{entry} is a link that leads nowhere") from None
+        if not any(target == base or base in target.parents for base in allowed):
+            raise ValueError(f"{entry} is a link out of the model folder (to {target}): copy the file in instead")
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,48 @@ def test_known_name_not_yet_added_says_how_to_add_it(home_settings):
         models.resolve(SMOLLM2, home_settings)
 
 
-def test_folder_path_resolves_to_itself(home_settings, tmp_path):
-    folder = tmp_path / "my-model"
+def model_folder(folder):
+    """A folder transformers reads a model configuration and a tokenizer from."""
+    from crucible.ml.policy.tokenizer import ByteTokenizer
+
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama"}')
+    ByteTokenizer().save(folder)
+    return folder
+
+
+def test_folder_path_resolves_to_itself(home_settings, tmp_path):
+    folder = model_folder(tmp_path / "my-model")
     assert models.resolve(str(folder), home_settings) == folder
     assert models.resolve(folder, home_settings) == folder
+
+
+def test_a_model_folder_with_a_broken_tokenizer_or_a_link_out_of_it_is_refused(home_settings, tmp_path):
+    """Refused before any service loads it: a tokenizer that does not load; a file that links outside the
+    folder (its tokenizer files are copied into every checkpoint: a folder from elsewhere could carry a
+    link to the user's private key). A Hugging Face cache snapshot's links into its blobs are its own."""
+    folder = model_folder(tmp_path / "m")
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="its tokenizer does not load"):
+        models.resolve(str(folder), home_settings)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE")
+    linked = model_folder(tmp_path / "linked")
+    (linked / "merges.txt").symlink_to(secret)
+    with pytest.raises(ValueError, match="link out of the model folder"):
+        models.resolve(str(linked), home_settings)
+    (linked / "merges.txt").unlink()
+    (linked / "merges.txt").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="leads nowhere"):
+        models.resolve(str(linked), home_settings)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "snapshots").mkdir(parents=True)
+    snapshot = model_folder(repo / "snapshots" / "abc123")
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "f00").write_bytes((snapshot / "config.json").read_bytes())
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(repo / "blobs" / "f00")
+    assert models.resolve(str(snapshot), home_settings) == snapshot
 
 
 def test_folder_that_is_not_a_model_is_refused(home_settings, tmp_path):
