@@ -239,7 +239,7 @@ def _tail(path: Path, n: int = 20) -> str:
 def cmd_train(args, settings: Settings) -> int:
     """Runs a recipe's RL job on the embedded stack and reports the held-out pass rate before and after."""
     from crucible.cli import recipe as recipes
-    from crucible.cli.train import train
+    from crucible.cli.train import preflight, train
     from crucible.ml.models import ModelError
     from crucible.ml.task_sources import TaskFileError
 
@@ -270,6 +270,11 @@ def cmd_train(args, settings: Settings) -> int:
              f"{settings.max_group_size} samples a task (CRUCIBLE_MAX_GROUP_SIZE)")
         return 2
     echo(f"recipe: {recipe.source or 'built-in'}")
+    try:  # a recipe that cannot run is refused before Kafka and the store are started for it
+        preflight(settings, recipe)
+    except (TaskFileError, ModelError, ValueError) as exc:
+        echo(f"cannot run this recipe: {exc}")
+        return 2
     started_here = ensure_stack(settings)
     try:
         report = asyncio.run(train(settings, recipe, echo, resume=args.resume or ""))
@@ -350,6 +355,15 @@ def cmd_protos(args, settings: Settings) -> int:
     return 0
 
 
+def _utf8(text: str) -> bool:
+    """Whether a command-line value is UTF-8 text (argv's other bytes arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def cmd_query(args, settings: Settings) -> int:
     from crucible.shared import store
     from crucible.shared.store import queries
@@ -365,6 +379,10 @@ def cmd_query(args, settings: Settings) -> int:
     if ignored:  # a filter dropped in silence would show every run's rows as if they were one run's
         echo(f"crucible query: {args.name} takes {', '.join('--' + p for p in wanted) or 'no parameters'}, "
              f"not {', '.join('--' + p for p in ignored)}")
+        return 2
+    not_text = [name for name, value in params.items() if isinstance(value, str) and not _utf8(value)]
+    if not_text:  # (was "the store did not answer": its client failed to encode the value)
+        echo(f"crucible query: --{not_text[0]} is not UTF-8 text")
         return 2
     try:
         client = store.connect(settings, create_database=False)
@@ -469,8 +487,13 @@ def cmd_rescore(args, settings: Settings) -> int:
     from crucible.cli import rescore
     from crucible.ml import evaluation
 
-    async def go() -> rescore.RescoreReport:
+    try:  # refused before anything is started for it
         grade_as = rescore.parse_grade_as(args.grade_as)
+    except rescore.RescoreError as exc:
+        echo(f"crucible rescore: {exc}")
+        return 2
+
+    async def go() -> rescore.RescoreReport:
         if args.verifier:
             async with evaluation.verifier(args.verifier) as verify:
                 return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify, echo=echo)

@@ -272,6 +272,25 @@ def resumable(settings: Settings, run_id: str) -> Recipe:
     return recipe
 
 
+def task_streams(recipe: Recipe, seed: int):
+    """(the endless stream of the recipe's training tasks, its held-out tasks)."""
+    return task_sources.streams(
+        recipe.tasks.sources, seed=seed, group_size=recipe.sampling.group_size,
+        heldout_fraction=recipe.heldout.fraction,
+        heldout_file=recipe.path(recipe.heldout.file) if recipe.heldout.file else None,
+        heldout_size=recipe.heldout.size, base=recipe.source.parent if recipe.source else Path.cwd())
+
+
+def preflight(settings: Settings, recipe: Recipe) -> None:
+    """What a run of `recipe` would refuse, found before anything starts (Kafka, the store, a service):
+    its model, and every task source with the held-out tasks (files read, names known, a first task
+    made). Raises what train() would: ModelError, TaskFileError, ValueError."""
+    if recipe.model.name != "builtin":
+        models.resolve(recipe.model.name, settings)
+    train_tasks, _ = task_streams(recipe, recipe.algorithm.seed)
+    next(train_tasks)
+
+
 async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = "") -> TrainReport:
     """A whole run; with `resume`, the stopped run of that id goes on from its newest checkpoint, its
     consumers from their committed offsets, and the task feed from where it stopped."""
@@ -279,11 +298,7 @@ async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = ""
     s = run.settings
     report = TrainReport(run.run_id)
     await forget_finished_runs(settings, echo)  # any left behind (a broker that was down when they ended)
-    train_tasks, heldout = task_sources.streams(
-        recipe.tasks.sources, seed=s.seed, group_size=recipe.sampling.group_size,
-        heldout_fraction=recipe.heldout.fraction,
-        heldout_file=recipe.path(recipe.heldout.file) if recipe.heldout.file else None,
-        heldout_size=recipe.heldout.size, base=recipe.source.parent if recipe.source else Path.cwd())
+    train_tasks, heldout = task_streams(recipe, s.seed)
     run.train_tasks, run.heldout = train_tasks, heldout
     secret = integrity.key(s)
     for task in heldout:  # scored here, through the run's verifier, which wants them signed

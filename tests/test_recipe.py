@@ -234,3 +234,35 @@ def test_crucible_status_reports_lag_versions_and_alerts_and_says_what_is_down(s
     assert report(down) == 1
     out = capsys.readouterr().out
     assert out.count("not answering") == 2 and "crucible up" in out
+
+
+def test_a_recipe_that_cannot_run_is_refused_before_kafka_and_the_store_are_started(tmp_path, monkeypatch, capsys):
+    """Its model, task sources and held-out tasks are checked first: nothing is started for a run that
+    would be refused once started (an unknown family, a missing task file, an unknown model, a grade
+    kind for rescore)."""
+    from crucible.cli import main
+
+    def started(settings):
+        raise AssertionError("the stack was started for a recipe that cannot run")
+
+    monkeypatch.setattr(main, "ensure_stack", started)
+    cases = {'[[tasks.sources]]\nfamily = "nope"\n': "unknown task family 'nope'",
+             '[[tasks.sources]]\njsonl = "missing.jsonl"\n': "missing.jsonl",
+             '[heldout]\nfile = "gone.jsonl"\n': "gone.jsonl",
+             '[model]\nname = "no-such-model"\n': "unknown model 'no-such-model'",
+             '[[tasks.sources]]\nenvironment = "nope"\n': "nope"}
+    for text, says in cases.items():
+        path = tmp_path / "r.toml"
+        path.write_text(text)
+        assert main.main(["train", str(path)]) == 2, text
+        out = capsys.readouterr().out
+        assert "cannot run this recipe" in out and says in out, (text, out)
+    assert main.main(["rescore", "--run", "r1", "--grade-as", "exact=nonsense"]) == 2
+    assert "not a task kind" in capsys.readouterr().out
+
+
+def test_a_query_parameter_that_is_not_utf8_is_named_not_blamed_on_the_store(capsys):
+    from crucible.cli import main
+
+    assert main.main(["query", "task", "--task", "rt-\udcff\udcfe"]) == 2  # argv's bytes 0xff 0xfe
+    assert "--task is not UTF-8 text" in capsys.readouterr().out
