@@ -378,6 +378,10 @@ def test_task_data_that_breaks_scoring_or_costs_without_bound_is_refused_at_subm
     # a value past the reference database's size limit: an error at once, not a run past the deadline
     sql_task.environment.instance_json = json.dumps({**data, "reference": "SELECT length(randomblob(200000000))"})
     assert any("reference query fails" in p and "too big" in p for p in task_problems(sql_task))
+    many = {"schema": ["CREATE TABLE t (a)"], "rows": {"t": [[i] for i in range(200)]},
+            "reference": "SELECT * FROM t AS x, t AS y"}  # 40,000 rows
+    sql_task.environment.instance_json = json.dumps(many)
+    assert any("more than 10000 rows" in p for p in task_problems(sql_task))
     logs = json.loads(logs_task.environment.instance_json)
     logs_task.environment.instance_json = json.dumps({**logs, "components": [logs["component"]] * 20_000})
     assert any("each once" in p for p in task_problems(logs_task))

@@ -77,6 +77,7 @@ def answer_rows(answer: str) -> Counter:
 
 REFERENCE_SECONDS = 5.0  # a reference query (the task's own, trusted) that runs longer is an error, not a hang
 REFERENCE_VALUE_BYTES = 1 << 20  # the largest string or blob the reference's database holds
+REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, and a cross join's could fill memory
 
 
 def reference_rows(data: dict) -> list[tuple]:
@@ -101,7 +102,10 @@ def reference_rows(data: dict) -> list[tuple]:
             if rows:
                 db.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
         db.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in reads else sqlite3.SQLITE_DENY)
-        return [tuple(_value(v) for v in row) for row in db.execute(data["reference"]).fetchall()]
+        rows = db.execute(data["reference"]).fetchmany(REFERENCE_ROWS + 1)
+        if len(rows) > REFERENCE_ROWS:
+            raise sqlite3.DataError(f"the reference query answers more than {REFERENCE_ROWS} rows")
+        return [tuple(_value(v) for v in row) for row in rows]
     finally:
         db.close()
 
