@@ -121,11 +121,47 @@ def _check_config(path: Path) -> None:
             return
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
         what = "its tokenizer does not load"
         hf.load_tokenizer(path)
+        what = "config.json does not describe a model transformers builds"
+        parameters = _parameters(config)
     except Exception as exc:  # noqa: BLE001 -- whatever the folder holds, say why it is no model
         raise ValueError(f"{path}: {what}: {type(exc).__name__}: {str(exc)[:300]}") from None
+    room = _memory_bytes()
+    if parameters * 2 > room:  # two bytes a parameter at the least (bf16), before any optimiser state
+        raise ValueError(f"{path}: config.json describes a model of {parameters:,} parameters, {parameters * 2 >> 30} "
+                         f"GiB at two bytes each: more than this machine's memory ({room >> 30} GiB with its GPUs)")
+
+
+def _parameters(config) -> int:
+    """The parameters of the model `config` describes, counted on the meta device (nothing allocated);
+    past what any machine holds, a lower bound from its sizes (building 10,000 layers, even on the meta
+    device, took 40 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def size(name: str) -> int:
+        value = getattr(config, name, 0)
+        return value if type(value) is int and value > 0 else 0
+
+    hidden = size("hidden_size")
+    at_least = size("vocab_size") * hidden + size("num_hidden_layers") * 2 * hidden * hidden  # embeddings, q and o
+    if at_least * 2 > _memory_bytes():
+        return at_least
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _memory_bytes() -> int:
+    """This machine's memory and its GPUs' together: what any one model here could be held in."""
+    import torch
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if torch.cuda.is_available():
+        total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return total
 
 
 def _check_links(path: Path) -> None:

@@ -67,6 +67,12 @@ def test_a_model_folder_with_a_broken_tokenizer_or_a_link_out_of_it_is_refused(h
     (linked / "merges.txt").symlink_to(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="leads nowhere"):
         models.resolve(str(linked), home_settings)
+    # sizes no machine here holds: every service would die allocating it, at every restart
+    huge = model_folder(tmp_path / "huge")
+    (huge / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10**9, "hidden_size": 65536,
+                                                  "num_hidden_layers": 10_000, "num_attention_heads": 1}))
+    with pytest.raises(ValueError, match="more than this machine's memory"):
+        models.resolve(str(huge), home_settings)
     repo = tmp_path / "hub" / "models--org--tiny"
     (repo / "snapshots").mkdir(parents=True)
     snapshot = model_folder(repo / "snapshots" / "abc123")
