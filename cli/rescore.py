@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from crucible.ml import evaluation
 from crucible.shared import bus, integrity, rpc, store
 from crucible.shared.settings import Settings
+from crucible.shared.store.queries import shown
 from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
 
 COLUMNS = ["rescore_id", "run_id", "trajectory_id", "task_id", "task_kind", "graded_as", "policy_version",
@@ -113,7 +114,7 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
         raise RescoreError(f"run {run_id!r} has no stored samples")
     report = RescoreReport(rescore_id=f"rescore-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}-"
                                       f"{uuid.uuid4().hex[:6]}", run_id=run_id, samples=len(samples))
-    echo(f"rescoring {len(samples)} samples of run {run_id}"
+    echo(f"rescoring {len(samples)} samples of run {shown(run_id)}"
          + (f", grading {', '.join(f'{a} as {b}' for a, b in grade_as.items())}" if grade_as else ""))
     slots = asyncio.Semaphore(concurrency)
     rows: list[list] = []
@@ -140,7 +141,7 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
             except Exception as exc:  # one sample the verifier cannot take: counted, the rest go on
                 report.failed += 1
                 if report.failed <= 3:
-                    echo(f"      {trajectory_id}: the verifier refused it: {exc}")
+                    echo(f"      {shown(trajectory_id)}: the verifier refused it: {shown(exc)}")
                 return
         new_reward = verdict.reward if not verdict.tampered else 0.0
         report.rescored += 1
@@ -200,7 +201,9 @@ async def _wait_ready(run, timeout_s: float = 60.0) -> None:
 
 
 def summary(report: RescoreReport, top: int = 10) -> list[str]:
-    lines = [f"rescore {report.rescore_id} of run {report.run_id} (verifier {report.verifier_version or '-'}):",
+    """The report's lines; its run, verifier version and task ids are stored text, each `shown`."""
+    lines = [f"rescore {report.rescore_id} of run {shown(report.run_id)} "
+             f"(verifier {shown(report.verifier_version or '-')}):",
              f"  samples rescored : {report.rescored} of {report.samples}",
              f"  rewards changed  : {report.changed} ({report.raised} up, {report.lowered} down) "
              f"on {len(report.changed_by_task)} tasks",
@@ -215,6 +218,6 @@ def summary(report: RescoreReport, top: int = 10) -> list[str]:
     if report.failed:
         lines.append(f"  not rescored     : {report.failed} samples the verifier refused")
     for task_id, n in report.changed_by_task.most_common(top):
-        lines.append(f"    {n:4d} changed  {task_id}")
+        lines.append(f"    {n:4d} changed  {shown(task_id)}")
     lines.append(f"  compare: crucible query rescore --rescore {report.rescore_id}")
     return lines

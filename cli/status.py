@@ -8,6 +8,7 @@ from collections import defaultdict
 
 from crucible.shared import bus, store
 from crucible.shared.settings import Settings
+from crucible.shared.store.queries import shown
 
 
 async def consumer_lag(settings: Settings, timeout_s: float = 10.0) -> dict[str, dict[str, int]]:
@@ -104,17 +105,18 @@ def report(settings: Settings, echo=print) -> int:
     """Prints the status; 0 when broker and store both answer, 1 otherwise."""
     healthy = True
     for whose, services in services_view(settings):
-        echo(f"services of {whose}:")
+        echo(f"services of {shown(whose)}:")
         for name, description in services.items():
-            echo(f"  {name:18s} {description}")
+            echo(f"  {shown(name):18s} {shown(description)}")
     try:
         lag = asyncio.run(asyncio.wait_for(consumer_lag(settings), 20))
         echo(f"Kafka  {settings.kafka_bootstrap}: up")
         if not lag:
             echo("  no consumer group of this deployment has committed anything yet")
         for group, topics in lag.items():
-            behind = ", ".join(f"{t.removeprefix(settings.topic_prefix)} {n}" for t, n in sorted(topics.items()))
-            echo(f"  {group:40s} behind by: {behind}")
+            behind = ", ".join(f"{shown(t.removeprefix(settings.topic_prefix))} {n}"
+                               for t, n in sorted(topics.items()))
+            echo(f"  {shown(group):40s} behind by: {behind}")
     except Exception as exc:
         healthy = False
         echo(f"Kafka  {settings.kafka_bootstrap}: not answering ({type(exc).__name__}); `crucible up` starts the local one")
@@ -122,12 +124,12 @@ def report(settings: Settings, echo=print) -> int:
         runs, alerts = store_view(settings)
         echo(f"store  {settings.clickhouse_url} (database {settings.clickhouse_database}): up")
         for run_id, version, at in runs:
-            echo(f"  run {run_id}: policy version {version} at {at}")
+            echo(f"  run {shown(run_id)}: policy version {version} at {at}")
         if not runs:
             echo("  no run has published a policy version yet")
         echo("  last alerts:" if alerts else "  no alerts")
         for ts, kind, severity, message in alerts:
-            echo(f"    {ts}  {severity:8s} {kind}: {message}")
+            echo(f"    {ts}  {shown(severity):8s} {shown(kind)}: {shown(message)}")
     except Exception as exc:
         healthy = False
         echo(f"store  {settings.clickhouse_url}: not answering or not migrated ({type(exc).__name__}: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from crucible.v1 import task_pb2
 from crucible.ml import envs, kinds
 from crucible.shared.settings import Settings, get_settings
+from crucible.shared.store.queries import shown
 
 
 HELDOUT_SPLIT = "heldout"
@@ -28,6 +29,14 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
         problems.append("id is empty: give every task a unique id")
     elif len(task.id) > 256:
         problems.append(f"id is {len(task.id)} characters long: at most 256")
+    # An id is printed and compared as written: one a terminal would act on, or that differs from
+    # another only by surrounding whitespace ("a" and "a "), would be shown as something it is not.
+    elif shown(task.id) != task.id:
+        problems.append(f"id '{shown(task.id)}' holds control or invisible characters (shown escaped): "
+                        "task ids may hold none (no ESC, NUL, newline, U+202E, zero-width characters)")
+    elif task.id != task.id.strip():
+        problems.append(f"id '{task.id}' begins or ends with whitespace: remove it (\"a\" and \"a \" "
+                        "would be two tasks)")
     if not task.prompt.strip():
         problems.append("prompt is empty")
     elif len(task.prompt) > settings.max_prompt_chars:

@@ -13,6 +13,7 @@ from crucible.ml.kinds.extract import final_answer
 from crucible.ml.kinds.python_tests import program
 from crucible.ml.kinds.reasoning_gym_kind import generators, instance
 from crucible.ml.tasks import task_problems
+from crucible.shared.store.queries import shown
 
 
 def answer_task(kind: str, answer: str, case_sensitive: bool = False) -> task_pb2.Task:
@@ -72,6 +73,32 @@ def test_task_problems_consult_the_registry():
         task = task_pb2.Task(id="x", kind=kind, prompt="p", group_size=1, **{
             "answer" if kind == "regex" else "python_tests": payload})
         assert task_problems(task), (kind, str(payload)[:40])
+
+
+@pytest.mark.parametrize("task_id", ["t-\x1b[2J\x1b]0;title\x07", "t-nul\x00", "t-\u202eevil", "t-new\nline",
+                                     "t-\u200b", "t-\u2028"])
+def test_task_ids_with_characters_a_terminal_acts_on_are_refused(task_id):
+    task = answer_task("exact", "1")
+    task.id = task_id
+    [problem] = task_problems(task)
+    assert problem.startswith(f"id '{shown(task_id)}' holds control or invisible characters"), problem
+    assert shown(problem) == problem  # the message names the id escaped, never raw
+
+
+@pytest.mark.parametrize("task_id", ["a ", " a", "a\u00a0", "\u3000a"])
+def test_task_ids_with_surrounding_whitespace_are_refused(task_id):
+    task = answer_task("exact", "1")
+    task.id = task_id
+    [problem] = task_problems(task)
+    assert "begins or ends with whitespace" in problem and shown(task_id) in problem, problem
+
+
+@pytest.mark.parametrize("task_id", ["digits-6fd37d3c-24134339", "humaneval/55", "rg/chain_sum/3#2", "two words",
+                                     "tâche-é", "a\\x1b"])
+def test_ordinary_task_ids_are_taken(task_id):
+    task = answer_task("exact", "1")
+    task.id = task_id
+    assert task_problems(task) == []
 
 
 def test_prompts_carry_the_answer_format():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+import unicodedata
+from collections import Counter
 
 import pytest
 from opentelemetry import trace
@@ -11,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from crucible.cli import rescore
+from crucible.cli import rescore, status
 from crucible.cli.main import main as crucible_main
 from crucible.ml import envs
 from crucible.ml.envs import episode as ep
@@ -27,6 +29,8 @@ from crucible.services.reward_aggregator.handler import (
     turn_rows,
 )
 from crucible.services.verifier.handler import verify_episode
+from crucible.shared.procs import free_ports
+from crucible.shared.settings import Settings
 from crucible.shared.span_store import COLUMNS as SPAN_COLUMNS
 from crucible.shared.span_store import span_row
 from crucible.shared.store import migrate, queries
@@ -219,3 +223,52 @@ def test_spans_sent_as_the_exporter_sends_them_read_back_exactly(store_client):
          "STATUS_CODE_ERROR", "broken", {}, "3.1", [], [], [], [f"{first.get_span_context().span_id:016x}"],
          [{"l": "x"}]),
     ]
+
+
+# What a task author or the model can put in stored text: a screen clear, NUL, a right-to-left override,
+# a newline, a zero-width space and a line separator.
+HOSTILE = "t-\x1b[2J\x1b[H\x00\u202eevil\nline\u200b\u2028"
+
+
+def raw_controls(printed: str) -> list[str]:
+    """Characters a terminal would act on in `printed`, its line breaks aside (split on \\n alone, since
+    str.splitlines would also split on, and so hide, the separators looked for)."""
+    return [c for line in printed.split("\n") for c in line if unicodedata.category(c) in {"Cc", "Cf", "Zl", "Zp"}]
+
+
+def test_shown_writes_what_a_terminal_would_act_on_as_escapes():
+    assert queries.shown(HOSTILE) == "t-\\x1b[2J\\x1b[H\\x00\\u202eevil\\nline\\u200b\\u2028"
+    assert queries.shown("a plain cell, é and 1.5") == "a plain cell, é and 1.5"
+    assert queries.shown(3) == "3"
+    report = rescore.RescoreReport(rescore_id="rescore-1", run_id=HOSTILE, verifier_version="v\x1b]0;title\x07",
+                                   changed_by_task=Counter({HOSTILE: 2}))
+    printed = "\n".join(rescore.summary(report))
+    assert not raw_controls(printed) and queries.shown(HOSTILE) in printed, printed
+
+
+def test_query_and_status_print_stored_text_escaped(store_client, store_url, store_database, tmp_path):
+    """A task id, completion and alert message holding controls reach the terminal escaped: in
+    `crucible query`'s tables and in `crucible status`."""
+    migrate(store_client)
+    hostile = verdict_pb2.Verdict(
+        sample=trajectory_pb2.Trajectory(id="h/0", task_id=HOSTILE, group_id="h/g", group_size=1, policy_version=1),
+        task_kind="exact", reward=1.0, completion="\x1b[1A\x1b[2Kforged line")  # up a line, erase it
+    [trajectory] = group_trajectories([hostile], RewardConfig("rloo", {}, 0.0, 0), complete=True)
+    store_client.insert("trajectories", [trajectory_row(hostile, trajectory, "", HOSTILE)],
+                        column_names=TRAJECTORY_COLUMNS)
+    store_client.insert("policy_versions", [[HOSTILE, 2, "file:///y", 2, dt.datetime.now(dt.timezone.utc), {}]],
+                        column_names=["run_id", "version", "checkpoint_uri", "step", "created_at", "metrics"])
+    alert = alert_pb2.Alert(id="a-1", kind="canary_paid", message=f"task {HOSTILE} \x1b[31mFORGED")
+    alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
+    record_alert(store_client, alert)
+    for name, escaped in (("task", queries.shown(hostile.completion)), ("alerts", queries.shown(alert.message))):
+        columns, rows = queries.run(store_client, name, task=HOSTILE)
+        printed = queries.table(columns, rows)
+        assert rows and not raw_controls(printed) and escaped in printed, printed
+    [port] = free_ports(1)  # no broker there: status says so and goes on to the store
+    settings = Settings(kafka_bootstrap=f"127.0.0.1:{port}", clickhouse_url=store_url,
+                        clickhouse_database=store_database, home=tmp_path)
+    lines = []
+    status.report(settings, echo=lines.append)
+    printed = "\n".join(lines)
+    assert not raw_controls(printed) and printed.count(queries.shown(HOSTILE)) == 2, printed

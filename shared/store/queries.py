@@ -1,11 +1,13 @@
 """Saved queries over a run's rows: what `crucible query NAME` prints (and what dashboards can reuse).
 
 Each query names the parameters it takes ({name:Type}, ClickHouse query parameters: values are
-never pasted into SQL). `run(client, name, **params)` returns (column names, rows).
+never pasted into SQL). `run(client, name, **params)` returns (column names, rows); `table` lays them out
+for a terminal, every value passed through `shown`, which the CLI's other reports of stored text use too.
 """
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 
@@ -124,9 +126,24 @@ def run(client, name: str, **params: str) -> tuple[list[str], list[tuple]]:
     return list(result.column_names), list(result.result_rows)
 
 
+# Characters a terminal acts on instead of showing: controls (ESC starts sequences that clear the screen,
+# move the cursor or set the title; NUL, newline), formats (U+202E reverses what follows, zero-width
+# characters hide), line and paragraph separators, and lone surrogates (which cannot be printed at all).
+_UNSHOWN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def shown(value: object) -> str:
+    """`value` as text for a terminal: task ids, completions and alert messages come from task authors and
+    the model, so each character a terminal would act on is written as its escape (\\x1b, \\u202e, \\n)."""
+    text = str(value)
+    if text.isprintable():  # no such character (isprintable is False for each of them)
+        return text
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in _UNSHOWN else c for c in text)
+
+
 def table(columns: list[str], rows: list[tuple], limit: int = 200) -> str:
-    """Rows as an aligned text table."""
-    cells = [[str(c) for c in columns]] + [[str(v) for v in row] for row in rows[:limit]]
+    """Rows as an aligned text table, each cell `shown`."""
+    cells = [[shown(c) for c in columns]] + [[shown(v) for v in row] for row in rows[:limit]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
