@@ -394,7 +394,7 @@ def cmd_query(args, settings: Settings) -> int:
         from clickhouse_connect.driver.exceptions import DatabaseError
 
         if isinstance(exc, DatabaseError):  # it answered: no such table yet (nothing ran), or a query error
-            echo(f"crucible query {args.name}: the store answered: {str(exc)[:400]}")
+            echo(f"crucible query {args.name}: the store answered: {queries.shown(str(exc)[:400])}")
         else:
             echo(f"crucible query: the store at {settings.clickhouse_url} did not answer ({type(exc).__name__}); "
                  "is it running? `crucible up`")

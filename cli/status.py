@@ -133,5 +133,5 @@ def report(settings: Settings, echo=print) -> int:
     except Exception as exc:
         healthy = False
         echo(f"store  {settings.clickhouse_url}: not answering or not migrated ({type(exc).__name__}: "
-             f"{str(exc)[:120]}); `crucible up` starts the local one")
+             f"{shown(str(exc)[:120])}); `crucible up` starts the local one")
     return 0 if healthy else 1
