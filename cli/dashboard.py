@@ -5,6 +5,9 @@ SQL, so both views agree) and refreshes them every few seconds, plus a trajector
 task's group, one sample's transcript and its trace, through the saved queries of `crucible query`.
 The server is the standard library's, on 127.0.0.1 unless told otherwise; it only ever runs the
 SQL shipped with Crucible (panel SQL, saved queries with bound parameters), never SQL from a request.
+It has no login: it answers only requests addressed to it by an IP address, localhost or the --host
+it was given (a DNS-rebinding page names the attacker's host), and holds a bounded number of
+connections, each for at most IDLE_TIMEOUT_S between reads.
 
     GET /                      the page
     GET /api/panels            [{id, title, type}]
@@ -15,9 +18,13 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import errno
+import ipaddress
 import json
 import logging
 import math
+import re
+import socket
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -29,6 +36,13 @@ from crucible.shared.store import queries
 
 log = logging.getLogger("crucible.dashboard")
 STORE_DATASOURCE = "grafana-clickhouse-datasource"
+IDLE_TIMEOUT_S = 10.0  # a connection silent this long (a half-sent request) is closed
+MAX_CONNECTIONS = 32  # a browser opens 6 per host; connections past this are closed as they arrive
+MIN_REFRESH_S = 0.5
+
+
+class DashboardError(RuntimeError):
+    """A flag the dashboard cannot serve with; the text names it (the CLI prints it on one line)."""
 
 
 @dataclass(frozen=True)
@@ -79,25 +93,51 @@ class Dashboard:
         self.panels = store_panels()
         self.lock = threading.Lock()
 
-    def panel(self, panel_id: int) -> dict:
-        panel = self.panels[panel_id]
+    def panel(self, panel_id: str) -> dict | None:
+        """A panel's rows by its id as the URL spells it; None when no panel has it ('²' and '01' do not,
+        though int() reads them)."""
+        panel = next((p for p in self.panels if str(p.id) == panel_id), None)
+        if panel is None:
+            return None
         with self.lock:
             result = self.client.query(panel.sql)
         return {"columns": list(result.column_names), "rows": jsonable(list(result.result_rows))}
 
     def saved(self, name: str, params: dict[str, str]) -> dict:
+        """A saved query's rows; a parameter it does not take is refused (queries.run)."""
         with self.lock:
             columns, rows = queries.run(self.client, name, **params)
         return {"columns": columns, "rows": jsonable(rows)}
 
 
-def handler_for(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
+def addressed_to_us(host_header: str | None, bound_host: str) -> bool:
+    """Whether a request's Host names this server. A page that DNS rebinding pointed at us sends its own
+    name, never an IP address or localhost; the port is not checked (an SSH tunnel changes it)."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+)(:[0-9]{1,5})?", host_header or "")
+    if not match:
+        return False
+    name = match[1].lower()
+    if name in ("localhost", bound_host.lower()):
+        return True
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def handler_for(dashboard: Dashboard, bound_host: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "crucible-dashboard"
+        timeout = IDLE_TIMEOUT_S  # for each read and write of the connection (StreamRequestHandler sets it)
 
         def do_GET(self):  # noqa: N802 (the standard library's name)
             url = urlparse(self.path)
             parts = [p for p in url.path.split("/") if p]
+            host = self.headers.get("Host")
+            if not addressed_to_us(host, bound_host):
+                return self._json(HTTPStatus.FORBIDDEN, {"error": f"Host {str(host)[:100]!r} is not this dashboard: "
+                                                         "open it by its IP address or localhost"})
             try:
                 if not parts:
                     return self._send(HTTPStatus.OK, PAGE.replace("__REFRESH_MS__", str(int(dashboard.refresh_s * 1000))),
@@ -106,11 +146,12 @@ def handler_for(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
                     return self._json(HTTPStatus.OK, [{"id": p.id, "title": p.title, "type": p.type}
                                                       for p in dashboard.panels])
                 if len(parts) == 3 and parts[:2] == ["api", "panels"]:
-                    if not parts[2].isdigit() or int(parts[2]) >= len(dashboard.panels):
+                    rows = dashboard.panel(parts[2])
+                    if rows is None:
                         return self._json(HTTPStatus.NOT_FOUND, {"error": f"no panel {parts[2]!r}"})
-                    return self._json(HTTPStatus.OK, dashboard.panel(int(parts[2])))
+                    return self._json(HTTPStatus.OK, rows)
                 if len(parts) == 3 and parts[:2] == ["api", "query"]:
-                    params = {k: v[0] for k, v in parse_qs(url.query).items() if k in queries.PARAMETERS}
+                    params = {k: v[0] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
                     return self._json(HTTPStatus.OK, dashboard.saved(parts[2], params))
                 return self._json(HTTPStatus.NOT_FOUND, {"error": f"nothing at {url.path}"})
             except queries.QueryError as exc:
@@ -137,10 +178,52 @@ def handler_for(dashboard: Dashboard) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(client, host: str = "127.0.0.1", port: int = 8050, refresh_s: float = 5.0) -> ThreadingHTTPServer:
-    """A started server (in a daemon thread); `.server_address` says where, `.shutdown()` stops it."""
-    server = ThreadingHTTPServer((host, port), handler_for(Dashboard(client, refresh_s)))
-    server.daemon_threads = True
+class Server(ThreadingHTTPServer):
+    """A thread per connection, MAX_CONNECTIONS at most: past that a connection is closed at once rather
+    than given a thread (slow or idle clients would otherwise take every thread and file descriptor)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            return self.shutdown_request(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def check_refresh(refresh_s: float) -> None:
+    """DashboardError unless the page may poll every `refresh_s` seconds (NaN, 0 or less polled without pause)."""
+    if not (math.isfinite(refresh_s) and refresh_s >= MIN_REFRESH_S):
+        raise DashboardError(f"--refresh {refresh_s:g}: give the seconds between refreshes, at least {MIN_REFRESH_S:g}")
+
+
+def serve(client, host: str = "127.0.0.1", port: int = 8050, refresh_s: float = 5.0) -> Server:
+    """A started server (in a daemon thread); `.server_address` says where, `.shutdown()` stops it.
+    Raises DashboardError naming the flag (--refresh, --host, --port) it cannot serve with."""
+    check_refresh(refresh_s)
+    dashboard = Dashboard(client, refresh_s)
+    try:
+        server = Server((host, port), handler_for(dashboard, host))
+    except (OSError, OverflowError) as exc:  # no such address here; a port in use, privileged or past 65535
+        on_host = isinstance(exc, socket.gaierror) or getattr(exc, "errno", None) == errno.EADDRNOTAVAIL
+        flag = f"--host {host}" if on_host else f"--port {port}"
+        raise DashboardError(f"{flag}: cannot listen there ({exc})") from None
+    if not ipaddress.ip_address(server.server_address[0]).is_loopback:
+        log.warning("crucible dashboard: listening on %s, beyond this machine, with no login: whoever reaches it "
+                    "reads every stored prompt and completion", host)
     threading.Thread(target=server.serve_forever, name="dashboard", daemon=True).start()
     return server
 

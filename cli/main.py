@@ -374,12 +374,6 @@ def cmd_query(args, settings: Settings) -> int:
             echo(f"{q.name:22s} {q.about}" + (f"  ({params})" if params else ""))
         return 0
     params = {k: getattr(args, k) for k in queries.PARAMETERS if getattr(args, k, None) is not None}
-    wanted = queries.QUERIES[args.name].parameters if args.name in queries.QUERIES else params
-    ignored = [p for p in params if p not in wanted]
-    if ignored:  # a filter dropped in silence would show every run's rows as if they were one run's
-        echo(f"crucible query: {args.name} takes {', '.join('--' + p for p in wanted) or 'no parameters'}, "
-             f"not {', '.join('--' + p for p in ignored)}")
-        return 2
     not_text = [name for name, value in params.items() if isinstance(value, str) and not _utf8(value)]
     if not_text:  # (was "the store did not answer": its client failed to encode the value)
         echo(f"crucible query: --{not_text[0]} is not UTF-8 text")
@@ -456,10 +450,15 @@ def cmd_status(args, settings: Settings) -> int:
 def cmd_dashboard(args, settings: Settings) -> int:
     import time
 
-    from crucible.cli.dashboard import serve
+    from crucible.cli.dashboard import DashboardError, check_refresh, serve
     from crucible.local.stack import store as local_store
     from crucible.shared import store
 
+    try:
+        check_refresh(args.refresh)  # before the store is started for it
+    except DashboardError as exc:
+        echo(f"crucible dashboard: {exc}")
+        return 2
     started_here = []
     try:
         client = store.connect(settings)
@@ -472,7 +471,11 @@ def cmd_dashboard(args, settings: Settings) -> int:
         client = store.connect(settings)
     try:
         store.migrate(client)
-        server = serve(client, args.host, args.port, refresh_s=args.refresh)
+        try:
+            server = serve(client, args.host, args.port, refresh_s=args.refresh)
+        except DashboardError as exc:
+            echo(f"crucible dashboard: {exc}")
+            return 2
         host, port = server.server_address[:2]
         echo(f"dashboard on http://{host}:{port}/ (store {settings.clickhouse_url}; refreshes every {args.refresh:g}s); "
              "Ctrl-C stops it")

@@ -5,16 +5,20 @@ the DOM and from a screenshot's pixels."""
 from __future__ import annotations
 
 import datetime as dt
+import http.client
 import io
 import json
 import shutil
+import socket
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 from PIL import Image
 
-from crucible.cli.dashboard import serve, store_panels
+from crucible.cli import dashboard
+from crucible.cli.dashboard import DashboardError, serve, store_panels
 from tests.test_queries import filled  # noqa: F401  (the fixture: one episode group, a code sample, a step, ...)
 
 pytestmark = [pytest.mark.store]
@@ -48,6 +52,118 @@ def test_the_api_runs_only_shipped_sql_and_says_what_is_wrong(filled):  # noqa: 
         assert status == 200 and len(body["rows"]) == 2
     finally:
         server.shutdown()
+
+
+def get_as(port: int, path: str, host: str) -> tuple[int, dict]:
+    """A GET whose Host header says `host` (what a browser sends for the name in its address bar)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers={"Host": host})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` (a read sees the end) within `within_s` seconds."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def test_a_request_addressed_to_another_host_is_refused():
+    """A DNS-rebinding page reaches the dashboard under the attacker's name: it must not read the rows."""
+    server = serve(None, port=0)
+    port = server.server_address[1]
+    try:
+        for foreign in ["attacker.example", f"attacker.example:{port}", f"localhost.attacker.example:{port}"]:
+            status, body = get_as(port, "/api/panels", foreign)
+            assert status == 403 and list(body) == ["error"] and "not this dashboard" in body["error"], (foreign, body)
+        for ours in ["localhost", f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}"]:
+            status, body = get_as(port, "/api/panels", ours)
+            assert status == 200 and [p["title"] for p in body] == [p.title for p in store_panels()], ours
+    finally:
+        server.shutdown()
+
+
+def test_an_idle_connection_is_closed_and_connections_are_capped(monkeypatch):
+    """A half-sent request does not hold a thread for ever, and idle clients cannot take every thread."""
+    monkeypatch.setattr(dashboard, "IDLE_TIMEOUT_S", 0.5)
+    server = serve(None, port=0)
+    address = server.server_address[:2]
+    try:
+        with socket.create_connection(address) as half_sent:
+            half_sent.sendall(b"GET /api/pan")
+            start = time.monotonic()
+            assert closed_by_server(half_sent, 5), "the server held a half-sent request for 5 s"
+            assert time.monotonic() - start >= 0.4
+    finally:
+        server.shutdown()
+
+    monkeypatch.setattr(dashboard, "IDLE_TIMEOUT_S", 30)
+    monkeypatch.setattr(dashboard, "MAX_CONNECTIONS", 2)
+    server = serve(None, port=0)
+    address = server.server_address[:2]
+    try:
+        idle = [socket.create_connection(address) for _ in range(2)]
+        for sock in idle:
+            sock.sendall(b"GET /api/pan")
+        with socket.create_connection(address) as one_too_many:
+            assert closed_by_server(one_too_many, 5), "a connection past the cap was kept"
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 5  # their threads see the close and give their slots back
+        while True:
+            try:
+                assert get_as(address[1], "/api/panels", "localhost")[0] == 200
+                break
+            except ConnectionError:  # closed at once: a slot is not free yet
+                assert time.monotonic() < deadline, "the closed connections' slots were not given back"
+                time.sleep(0.05)
+    finally:
+        server.shutdown()
+
+
+def test_a_panel_id_or_a_parameter_the_api_does_not_take_is_refused(filled):  # noqa: F811
+    client, task, _ = filled
+    server = serve(client, port=0)
+    port = server.server_address[1]
+    try:
+        # '²' passes str.isdigit(); a raw Latin-1 byte in the request line reaches the handler as it
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /api/panels/\xb2 HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            sock.settimeout(10)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.0 404 "), reply[:200]
+        assert get_as(port, "/api/panels/01", "localhost")[0] == 404
+        # a filter dropped in silence would show every run's rows as one run's: `crucible query` refuses it too
+        status, body = get_as(port, "/api/query/alerts?run=x", "localhost")
+        assert status == 400 and "--run" in body["error"] and "no parameters" in body["error"], body
+        status, body = get_as(port, f"/api/query/task?task={task.id}&trajectory=y", "localhost")
+        assert status == 400 and "--trajectory" in body["error"], body
+        assert get_as(port, "/api/query/alerts", "localhost")[0] == 200
+    finally:
+        server.shutdown()
+
+
+def test_flags_the_dashboard_cannot_serve_with_are_named():
+    for refresh in [float("nan"), float("inf"), 0, -1, 0.1]:
+        with pytest.raises(DashboardError, match=f"^--refresh {refresh:g}: "):
+            serve(None, port=0, refresh_s=refresh)
+    with pytest.raises(DashboardError, match="^--port 70000: "):
+        serve(None, port=70000)
+    with pytest.raises(DashboardError, match="^--host no.such.host.invalid: "):
+        serve(None, host="no.such.host.invalid", port=0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(DashboardError, match=f"^--port {taken.getsockname()[1]}: .*in use"):
+            serve(None, port=taken.getsockname()[1])
 
 
 @pytest.mark.timeout(120)
@@ -146,3 +262,22 @@ def test_crucible_dashboard_serves_the_page_from_the_configured_store(stack_sett
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_crucible_dashboard_refuses_a_bad_refresh_in_one_line(stack_settings, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CRUCIBLE_HOME": str(tmp_path), "CRUCIBLE_CLICKHOUSE_URL": stack_settings.clickhouse_url,
+           "CRUCIBLE_CLICKHOUSE_DATABASE": stack_settings.clickhouse_database}
+    proc = subprocess.Popen([sys.executable, "-m", "crucible.cli.main", "dashboard", "--port", "0", "--refresh", "nan"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"crucible dashboard --refresh nan served: {out}")
+    assert proc.returncode != 0 and out.strip().splitlines() == [out.strip()] and "--refresh nan" in out, out

@@ -133,8 +133,8 @@ def test_every_saved_query_returns_the_rows_it_is_about(filled):
     client, task, trajectories = filled
     solved = next(t for t in trajectories if t.turns == 2)
     params = {"task": task.id, "trajectory": solved.id, "rescore": "rescore-1", "run": "run-1"}
-    for name in queries.QUERIES:
-        columns, rows = queries.run(client, name, **params)
+    for name, query in queries.QUERIES.items():
+        columns, rows = queries.run(client, name, **{p: params[p] for p in query.parameters})
         assert rows and len(columns) == len(rows[0]), name
     _, turns = queries.run(client, "episode", trajectory=solved.id)
     assert [r[0] for r in turns] == [1, 2] and turns[0][1] == "lookup"
@@ -170,6 +170,8 @@ def test_a_query_without_its_parameter_or_unknown_says_so(filled):
         queries.run(client, "task")
     with pytest.raises(queries.QueryError, match="saved queries are"):
         queries.run(client, "nosuch")
+    with pytest.raises(queries.QueryError, match="query 'alerts' takes no parameters, not --run"):
+        queries.run(client, "alerts", run="run-1")  # a filter dropped in silence would show every run's rows
 
 
 def test_crucible_query_prints_a_table(filled, store_url, store_database, monkeypatch, capsys, request):
@@ -187,7 +189,7 @@ def test_crucible_query_prints_a_table(filled, store_url, store_database, monkey
     assert crucible_main(["query", "task"]) == 2
     assert "--task VALUE" in capsys.readouterr().out
     assert crucible_main(["query", "task", "--task", task.id, "--run", "x' OR '1'='1"]) == 2  # not a filter of it
-    assert "task takes --task, not --run" in capsys.readouterr().out
+    assert "query 'task' takes --task, not --run" in capsys.readouterr().out
     assert crucible_main(["query"]) == 0 and "reward-by-version" in capsys.readouterr().out
 
 
@@ -261,8 +263,9 @@ def test_query_and_status_print_stored_text_escaped(store_client, store_url, sto
     alert = alert_pb2.Alert(id="a-1", kind="canary_paid", message=f"task {HOSTILE} \x1b[31mFORGED")
     alert.created_at.FromDatetime(dt.datetime.now(dt.timezone.utc))
     record_alert(store_client, alert)
-    for name, escaped in (("task", queries.shown(hostile.completion)), ("alerts", queries.shown(alert.message))):
-        columns, rows = queries.run(store_client, name, task=HOSTILE)
+    for name, params, escaped in (("task", {"task": HOSTILE}, queries.shown(hostile.completion)),
+                                  ("alerts", {}, queries.shown(alert.message))):
+        columns, rows = queries.run(store_client, name, **params)
         printed = queries.table(columns, rows)
         assert rows and not raw_controls(printed) and escaped in printed, printed
     [port] = free_ports(1)  # no broker there: status says so and goes on to the store

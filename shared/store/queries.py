@@ -122,6 +122,10 @@ def run(client, name: str, **params: str) -> tuple[list[str], list[tuple]]:
     missing = [p for p in query.parameters if p not in params]
     if missing:
         raise QueryError(f"query {name!r} needs {', '.join('--' + p + ' VALUE' for p in missing)}")
+    unused = [p for p in params if p not in query.parameters]
+    if unused:  # a filter dropped in silence would show every run's rows as if they were one run's
+        raise QueryError(f"query {name!r} takes {', '.join('--' + p for p in query.parameters) or 'no parameters'}, "
+                         f"not {', '.join('--' + p for p in unused)}")
     result = client.query(query.sql, parameters={p: params[p] for p in query.parameters})
     return list(result.column_names), list(result.result_rows)
 
