@@ -134,16 +134,21 @@ async def test_each_workers_jobs_run_on_its_own_cpu(pool):
 async def test_a_tested_jobs_two_processes_share_one_cpu_where_the_worker_has_several():
     """A worker free to run on every CPU (one worker here) keeps each tested job's candidate and the
     harness running its tests on one CPU, the same one: each call of a test wakes the other process
-    where it runs, not across CPUs."""
+    where it runs, not across CPUs. Two jobs running at once get two CPUs."""
+    job = Job(code="import os, time\ndef cpus():\n    time.sleep(0.3)\n    mine = sorted(os.sched_getaffinity(0))\n"
+                   "    print(mine)\n    return mine\n",
+              tests="import os\ndef check(candidate):\n    theirs = candidate()\n"
+                    "    assert len(theirs) == 1, theirs\n"
+                    "    assert theirs == sorted(os.sched_getaffinity(0)), (theirs, os.sched_getaffinity(0))\n",
+              entry_point="cpus")
     async with SandboxPool(Settings(sandbox_workers=1, sandbox_wall_s=5.0)) as one_worker:
         for _ in range(3):
-            result = await one_worker.execute(Job(
-                code="import os\ndef cpus():\n    return sorted(os.sched_getaffinity(0))\n",
-                tests="import os\ndef check(candidate):\n    theirs = candidate()\n"
-                      "    assert len(theirs) == 1, theirs\n"
-                      "    assert theirs == sorted(os.sched_getaffinity(0)), (theirs, os.sched_getaffinity(0))\n",
-                entry_point="cpus"))
-            assert result.exit_code == 0 and [t["passed"] for t in result.tests] == [True], (result.tests, result.stderr)
+            # the worker's two jobs at once: each on a CPU of its own, not both on one beside an idle one
+            both = await asyncio.gather(one_worker.execute(job), one_worker.execute(job))
+            for result in both:
+                assert result.exit_code == 0 and [t["passed"] for t in result.tests] == [True], (result.tests,
+                                                                                                  result.stderr)
+            assert both[0].stdout != both[1].stdout, [r.stdout for r in both]
 
 
 async def test_fork_bomb(pool):

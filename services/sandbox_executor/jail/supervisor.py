@@ -258,11 +258,7 @@ class Supervisor:
         # Each slot's harness, started with the slot's first jail and replaced (by the next prepare of
         # the slot) when a job ends without it finishing; only the slot's runner uses it in between.
         self.harnesses: list[Harness | None] = [None] * len(slots)
-        # A tested job's two processes call each other for every call a test makes: on one CPU, each
-        # wakes the other where it runs (a worker pinned to one CPU, pool.worker_cpus, has them there
-        # already). Left to the scheduler, the one woken went to the idle CPU at each call: a call
-        # took 3x as long (bench_sandbox.py's calls row, one worker on two cores: ~200 -> ~65 us).
-        self.share_cpu = len(os.sched_getaffinity(0)) > 1
+        self.job_cpus = JobCpus()
 
     def serve(self) -> None:
         """Until stdin closes: prepare a jail, take a job, hand it to a runner, prepare the next."""
@@ -357,11 +353,12 @@ class Supervisor:
         """One job on a runner thread: the result out, then the teardown; the slot is free once it is empty."""
         cgroups = self.slots[slot]
         tested = "tests" in job
+        cpu = None
         try:
             try:
                 harness_ = self._harness(slot) if tested else None
-                if harness_ is not None and self.share_cpu:
-                    _on_one_cpu([jail.pid, harness_.pid])
+                if harness_ is not None:
+                    cpu = self.job_cpus.take([jail.pid, harness_.pid])
                 result, teardown = run_job(jail, job, cgroups, harness_)
             except Exception as exc:
                 # A job whose jail or harness died with the zygote: no jail or harness can be made or
@@ -381,6 +378,7 @@ class Supervisor:
                 jail.kill()
                 cgroups.reap()
         finally:
+            self.job_cpus.give_back(cpu)
             jail.release()
             self._free_slot(slot)
 
@@ -406,18 +404,41 @@ class Supervisor:
             self.slot_freed.notify()
 
 
-def _on_one_cpu(pids: list[int]) -> None:
-    """Keeps the processes on the CPU this thread runs on now (one the scheduler chose and the worker may
-    use), for one job: a job can use one core's time (its cgroup's quota) and cannot move itself
-    (seccomp refuses sched_setaffinity). Where that fails, they run where the scheduler puts them."""
-    cpu = linux.current_cpu()
-    if cpu < 0:
-        return
-    for pid in pids:
-        try:
-            os.sched_setaffinity(pid, (cpu,))
-        except OSError:  # gone already (its end is seen by the job's own wait), or the CPU taken away
-            pass
+class JobCpus:
+    """The CPU each running tested job of this worker is kept on, where the worker may use several (a
+    worker pinned to one CPU, pool.worker_cpus, has its jobs there already).
+
+    A tested job's two processes, its candidate and the harness running its tests, call each other for
+    every call a test makes: on one CPU, each wakes the other where it runs. Left to the scheduler, the
+    one woken went to the idle CPU at each call, and a call took 3x as long (bench_sandbox.py's call row,
+    one worker on two cores: ~170-185 -> ~58-67 us). The worker's jobs running at once get CPUs of their
+    own (the least taken; the runner's own among equals): both on one would leave the other idle. A job
+    can use one core's time (its cgroup's quota) and cannot move itself (seccomp refuses sched_setaffinity)."""
+
+    def __init__(self):
+        self.allowed = sorted(os.sched_getaffinity(0))
+        self.taken = {cpu: 0 for cpu in self.allowed}
+        self.lock = threading.Lock()
+
+    def take(self, pids: list[int]) -> int | None:
+        """Keeps `pids` (one job's) on a CPU until give_back; None where there is no choice to make."""
+        if len(self.allowed) < 2:
+            return None
+        here = linux.current_cpu()
+        with self.lock:
+            cpu = min(self.allowed, key=lambda c: (self.taken[c], c != here))
+            self.taken[cpu] += 1
+        for pid in pids:
+            try:
+                os.sched_setaffinity(pid, (cpu,))
+            except OSError:  # gone already (the job's own wait sees its end), or the CPU taken away
+                pass
+        return cpu
+
+    def give_back(self, cpu: int | None) -> None:
+        if cpu is not None:
+            with self.lock:
+                self.taken[cpu] -= 1
 
 
 def _go(fds: dict[str, int], failed: str, attach=None) -> None:
