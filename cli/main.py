@@ -355,17 +355,8 @@ def cmd_protos(args, settings: Settings) -> int:
     return 0
 
 
-def _utf8(text: str) -> bool:
-    """Whether a command-line value is UTF-8 text (argv's other bytes arrive as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def cmd_query(args, settings: Settings) -> int:
-    from crucible.shared import store
+    from crucible.shared import store, text
     from crucible.shared.store import queries
 
     if args.name in (None, "list"):
@@ -374,7 +365,7 @@ def cmd_query(args, settings: Settings) -> int:
             echo(f"{q.name:22s} {q.about}" + (f"  ({params})" if params else ""))
         return 0
     params = {k: getattr(args, k) for k in queries.PARAMETERS if getattr(args, k, None) is not None}
-    not_text = [name for name, value in params.items() if isinstance(value, str) and not _utf8(value)]
+    not_text = [name for name, value in params.items() if isinstance(value, str) and not text.is_utf8(value)]
     if not_text:  # (was "the store did not answer": its client failed to encode the value)
         echo(f"crucible query: --{not_text[0]} is not UTF-8 text")
         return 2

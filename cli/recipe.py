@@ -16,6 +16,7 @@ the field, the file and the line.
 """
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from importlib import resources
@@ -165,12 +166,13 @@ def parse(text: str, path: Path) -> Recipe:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
-    found = list(_outsized(data))
     try:
         recipe = Recipe.model_validate(data)
+        # what the fields were read as: a quoted "1e20" or a float 1e18 becomes an int past the bound
+        found = list(_outsized(recipe.model_dump(exclude={"source"})))
     except ValidationError as exc:
-        found += [([str(p) for p in error["loc"]], "unknown field" if error["type"] == "extra_forbidden" else error["msg"])
-                  for error in exc.errors()]
+        found = [([str(p) for p in error["loc"]], "unknown field" if error["type"] == "extra_forbidden" else error["msg"])
+                 for error in exc.errors()]
     if found:
         problems = []
         for loc, what in found:
@@ -183,8 +185,9 @@ def parse(text: str, path: Path) -> Recipe:
 
 
 def _outsized(value, loc: tuple = ()):
-    """(loc, why) of every integer of TOML data past MAX_INTEGER, at any depth (fields whose models
-    bound them say so themselves; this holds for every field, and a generator's free-form config)."""
+    """(loc, why) of every integer past MAX_INTEGER and every infinite or NaN number of a recipe, at any
+    depth (fields whose models bound them say so themselves; this holds for every field, and a
+    generator's free-form config)."""
     if isinstance(value, dict):
         for key, item in value.items():
             yield from _outsized(item, (*loc, str(key)))
@@ -193,6 +196,8 @@ def _outsized(value, loc: tuple = ()):
             yield from _outsized(item, (*loc, str(i)))
     elif type(value) is int and abs(value) > MAX_INTEGER:
         yield list(loc), f"{value} is larger than any run can use (at most 2**53)"
+    elif type(value) is float and not math.isfinite(value):
+        yield list(loc), "Input should be a finite number"
 
 
 def find_line(text: str, loc: list[str]) -> int | None:

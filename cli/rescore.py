@@ -26,7 +26,7 @@ from google.protobuf import json_format
 from crucible.ml import evaluation
 from crucible.shared import bus, integrity, rpc, store
 from crucible.shared.settings import Settings
-from crucible.shared.store.queries import shown
+from crucible.shared.text import shown
 from crucible.v1 import rollout_pb2, task_pb2, verdict_pb2
 
 COLUMNS = ["rescore_id", "run_id", "trajectory_id", "task_id", "task_kind", "graded_as", "policy_version",

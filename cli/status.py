@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from crucible.shared import bus, store
 from crucible.shared.settings import Settings
-from crucible.shared.store.queries import shown
+from crucible.shared.text import shown
 
 
 async def consumer_lag(settings: Settings, timeout_s: float = 10.0) -> dict[str, dict[str, int]]:

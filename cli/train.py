@@ -36,6 +36,7 @@ from crucible.shared import bus, integrity, rpc, store
 from crucible.shared.procs import free_ports
 from crucible.shared.settings import Settings, run_id_problem
 from crucible.shared.store import queries
+from crucible.shared.text import shown
 from crucible.v1 import alert_pb2
 
 log = logging.getLogger("crucible.train")
@@ -507,7 +508,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     severity = alert_pb2.Severity.Name(a.severity).removeprefix("SEVERITY_").lower()
                     report.alerts.append({"t": round(time.monotonic() - started, 1), "version": max(version, 0),
                                           "kind": a.kind, "severity": severity, "message": a.message})
-                    echo(f"      ALERT {a.kind} ({severity}) at version {max(version, 0)}: {a.message}")
+                    echo(f"      ALERT {shown(a.kind)} ({severity}) at version {max(version, 0)}: {shown(a.message)}")
     finally:
         await follower.stop()
         await evaluations.stop()

@@ -155,25 +155,34 @@ def _parameters(config) -> int:
 
 
 def _memory_bytes() -> int:
-    """This machine's memory and its GPUs' together: what any one model here could be held in."""
+    """This machine's memory (or this container's, where its cgroup holds it to less) and its GPUs'
+    together: what any one model here could be held in."""
     import torch
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            total = min(total, int(limit.read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max": no limit of its own
+            pass
     if torch.cuda.is_available():
         total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     return total
 
 
 def _check_links(path: Path) -> None:
-    """ValueError naming a file of the folder that is a link to somewhere outside it: what it points at
-    would be read as the model's (its tokenizer files are copied into every checkpoint, which a user may
-    publish: a model folder from elsewhere could carry a link to ~/.ssh/id_rsa). A snapshot folder of
-    Hugging Face's cache (`models--ORG--NAME/snapshots/REV`) may link into its repository's `blobs`."""
+    """ValueError naming a tokenizer file of the folder that is a link to somewhere outside it: the
+    tokenizer files are copied into every checkpoint (hf.write), which a user may publish, and a model
+    folder from elsewhere could carry a link to ~/.ssh/id_rsa. A snapshot folder of Hugging Face's cache
+    (`models--ORG--NAME/snapshots/REV`) may link into its repository's `blobs`; weights, which are read
+    and never copied, may link anywhere (shared storage)."""
+    from crucible.ml.policy.hf import TOKENIZER_FILES
+
     root = path.resolve()
     allowed = [root]
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
         allowed.append(root.parent.parent / "blobs")
-    for entry in path.iterdir():
+    for entry in (path / name for name in TOKENIZER_FILES):
         if not entry.is_symlink():
             continue
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from crucible.v1 import task_pb2
 from crucible.ml import envs, kinds
 from crucible.shared.settings import Settings, get_settings
-from crucible.shared.store.queries import shown
+from crucible.shared.text import shown
 
 
 HELDOUT_SPLIT = "heldout"

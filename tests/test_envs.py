@@ -345,6 +345,12 @@ def test_a_call_whose_json_makes_text_no_record_can_hold_is_a_malformed_call_not
     data["table"][data["key"]] = "\ud800"
     lookup.environment.instance_json = json.dumps(data)
     assert any("not valid Unicode" in p for p in task_problems(lookup))
+    from crucible.shared.text import is_unicode
+
+    deep: list = []
+    for _ in range(5000):  # past what can be walked: not taken as checked (a surrogate could sit inside)
+        deep = [deep]
+    assert not is_unicode({"pad": deep, "v": "\ud800"}) and is_unicode({"v": "ok \u00e9"})
 
 
 def test_an_answer_written_past_the_episodes_token_budget_is_not_paid():
@@ -371,17 +377,20 @@ def test_task_data_that_breaks_scoring_or_costs_without_bound_is_refused_at_subm
     sql_task, logs_task = first_task("sql"), first_task("logs")
     data = json.loads(sql_task.environment.instance_json)
     for rows, ok in [({"employees": [5, 6]}, False), ({"employees": [[1, "a"], [2]]}, False),
-                     ({"employees": [[1, {"x": 1}]]}, False), ({"employees": [[1, None, 2.5]]}, True)]:
+                     ({"employees": [[1, {"x": 1}]]}, False), ({"employees": [[1, None, 2.5]]}, True),
+                     ({"employees": [[1, True, "x"]]}, True)]:
         sql_task.environment.instance_json = json.dumps({**data, "rows": rows, "schema": ["CREATE TABLE employees (a, b, c)"],
                                                          "reference": "SELECT count(*) FROM employees"})
         assert (not any("every row" in p for p in task_problems(sql_task))) == ok, rows
-    # a value past the reference database's size limit: an error at once, not a run past the deadline
-    sql_task.environment.instance_json = json.dumps({**data, "reference": "SELECT length(randomblob(200000000))"})
-    assert any("reference query fails" in p and "too big" in p for p in task_problems(sql_task))
-    many = {"schema": ["CREATE TABLE t (a)"], "rows": {"t": [[i] for i in range(200)]},
-            "reference": "SELECT * FROM t AS x, t AS y"}  # 40,000 rows
-    sql_task.environment.instance_json = json.dumps(many)
-    assert any("more than 10000 rows" in p for p in task_problems(sql_task))
+    # a value past the reference database's size limit: an error at once, not a run past the deadline; an
+    # answer of more rows than any model writes: an error, not a cross join's rows in the verifier's memory
+    env = envs.get("sql")
+    for reference, says in [("SELECT length(randomblob(200000000))", "too big"),
+                            ("SELECT * FROM t AS x, t AS y", "more than 10000 rows")]:  # 40,000 rows
+        sql_task.environment.instance_json = json.dumps({"schema": ["CREATE TABLE t (a)"], "reference": reference,
+                                                         "rows": {"t": [[i] for i in range(200)]}})
+        with pytest.raises(envs.InstanceError, match=says):
+            env.check_answer(sql_task, "1", [])
     logs = json.loads(logs_task.environment.instance_json)
     logs_task.environment.instance_json = json.dumps({**logs, "components": [logs["component"]] * 20_000})
     assert any("each once" in p for p in task_problems(logs_task))

@@ -13,7 +13,7 @@ from crucible.ml.kinds.extract import final_answer
 from crucible.ml.kinds.python_tests import program
 from crucible.ml.kinds.reasoning_gym_kind import generators, instance
 from crucible.ml.tasks import task_problems
-from crucible.shared.store.queries import shown
+from crucible.shared.text import shown
 
 
 def answer_task(kind: str, answer: str, case_sensitive: bool = False) -> task_pb2.Task:

@@ -38,7 +38,9 @@ def model_folder(folder):
     from crucible.ml.policy.tokenizer import ByteTokenizer
 
     folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                    "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                    "vocab_size": 300}))
     ByteTokenizer().save(folder)
     return folder
 
@@ -67,6 +69,10 @@ def test_a_model_folder_with_a_broken_tokenizer_or_a_link_out_of_it_is_refused(h
     (linked / "merges.txt").symlink_to(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="leads nowhere"):
         models.resolve(str(linked), home_settings)
+    (linked / "merges.txt").unlink()  # weights are read, never copied: they may live on shared storage
+    (tmp_path / "shared-weights.safetensors").write_bytes(b"")
+    (linked / "model.safetensors").symlink_to(tmp_path / "shared-weights.safetensors")
+    assert models.resolve(str(linked), home_settings) == linked
     # sizes no machine here holds: every service would die allocating it, at every restart
     huge = model_folder(tmp_path / "huge")
     (huge / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10**9, "hidden_size": 65536,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from crucible.ml.kinds.registry import Score
+from crucible.shared.text import is_unicode, valid_text
 from crucible.v1 import episode_pb2, execution_pb2, task_pb2
 
 MAX_OBSERVATION_CHARS = 2000   # an observation longer than this is cut, and says so
@@ -65,25 +66,6 @@ def cut(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:
     if len(text) <= limit:
         return text
     return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
-
-
-def valid_text(text: str) -> str:
-    """`text` with whatever UTF-8 cannot encode (a lone surrogate, from JSON's \\ud800) replaced by '?': every
-    text field of an episode is a protobuf string, which refuses such text when it is set."""
-    if text.isascii():
-        return text
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-def is_unicode(data) -> bool:
-    """Whether every string in JSON data (keys too, at any depth) is valid Unicode."""
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    except (ValueError, TypeError, RecursionError):  # not data json.loads made: the caller's checks say what
-        return True
-    return True
 
 
 class Environment(ABC):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import re
 
-from crucible.ml.envs.base import MAX_ARGUMENTS_CHARS, Call, Tool, is_unicode
+from crucible.ml.envs.base import MAX_ARGUMENTS_CHARS, Call, Tool
+from crucible.shared.text import is_unicode
 from crucible.v1 import episode_pb2
 
 FORMATS = ("hermes", "plain")

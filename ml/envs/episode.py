@@ -16,7 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from crucible.ml.envs import calls as call_parser
-from crucible.ml.envs.base import Call, Environment, Observation, cut, valid_text
+from crucible.ml.envs.base import Call, Environment, Observation, cut
+from crucible.shared.text import valid_text
 from crucible.v1 import episode_pb2, execution_pb2, rollout_pb2, task_pb2
 
 Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.ExecutionResult]]

@@ -7,8 +7,9 @@ for a terminal, every value passed through `shown`, which the CLI's other report
 from __future__ import annotations
 
 import re
-import unicodedata
 from dataclasses import dataclass
+
+from crucible.shared.text import shown
 
 
 @dataclass(frozen=True)
@@ -128,21 +129,6 @@ def run(client, name: str, **params: str) -> tuple[list[str], list[tuple]]:
                          f"not {', '.join('--' + p for p in unused)}")
     result = client.query(query.sql, parameters={p: params[p] for p in query.parameters})
     return list(result.column_names), list(result.result_rows)
-
-
-# Characters a terminal acts on instead of showing: controls (ESC starts sequences that clear the screen,
-# move the cursor or set the title; NUL, newline), formats (U+202E reverses what follows, zero-width
-# characters hide), line and paragraph separators, and lone surrogates (which cannot be printed at all).
-_UNSHOWN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
-
-
-def shown(value: object) -> str:
-    """`value` as text for a terminal: task ids, completions and alert messages come from task authors and
-    the model, so each character a terminal would act on is written as its escape (\\x1b, \\u202e, \\n)."""
-    text = str(value)
-    if text.isprintable():  # no such character (isprintable is False for each of them)
-        return text
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) in _UNSHOWN else c for c in text)
 
 
 def table(columns: list[str], rows: list[tuple], limit: int = 200) -> str:
