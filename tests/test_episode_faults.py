@@ -24,7 +24,7 @@ from crucible.ml.envs import episode as ep
 from crucible.ml.envs.lookup import Lookup
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.sft import warm_start
-from crucible.shared import bus
+from crucible.shared import bus, integrity
 
 from tests.bus_helpers import read_all
 
@@ -128,7 +128,7 @@ async def test_tool_calls_are_carried_out_once_when_the_executor_dies_in_the_mid
     run.services.env["CRUCIBLE_SANDBOX_WORKERS"] = "2"
     run.start_service("sandbox_executor")
     env = envs.get("python")
-    task = next(env.generate("train", seed=3, group_size=8))
+    task = integrity.sign_task(next(env.generate("train", seed=3, group_size=8)), integrity.key(s))  # as submitted
     codes = ["import time\ntime.sleep(6)\nprint('slow')"] + [f"print({i} * 11)" for i in range(1, 8)]
     try:
         await asyncio.sleep(8)  # the executor joins its groups
