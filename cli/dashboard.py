@@ -28,10 +28,11 @@ import socket
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
+from crucible.shared.http_server import BoundedThreadingHTTPServer
 from crucible.shared.store import queries
 
 log = logging.getLogger("crucible.dashboard")
@@ -178,30 +179,11 @@ def handler_for(dashboard: Dashboard, bound_host: str) -> type[BaseHTTPRequestHa
     return Handler
 
 
-class Server(ThreadingHTTPServer):
-    """A thread per connection, MAX_CONNECTIONS at most: past that a connection is closed at once rather
-    than given a thread (slow or idle clients would otherwise take every thread and file descriptor)."""
-
-    daemon_threads = True
+class Server(BoundedThreadingHTTPServer):
+    """The dashboard's server: MAX_CONNECTIONS at most, a connection past that closed at once."""
 
     def __init__(self, address, handler):
-        super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            return self.shutdown_request(request)
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+        super().__init__(address, handler, MAX_CONNECTIONS)
 
 
 def check_refresh(refresh_s: float) -> None:

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,6 +45,7 @@ from crucible.local.store.errors import (
 )
 from crucible.local.store.lock import DataDirLock, DataDirLocked
 from crucible.local.store.request import RequestSpec, build_spec, parse_multipart, parse_query_string
+from crucible.shared.http_server import BoundedThreadingHTTPServer
 from crucible.shared.store.sqltext import split_insert
 
 log = logging.getLogger("crucible.store")
@@ -82,10 +83,9 @@ def content_type_for(fmt: str) -> str:
     return "text/plain; charset=UTF-8"
 
 
-class StoreServer(ThreadingHTTPServer):
+class StoreServer(BoundedThreadingHTTPServer):
     """A threading HTTP server that owns the engine and counts in-flight requests for a clean stop."""
 
-    daemon_threads = True  # idle keep-alive connections must not delay shutdown
     allow_reuse_address = True
     request_queue_size = 128
 
@@ -98,11 +98,10 @@ class StoreServer(ThreadingHTTPServer):
         # set, every query must carry it (HTTP basic auth, X-ClickHouse-User/Key, or user/password).
         self.user = os.environ.get("CRUCIBLE_STORE_USER") or "default"
         self.password = os.environ.get("CRUCIBLE_STORE_PASSWORD", "")
-        self._connections = threading.BoundedSemaphore(max_connections)
         self._active = 0
         self._idle = threading.Condition()
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, StoreRequestHandler)
+        super().__init__(address, StoreRequestHandler, max_connections)
 
     def authorized(self, headers, pairs: list[tuple[str, str]]) -> bool:
         if not self.password:
@@ -120,34 +119,21 @@ class StoreServer(ThreadingHTTPServer):
         return hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
             (key or "").encode(), self.password.encode())
 
-    # Connection cap: a flood of sockets gets a quick 503 instead of a thread each.
-    def process_request(self, request, client_address):
-        if not self._connections.acquire(blocking=False):
-            try:
-                error = StoreError(202, "too many open connections to the store", http_status=503)
-                body = error.body(self.engine.version)
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
-                    b"Content-Type: text/plain; charset=UTF-8\r\nX-ClickHouse-Exception-Code: 202\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-                )
-            except OSError:
-                pass
-            finally:
-                # No lingering here: this runs on the accept loop, which must not wait on a client.
-                self.close_request(request)
-            return
+    def refuse(self, request) -> None:
+        """Past the connection cap: a quick 503, not a thread."""
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._connections.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
+            error = StoreError(202, "too many open connections to the store", http_status=503)
+            body = error.body(self.engine.version)
+            request.sendall(
+                b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
+                b"Content-Type: text/plain; charset=UTF-8\r\nX-ClickHouse-Exception-Code: 202\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            )
+        except OSError:
+            pass
         finally:
-            self._connections.release()
+            # No lingering here: this runs on the accept loop, which must not wait on a client.
+            self.close_request(request)
 
     def shutdown_request(self, request):
         """Close like nginx's lingering close: after our last byte, read and discard what the client
