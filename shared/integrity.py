@@ -10,6 +10,12 @@ MACs (HMAC-SHA256 with the deployment's integrity key) close that:
 - an **execution result** is sealed by the sandbox that produced it, over the result and a digest of
   the job it ran (code, tests, prelude, limits); the verifier rebuilds the job from the signed task
   and the completion, and refuses a result that is not sealed, was changed, or belongs to another job;
+- the **samples**: a rollout group (crucible.rollouts, and inside crucible.executions) is signed by the
+  generator that sampled it, and an episode (crucible.actions, .observations, .episodes) by whichever
+  service sent it on: the generator after each turn, the sandbox after each observation. The sandbox,
+  the verifier and the generator refuse one nobody holding the key sent (`check_sampled`). Otherwise a
+  record on those topics would put tokens the policy never sampled, with log-probs of the writer's
+  choosing, into training: a correct answer carrying a payload would be paid, and learned;
 - the **rewards** themselves: a group's verdicts (crucible.verdicts) are signed by the verifier and the
   aggregator refuses any it did not sign; each trajectory (crucible.trajectories, reward and advantage
   in it) is signed by the aggregator and the learner refuses any it did not sign. Otherwise a record
@@ -27,7 +33,7 @@ import os
 import secrets
 from pathlib import Path
 
-from crucible.v1 import execution_pb2, policy_pb2, task_pb2, trajectory_pb2, verdict_pb2
+from crucible.v1 import episode_pb2, execution_pb2, policy_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
 
 KEY_BYTES = 32
 
@@ -75,10 +81,11 @@ def _mac(secret: bytes, domain: bytes, body: bytes) -> bytes:
     return hmac.new(secret, domain + b"\0" + body, hashlib.sha256).digest()
 
 
-# --- signed messages: tasks, policy versions ---------------------------------------------------------
+# --- signed messages: tasks, policy versions, samples, rewards ---------------------------------------
 
 # Messages with a `signature` field, signed by whoever publishes them (bus.Producer, as it sends).
-SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion, verdict_pb2.VerdictGroup, trajectory_pb2.Trajectory)
+SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion, rollout_pb2.RolloutGroup, episode_pb2.Episode,
+          verdict_pb2.VerdictGroup, trajectory_pb2.Trajectory)
 
 
 def _body(message) -> bytes:
@@ -115,6 +122,24 @@ def check_task(task: task_pb2.Task, secret: bytes) -> None:
     if not signed_correctly(task, secret):
         raise IntegrityError(f"task {task.id!r}: its signature does not match (changed after signing, or "
                              "signed with another key)")
+
+
+def check_sampled(message: rollout_pb2.RolloutGroup | episode_pb2.Episode, secret: bytes) -> None:
+    """IntegrityError unless a rollout group or episode is exactly as a service holding the key sent it
+    (its samples a generator's, an episode's observations a sandbox's), and its task a trusted submitter's."""
+    if isinstance(message, rollout_pb2.RolloutGroup):
+        what, by = f"rollout group {message.group_id[:200]!r}", "a generator"
+    else:
+        what, by = f"episode {message.id[:200]!r}", "a generator or sandbox"
+    if not message.signature:
+        raise IntegrityError(f"{what} is not signed: only {by} holding the deployment's key makes samples")
+    if not signed_correctly(message, secret):
+        raise IntegrityError(f"{what}: its signature does not match (changed after it was sent, or signed "
+                             "with another key)")
+    try:
+        check_task(message.task, secret)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{what}: {exc}") from None
 
 
 def check_policy(policy: policy_pb2.PolicyVersion, secret: bytes) -> None:

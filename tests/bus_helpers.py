@@ -1,5 +1,8 @@
-"""What several tests do with the bus: read a topic from its start to its end."""
+"""What several tests do with the bus: read a topic from its start to its end; write a record as someone
+without the deployment's key would."""
 from __future__ import annotations
+
+from aiokafka import AIOKafkaProducer
 
 from crucible.shared import bus
 
@@ -14,3 +17,14 @@ async def read_all(settings, topic: str) -> list:
             out += [i.message for i in batch]
             if not batch and await reader.at_end():
                 return out
+
+
+async def publish_unsigned(settings, topic: str, message, key: bytes) -> None:
+    """Writes `message` as it is, headers and all, with a plain client: no Crucible producer signs it."""
+    raw = AIOKafkaProducer(**bus.connection(settings))
+    await raw.start()
+    try:
+        await raw.send_and_wait(settings.topic(topic), message.SerializeToString(), key=key,
+                                headers=bus.publish_headers(message))
+    finally:
+        await raw.stop()

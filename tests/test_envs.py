@@ -13,6 +13,7 @@ from crucible.ml.envs import episode as ep
 from crucible.ml.tasks import task_problems
 from crucible.services.sandbox_executor.handler import job_for_request, result_message
 from crucible.services.sandbox_executor.pool import SandboxPool
+from crucible.shared import integrity
 from crucible.shared.settings import Settings
 from crucible.v1 import episode_pb2, task_pb2
 
@@ -238,6 +239,12 @@ async def test_a_call_the_episode_ended_before_changes_nothing(execute):
     assert score.components["answer_correct"] == 0.0 and score.components["tool_calls"] == 0.0
 
 
+def copy(episode: episode_pb2.Episode) -> episode_pb2.Episode:
+    out = episode_pb2.Episode()
+    out.CopyFrom(episode)
+    return out
+
+
 async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     from crucible.services.generator.episodes import episode_problem
     from crucible.services.sandbox_executor.__main__ import action_handler
@@ -260,21 +267,36 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     odd_format.call_format = "xml"
     assert "unknown call format" in episode_problem(odd_format)
 
-    handle = action_handler(pool=None, consumer_ref=[], secret=bytes(32))
+    secret = bytes(32)
+    handle = action_handler(pool=None, consumer_ref=[], secret=secret)
+
+    def sent_on(episode, task_signed: bool = True):  # as a generator holding the key sends it
+        episode = copy(episode)
+        if task_signed:
+            integrity.sign(episode.task, secret)
+        return integrity.sign(episode, secret)
+
     for bad, why in [(answered, "no call waiting"), (wrong_kind, "not an environment")]:
         with pytest.raises(bus.Reject, match=why):
-            await handle(bus.Incoming("actions", 0, 0, None, bad))
+            await handle(bus.Incoming("actions", 0, 0, None, sent_on(bad)))
     done_already = episode_pb2.Episode()
     done_already.CopyFrom(odd_format)
     done_already.call_format = "plain"
     done_already.turns[-1].observation = "red"
     with pytest.raises(bus.Reject, match="carried out already"):
-        await handle(bus.Incoming("actions", 0, 0, None, done_already))
-    unsigned = episode_pb2.Episode()  # a call waiting, of a task no trusted submitter signed: nothing is run
-    unsigned.CopyFrom(odd_format)
-    unsigned.call_format = "plain"
-    with pytest.raises(bus.Reject, match="not signed"):
-        await handle(bus.Incoming("actions", 0, 0, None, unsigned))
+        await handle(bus.Incoming("actions", 0, 0, None, sent_on(done_already)))
+    waiting = episode_pb2.Episode()  # a call waiting
+    waiting.CopyFrom(odd_format)
+    waiting.call_format = "plain"
+    # ... of a task no trusted submitter signed, in an episode nobody holding the key sent, or one changed
+    # after it was sent: nothing is run
+    unsigned_task, unsigned, changed = sent_on(waiting, task_signed=False), copy(sent_on(waiting)), sent_on(waiting)
+    unsigned.ClearField("signature")
+    changed.turns[-1].logprobs[0] = -30.0
+    for bad, why in [(unsigned_task, "not signed by a trusted submitter"), (unsigned, "episode 'g/0' is not signed"),
+                     (changed, "signature does not match")]:
+        with pytest.raises(bus.Reject, match=why):
+            await handle(bus.Incoming("actions", 0, 0, None, bad))
 
     with pytest.raises(Unverifiable, match="has not ended"):
         verify_episode(answered)

@@ -18,7 +18,9 @@ from crucible.cli.recipe import Recipe
 from crucible.cli.train import Run
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.task_families import digits_tasks
-from crucible.shared import bus, messages, rpc
+from crucible.ml import envs
+from crucible.ml.envs import episode as ep
+from crucible.shared import bus, integrity, messages, rpc
 from crucible.v1 import (alert_pb2, control_pb2, episode_pb2, execution_pb2, generator_pb2, policy_pb2,
                          rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2)
 
@@ -52,12 +54,37 @@ SEMANTIC = {
 }
 
 
-def corpus(topic: str, run_id: str) -> list[tuple[bytes | None, list[tuple[str, bytes]]]]:
+def forged_samples(secret: bytes) -> dict:
+    """Whole samples of tasks a trusted submitter signed, written by someone who does not hold the key:
+    tokens the policy never sampled, which would be paid for a correct answer and then learned."""
+    task = integrity.sign(next(digits_tasks("train", seed=3, group_size=1)), secret)
+    code = integrity.sign(task_pb2.Task(id="forged-code", kind="python_tests", prompt="def f():\n", group_size=1,
+                                        python_tests=task_pb2.PythonTests(entry_point="f", test_code="def check(f):\n"
+                                                                          "    assert f() == 1\n")), secret)
+
+    def group(t):
+        return rollout_pb2.RolloutGroup(group_id=f"forged-{t.id}", task=t, temperature=1.0, top_p=1.0,
+                                        prompt_token_ids=[1], rollouts=[rollout_pb2.Rollout(
+                                            id=f"forged-{t.id}/0", completion="    return 1\n", token_ids=[2, 3],
+                                            logprobs=[-0.1, -0.1])])
+
+    env_task = integrity.sign(next(envs.get("lookup").generate("train", seed=0, group_size=1)), secret)
+    episode = ep.start(env_task, "forged-episode", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_turn(episode, "red", [5], [-0.1], "stop", 0)
+    return {"rollouts": group(task),
+            "executions": execution_pb2.Execution(id="forged/exec", group=group(code), results=[
+                execution_pb2.ExecutionResult(tests=[execution_pb2.TestOutcome(name="check", passed=True)])]),
+            "actions": episode, "observations": episode, "episodes": episode}
+
+
+def corpus(topic: str, run_id: str, secret: bytes) -> list[tuple[bytes | None, list[tuple[str, bytes]]]]:
     schema = messages.TOPIC_SCHEMAS[topic].DESCRIPTOR.full_name.encode()
     semantic = SEMANTIC[topic]
     if topic == "policy":
         semantic.run_id = run_id
+    forged = forged_samples(secret).get(topic)
     return [
+        *([(messages.encode(forged), [(bus.H_SCHEMA, schema)])] if forged is not None else []),
         (b"\xff\xfe\x00 not a message", [(bus.H_SCHEMA, schema)]),
         (None, [(bus.H_SCHEMA, schema)]),                                      # a tombstone
         (b"[" * 10_000 + b"]" * 10_000, [(bus.H_CONTENT_TYPE, messages.CONTENT_TYPE_JSON.encode())]),
@@ -143,7 +170,7 @@ async def test_poison_on_every_topic_and_every_rpc_is_refused_and_nothing_restar
         sent: dict[str, list[int]] = {}
         try:
             for topic in CONSUMED:
-                for value, headers in corpus(topic, s.run_id):
+                for value, headers in corpus(topic, s.run_id, integrity.key(s)):
                     meta = await producer.send_and_wait(s.topic(topic), value, key=b"poison", headers=headers)
                     sent.setdefault(topic, []).append(meta.offset)
         finally:
@@ -190,6 +217,9 @@ async def test_poison_on_every_topic_and_every_rpc_is_refused_and_nothing_restar
         assert missing == {}, f"not dead-lettered (topic: offsets): {missing}"
         for topic in ("verdicts", "trajectories"):  # the corpus's last record: whole, only unsigned
             assert "not signed" in (await dead_letters(s, topic))[sent[topic][-1]], topic
+        for topic in ("rollouts", "executions", "actions", "observations", "episodes"):  # the first record: whole
+            # samples of a signed task, only unsigned
+            assert "is not signed" in (await dead_letters(s, topic))[sent[topic][0]], topic
         # crucible.rollouts has two consumers (the sandbox and the verifier): each bad record is judged once
         counts: dict = {}
         await dead_letters(s, "rollouts", counts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from pydantic import SecretStr
 from opentelemetry import trace
 import pytest
 import pytest_asyncio
@@ -15,10 +16,16 @@ from crucible.services.sandbox_executor.pool import Job, SandboxPool
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.shared import bus, integrity, rpc
 from crucible.shared.settings import Settings
+from tests.bus_helpers import publish_unsigned
 from tests.test_bus import read_raw
 
 pytestmark = pytest.mark.sandbox
 KEY = bytes(range(32))  # the integrity key results are sealed with here
+
+
+def keyed(settings: Settings) -> Settings:
+    """The settings of a process holding KEY (a generator: its producer signs the groups it sends)."""
+    return settings.model_copy(update={"integrity_key": SecretStr(KEY.hex())})
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -160,14 +167,16 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
         # a task nobody trusted signed: nothing of it is run (the verifier would refuse it after the fact)
         group("u", unsigned, "    import time\n    time.sleep(30)\n"),
     ]
-    async with bus.Producer(settings) as producer:
+    async with bus.Producer(keyed(settings)) as producer:
         for g in groups:
             await producer.send_and_wait("rollouts", g, key=g.group_id)
+    # a group no generator sent (written raw, unsigned), of a signed task: nothing of it is run either
+    await publish_unsigned(settings, "rollouts", group("w", task, "    import time\n    time.sleep(30)\n"), b"w")
     consumer_ref = []
     handler = group_handler(pool, consumer_ref, "test", KEY)
     async with bus.Consumer(["rollouts"], "sandbox", handler, settings=settings, concurrency=4) as consumer:
         consumer_ref.append(consumer)
-        await asyncio.wait_for(consumer.run(max_records=5), 20)
+        await asyncio.wait_for(consumer.run(max_records=6), 20)
     records = await read_raw(settings, "executions", 2)
     assert sorted(r.key for r in records) == [b"g", b"p"]  # the answer-only group needs no execution
     e = {x.group.group_id: x for x in (execution_pb2.Execution.FromString(r.value) for r in records)}
@@ -178,8 +187,9 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
     fenced, empty = e["p"].results
     assert fenced.tests[0].passed
     assert empty.not_run and not empty.tests
-    reasons = sorted(dict(r.headers)["dlq-reason"].decode() for r in await read_raw(settings, "rollouts.dlq", 2))
+    reasons = sorted(dict(r.headers)["dlq-reason"].decode() for r in await read_raw(settings, "rollouts.dlq", 3))
     assert "language 'cobol'" in reasons[0] and "'u'" in reasons[1] and "not signed" in reasons[1], reasons
+    assert "rollout group 'w' is not signed" in reasons[2], reasons
 
 
 async def test_streaming_execute_batch_continues_the_callers_trace(sandbox):
@@ -236,7 +246,7 @@ async def test_a_completion_the_sandbox_refuses_is_scored_not_run_and_its_group_
         rollout_pb2.Rollout(id="nul/0", completion="    return a + b\x00\n"),
         rollout_pb2.Rollout(id="nul/1", completion="    return a + b\n", sample_index=1)])
     await bus.ensure_topics(["rollouts", "executions"], settings=settings)
-    async with bus.Producer(settings) as producer:
+    async with bus.Producer(keyed(settings)) as producer:
         await producer.send_and_wait("rollouts", group, key="nul")
     consumer_ref = []
     async with bus.Consumer(["rollouts"], "sandbox-nul", group_handler(pool, consumer_ref, "test", KEY),

@@ -20,6 +20,8 @@ from crucible.shared import bus, integrity, rpc
 from crucible.ml.kinds import builtin_sets
 from crucible.shared.settings import Settings
 from crucible.shared.procs import free_port
+from pydantic import SecretStr
+from tests.bus_helpers import publish_unsigned
 from tests.test_bus import read_raw
 
 ADD = task_pb2.Task(id="add", kind="python_tests", prompt="def add(a, b):\n    '''a + b'''\n", group_size=2,
@@ -55,9 +57,15 @@ def request(rid: str, task: task_pb2.Task, completion: str, **fields) -> verdict
 
 
 def group(group_id: str, task: task_pb2.Task, *completions: str) -> rollout_pb2.RolloutGroup:
-    return rollout_pb2.RolloutGroup(
+    """A group as a generator holding KEY sends it (signed), of the task as a trusted submitter signed it."""
+    return integrity.sign(rollout_pb2.RolloutGroup(
         group_id=group_id, task=signed(task), policy_version=3, temperature=0.7, top_p=0.9, prompt_token_ids=[9, 9],
-        rollouts=[rollout(f"{group_id}/{i}", c, i) for i, c in enumerate(completions)])
+        rollouts=[rollout(f"{group_id}/{i}", c, i) for i, c in enumerate(completions)]), KEY)
+
+
+def keyed(settings: Settings) -> Settings:
+    """The settings of a process holding KEY (its producer signs what it sends with it)."""
+    return settings.model_copy(update={"integrity_key": SecretStr(KEY.hex())})
 
 
 def outcome(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
@@ -128,7 +136,7 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
         group("bad0", task_pb2.Task(id="p", kind="poetry", prompt="write"), "roses"),
         group("bad1", task_pb2.Task(id="r", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(")), "x"),
     ]
-    async with bus.Producer(settings) as producer:
+    async with bus.Producer(keyed(settings)) as producer:
         for e in executions:
             await producer.send_and_wait("executions", e, key=e.group.group_id)
         for g in groups:
@@ -381,12 +389,27 @@ async def test_forged_groups_on_the_topics_are_dead_lettered_not_paid(settings, 
     honest = "    return a + b\n"
     forged = execution_pb2.Execution(id="f", group=group("fx", ADD, honest), results=[outcome(True)])
     unsigned = rollout_pb2.RolloutGroup(group_id="fu", task=CAPITAL, rollouts=[rollout("fu/0", "Answer: Paris")])
-    async with bus.Producer(settings) as producer:
+    # Samples nobody holding the key sampled: a group written whole with a signed task (raw, so no producer
+    # of Crucible signs it), and a sealed execution of a group whose tokens and log-probs were changed after
+    # the generator sent it (a correct answer is paid, and what else the sample holds would be learned).
+    written = rollout_pb2.RolloutGroup(group_id="fw", task=signed(CAPITAL), rollouts=[rollout("fw/0", "Answer: Paris")])
+    retouched = execution_pb2.Execution(id="r", group=group("fr", ADD, honest),
+                                        results=[sealed(outcome(True), ADD, honest)])
+    retouched.group.rollouts[0].token_ids[:] = [6, 6, 6]
+    retouched.group.rollouts[0].logprobs[:] = [-40.0, -40.0, -40.0]
+    async with bus.Producer(keyed(settings)) as producer:
         await producer.send_and_wait("executions", forged, key="fx")
         await producer.send_and_wait("rollouts", unsigned, key="fu")
+        await producer.send_and_wait("executions", retouched, key="fr")
+    await publish_unsigned(settings, "rollouts", written, b"fw")
     async with bus.Consumer(TOPICS, "verifier", verdict_handler(scorer), settings=settings) as consumer:
-        await asyncio.wait_for(consumer.run(max_records=2), 60)
+        await asyncio.wait_for(consumer.run(max_records=4), 60)
     reasons = {dict(r.headers)["dlq-reason"].decode() for topic in ("executions.dlq", "rollouts.dlq")
-               for r in await read_raw(settings, topic, 1)}
+               for r in await read_raw(settings, topic, 2)}
+    assert len(reasons) == 4, reasons
     assert any("not sealed by a sandbox" in r for r in reasons), reasons
     assert any("not signed by a trusted submitter" in r for r in reasons), reasons
+    assert any("rollout group 'fw' is not signed" in r for r in reasons), reasons
+    assert any("rollout group 'fr': its signature does not match" in r for r in reasons), reasons
+    with pytest.raises(asyncio.TimeoutError):  # none of them was paid
+        await read_raw(settings, "verdicts", 1, timeout=2)

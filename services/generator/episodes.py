@@ -13,7 +13,7 @@ from crucible.ml import envs
 from crucible.ml.envs import calls
 from crucible.ml.envs import episode as ep
 from crucible.services.generator.batcher import Batcher
-from crucible.shared import bus
+from crucible.shared import bus, integrity
 from crucible.shared.settings import Settings
 from crucible.v1 import episode_pb2, task_pb2
 
@@ -60,10 +60,16 @@ def episode_problem(episode: episode_pb2.Episode) -> str | None:
 
 def continue_handler(settings: Settings, batcher: Batcher, params):
     """crucible.observations -> the next turn. Turns of running episodes never wait for the lag bound:
-    the episode was admitted when its task was."""
+    the episode was admitted when its task was. Only an episode a sandbox sent on (its observation)
+    is continued: no turn is sampled after, nor trained on, transcripts someone else wrote."""
+    secret = integrity.key(settings)
 
     async def handle(incoming: bus.Incoming):
         episode = incoming.message
+        try:
+            integrity.check_sampled(episode, secret)
+        except integrity.IntegrityError as exc:
+            raise bus.Reject(str(exc)) from None
         problem = episode_problem(episode)
         if problem:
             raise bus.Reject(problem)

@@ -81,10 +81,10 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
         group = incoming.message
         if not needs_execution(group):
             return []  # answer-only kinds go straight from rollouts to the verifier
-        try:  # nothing of a task no trusted submitter signed is run (the verifier would refuse it after)
-            integrity.check_task(group.task, secret)
+        try:  # nothing is run that no generator sampled, of a task no trusted submitter signed (the verifier
+            integrity.check_sampled(group, secret)  # would refuse it after)
         except integrity.IntegrityError as exc:
-            raise bus.Reject(f"group {group.group_id[:200]!r}: {exc}") from None
+            raise bus.Reject(str(exc)) from None
         try:
             results = await asyncio.gather(*(run_one(group.task, r) for r in group.rollouts))
         except (JobRejected, ValueError) as exc:  # the task asks for something no job can be (its language, ...)
@@ -109,16 +109,16 @@ def action_handler(pool: SandboxPool, consumer_ref: list, secret: bytes):
 
     async def handle(incoming: bus.Incoming):
         episode = incoming.message
+        try:  # as for rollout groups: nothing is run that a generator did not send, of a task no trusted
+            integrity.check_sampled(episode, secret)  # submitter signed
+        except integrity.IntegrityError as exc:
+            raise bus.Reject(str(exc)) from None
         if not envs.is_environment(episode.task):
             raise bus.Reject(f"episode {episode.id!r}: task kind {episode.task.kind!r} is not an environment")
         if not episode.turns or not episode.turns[-1].HasField("call") or episode.end:
             raise bus.Reject(f"episode {episode.id!r} has no call waiting for an observation")
         if episode.turns[-1].observation or episode.turns[-1].call_failed:
             raise bus.Reject(f"episode {episode.id!r}: its last call was carried out already")
-        try:  # as for rollout groups: nothing of a task no trusted submitter signed is run
-            integrity.check_task(episode.task, secret)
-        except integrity.IntegrityError as exc:
-            raise bus.Reject(f"episode {episode.id[:200]!r}: {exc}") from None
         env = envs.get(episode.task.kind)
         try:
             await ep.act(env, episode, execute)

@@ -30,8 +30,8 @@ def verdict_handler(scorer: ScorerPool):
     async def handle(incoming: bus.Incoming):
         if isinstance(incoming.message, episode_pb2.Episode):
             episode = incoming.message
-            try:
-                integrity.check_task(episode.task, scorer.secret)
+            try:  # its turns a generator's and its observations a sandbox's, its task a trusted submitter's
+                integrity.check_sampled(episode, scorer.secret)
             except integrity.IntegrityError as exc:
                 raise bus.Reject(f"episode {episode.id!r}: {exc}") from exc
             try:
@@ -42,7 +42,11 @@ def verdict_handler(scorer: ScorerPool):
             return [bus.Outgoing("verdicts", verdict_pb2.VerdictGroup(verdicts=[verdict]), key=episode.group_id)]
         try:
             requests = handler.requests_for(incoming.message)
+            if requests:  # (a group to be run first is the sandbox's to refuse, once)
+                integrity.check_sampled(handler.group_of(incoming.message), scorer.secret)
             verdicts = await scorer.verify_group(requests)
+        except integrity.IntegrityError as exc:
+            raise bus.Reject(str(exc)) from exc
         except handler.Unverifiable as exc:
             raise bus.Reject(str(exc)) from exc
         if not verdicts:

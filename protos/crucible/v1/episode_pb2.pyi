@@ -26,7 +26,7 @@ EPISODE_END_TOKEN_LIMIT: EpisodeEnd
 EPISODE_END_DONE: EpisodeEnd
 
 class Episode(_message.Message):
-    __slots__ = ("id", "group_id", "index", "group_size", "task", "prompt_token_ids", "turns", "temperature", "top_p", "end", "generator_id", "backend", "sample_ms", "call_format", "created_at")
+    __slots__ = ("id", "group_id", "index", "group_size", "task", "prompt_token_ids", "turns", "temperature", "top_p", "end", "generator_id", "backend", "sample_ms", "call_format", "created_at", "signature")
     ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Episode(_message.Message):
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     id: str
     group_id: str
     index: int
@@ -57,7 +58,8 @@ class Episode(_message.Message):
     sample_ms: float
     call_format: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., group_size: _Optional[int] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., end: _Optional[_Union[EpisodeEnd, str]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., call_format: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., group_size: _Optional[int] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., end: _Optional[_Union[EpisodeEnd, str]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., call_format: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Turn(_message.Message):
     __slots__ = ("token_ids", "logprobs", "text", "policy_version", "finish_reason", "call", "observation", "call_failed", "observation_token_ids", "execution_ms")

@@ -26,17 +26,17 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from crucible.v1 import task_pb2 as crucible_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/rollout.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16\x63rucible/v1/task.proto\"\xa9\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x11.crucible.v1.Task\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12&\n\x08rollouts\x18\x07 \x03(\x0b\x32\x14.crucible.v1.Rollout\x12\x14\n\x0cgenerator_id\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x11\n\tsample_ms\x18\n \x01(\x01\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x96\x01\n\x07Rollout\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.crucible.v1.FinishReason*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/rollout.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16\x63rucible/v1/task.proto\"\xbc\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x1f\n\x04task\x18\x02 \x01(\x0b\x32\x11.crucible.v1.Task\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12&\n\x08rollouts\x18\x07 \x03(\x0b\x32\x14.crucible.v1.Rollout\x12\x14\n\x0cgenerator_id\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x11\n\tsample_ms\x18\n \x01(\x01\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tsignature\x18\x0c \x01(\x0c\"\x96\x01\n\x07Rollout\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.crucible.v1.FinishReason*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crucible.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=552
-  _globals['_FINISHREASON']._serialized_end=672
+  _globals['_FINISHREASON']._serialized_start=571
+  _globals['_FINISHREASON']._serialized_end=691
   _globals['_ROLLOUTGROUP']._serialized_start=100
-  _globals['_ROLLOUTGROUP']._serialized_end=397
-  _globals['_ROLLOUT']._serialized_start=400
-  _globals['_ROLLOUT']._serialized_end=550
+  _globals['_ROLLOUTGROUP']._serialized_end=416
+  _globals['_ROLLOUT']._serialized_start=419
+  _globals['_ROLLOUT']._serialized_end=569
 # @@protoc_insertion_point(module_scope)

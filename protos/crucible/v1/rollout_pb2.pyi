@@ -23,7 +23,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("group_id", "task", "policy_version", "temperature", "top_p", "prompt_token_ids", "rollouts", "generator_id", "backend", "sample_ms", "created_at")
+    __slots__ = ("group_id", "task", "policy_version", "temperature", "top_p", "prompt_token_ids", "rollouts", "generator_id", "backend", "sample_ms", "created_at", "signature")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class RolloutGroup(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     task: _task_pb2.Task
     policy_version: int
@@ -46,7 +47,8 @@ class RolloutGroup(_message.Message):
     backend: str
     sample_ms: float
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, group_id: _Optional[str] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, group_id: _Optional[str] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Rollout(_message.Message):
     __slots__ = ("id", "sample_index", "completion", "token_ids", "logprobs", "finish_reason")
