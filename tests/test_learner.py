@@ -65,6 +65,51 @@ def test_importance_ratio_is_one_on_fresh_samples_at_their_temperature_and_top_p
     assert abs(wrong.metrics["mismatch_kl"]) > 0.05
 
 
+def test_reference_log_probs_read_ahead_make_the_very_step_the_step_makes_itself():
+    """ReferenceAhead reads groups through the reference as they arrive (one pass for whatever is
+    queued); a step given them takes the same update as one that reads the reference itself, and a
+    micro-batch with a sample they lack reads its own."""
+    from crucible.services.learner.reference import ReferenceAhead
+
+    groups = {g: trajectories_for(g, 0, [1, 0, 1, 0], temperature=0.7, top_p=0.9) for g in ("a", "b", "c")}
+    warm = fresh_trainer(epochs=1, kl_coef=0.5)
+    warm.step([t for g in groups.values() for t in g])  # the policy now differs from its reference: KL > 0
+    later = {g: trajectories_for(g, 1, [0, 1, 1, 0]) for g in ("d", "e")}
+    batch = [t for g in later.values() for t in g]
+    twins = []
+    for _ in range(3):
+        twin = Trainer(fresh_policy(SEED), RunConfig(seed=SEED, epochs=1, kl_coef=0.5, micro_batch_size=4),
+                       reference=warm.reference, version=1)
+        twin.model.load_state_dict(warm.model.state_dict())
+        twin.optimizer.load_state_dict(warm.optimizer.state_dict())
+        twins.append(twin)
+    inline, ahead_trainer, partial = twins
+    ahead = ReferenceAhead(ahead_trainer)
+    try:
+        for g, samples in later.items():
+            ahead.submit(g, samples)
+        ahead.submit("d", later["d"])  # given again: read once
+        reference = ahead.take(list(later))
+    finally:
+        ahead.close()
+    assert sorted(reference) == sorted(t.id for t in batch)
+    assert ahead.take(["d"]) == {}  # taken: forgotten
+    expected = inline.step(batch)
+    assert abs(expected.metrics["kl"]) > 1e-4
+    got = ahead_trainer.step(batch, reference=reference)
+    lacking = partial.step(batch, reference={k: v for k, v in reference.items() if k != "e/3"})
+    for result in (got, lacking):
+        for key in ("loss", "kl", "grad_norm", "ratio_mean"):
+            assert result.metrics[key] == pytest.approx(expected.metrics[key], rel=1e-5, abs=1e-7), key
+    for twin in (ahead_trainer, partial):  # the step's gradients (Adam's update of a near-zero one is noise)
+        for a, b in zip(inline.model.parameters(), twin.model.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+    # a reference log-prob that is not the reference's changes the step: the ones given are used
+    skewed = {k: v - 1.0 for k, v in reference.items()}
+    assert Trainer(fresh_policy(SEED), RunConfig(seed=SEED, epochs=1, kl_coef=0.5), reference=warm.reference,
+                   version=1).step(batch, reference=skewed).metrics["kl"] != pytest.approx(expected.metrics["kl"])
+
+
 def test_a_batch_lays_out_each_sample_where_the_loss_reads_it():
     """completion_batch, row by row: prompt then completion from column 0, padded after; position t
     (scoring token t + 1) holds a completion token's sampling log-prob and its loss weight (an

@@ -18,6 +18,7 @@ from crucible.ml.policy.checkpoint import fresh_policy, load_checkpoint, path_fr
 from crucible.services.learner import checkpoints
 from crucible.services.learner.groups import Buffered, GroupBuffer, informative, sample_problem
 from crucible.services.learner.monitors import HealthMonitor
+from crucible.services.learner.reference import ReferenceAhead
 from crucible.services.learner.ranks import IDLE_BEAT_S, Ranks
 from crucible.services.learner.rows import record_alert, record_steps, step_entry
 from crucible.services.learner.trainer import StepResult, Trainer
@@ -165,6 +166,7 @@ class Learner:
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
                                       offsets={"evaluations": {}}, dead_letters=False)
         self.buffer = GroupBuffer()
+        self.ahead = ReferenceAhead(trainer)  # whole groups read through the reference as they arrive
         self.uninformative: list[list[Buffered]] = []  # filtered by dynamic sampling, counted with the next step
         self.duplicates = 0  # samples not buffered because they were trained on already
         self.monitor = HealthMonitor(settings.run_id, kl_limit=settings.detect_kl_limit,
@@ -178,7 +180,10 @@ class Learner:
         self.handing_over: asyncio.Future | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self._run(stop)
+        try:
+            await self._run(stop)
+        finally:
+            await asyncio.to_thread(self.ahead.close)
         # Stopped as asked: the other ranks (if any) stop too. After a failure (a rank died) they learn it from
         # the broken collective instead.
         try:
@@ -226,6 +231,8 @@ class Learner:
                         continue
                     self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
                                              incoming.offset, incoming.context))
+                if fetched:
+                    self._read_ahead()
                 while (batch := self._next_batch()) is not None:
                     await self._step(*batch)
                     self.beat = time.monotonic()
@@ -236,6 +243,15 @@ class Learner:
                     self.handing_over = asyncio.ensure_future(self._record())
             await self._handed_over()  # the last version announced, recorded and committed before the reader closes
             await self._record(due=True)
+
+    def _read_ahead(self) -> None:
+        """Whole groups a step may train on go through the reference now, beside the step before
+        (reference.py); those dynamic sampling will filter, or too stale to train on, do not."""
+        for group_id in self.buffer.ready():
+            samples = [m.sample for m in self.buffer.groups[group_id]]
+            if (not self.settings.dynamic_sampling or informative(samples)) and \
+                    any(self.trainer.fresh_enough(s) for s in samples):
+                self.ahead.submit(group_id, samples)
 
     def _next_batch(self) -> tuple[list[list[Buffered]], list[list[Buffered]]] | None:
         """The next step's groups to train on and the uninformative ones it filtered, once there are
@@ -275,7 +291,9 @@ class Learner:
         # group's consumer span, all covering the same optimiser step.
         spans = [self.tracer.start_span("learner step", context=g[0].context) for g in groups]
         try:
-            result = await asyncio.to_thread(trainer.step, [m.sample for g in groups for m in g], flat)
+            ids = [g[0].sample.group_id for g in groups]
+            result = await asyncio.to_thread(lambda: trainer.step([m.sample for g in groups for m in g], flat,
+                                                                  self.ahead.take(ids)))
             for span in spans:
                 span.set_attribute("crucible.learner.version", trainer.version)
                 span.set_attribute("crucible.learner.stepped", result.stepped)

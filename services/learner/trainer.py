@@ -57,6 +57,7 @@ class Batch:
     temperature: torch.Tensor  # [B]
     top_p: torch.Tensor        # [B]
     prompt_lengths: torch.Tensor  # [B]: a row's prompt (read once for all the rows that share it)
+    scored: torch.Tensor       # [B, T-1] bool: the positions that score a completion token, row by row
 
 
 def model_tokens(s: trajectory_pb2.Trajectory) -> int:
@@ -88,7 +89,7 @@ def completion_batch(samples: list[trajectory_pb2.Trajectory]) -> Batch:
                  advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
                  temperature=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
                  top_p=torch.tensor([s.top_p for s in samples], dtype=torch.float32),
-                 prompt_lengths=prompt_lengths)
+                 prompt_lengths=prompt_lengths, scored=scored)
 
 
 def scheduled_lr(config: RunConfig, step: int) -> float:
@@ -157,10 +158,23 @@ class Trainer:
             return EMPTY
         return None
 
-    def step(self, samples: list[trajectory_pb2.Trajectory], uninformative: frozenset = frozenset()) -> StepResult:
+    def reference_logprobs(self, samples: list[trajectory_pb2.Trajectory]) -> dict[str, torch.Tensor]:
+        """Each sample's completion tokens' log-probs under the reference policy (sample id -> [tokens]),
+        as a step's KL term reads them: the reference never changes, so they can be worked out as soon
+        as a sample arrives, beside the step before (the learner's ReferenceAhead), not inside its own."""
+        with torch.no_grad():
+            batch = completion_batch(samples)
+            logp, _ = self._logprobs(self.reference, batch)
+            logp = logp.cpu()
+        return {s.id: logp[i][batch.scored[i]] for i, s in enumerate(samples)}
+
+    def step(self, samples: list[trajectory_pb2.Trajectory], uninformative: frozenset = frozenset(),
+             reference: dict[str, torch.Tensor] | None = None) -> StepResult:
         """Drops what cannot be trained on (counted by reason; samples of the groups named in
         `uninformative` were filtered by dynamic sampling); with anything left, takes one optimiser
         step and bumps the version. The batch's reward and pass rate count every sample given.
+        `reference`: reference log-probs worked out already (reference_logprobs); a micro-batch with a
+        sample they lack computes its own.
 
         With several ranks, rank 0's call hands the batch to the others (waiting in `follow`)."""
         if self.ranks.world > 1 and self.ranks.main:
@@ -198,7 +212,7 @@ class Trainer:
                     if epoch == 0:
                         skipped[NO_PREFERENCE] += unpaired
                 else:
-                    loss, epoch_stats, epoch_entropy = self._policy_gradient(usable)
+                    loss, epoch_stats, epoch_entropy = self._policy_gradient(usable, reference or {})
                 if epoch == 0:  # report the batch as it was sampled, before this step changed the policy
                     stats, entropy = epoch_stats, epoch_entropy
                 if loss is None:
@@ -248,7 +262,18 @@ class Trainer:
         total = self.ranks.sum([loss, entropy, *(stats[k] for k in keys)])
         return total[0], total[1], dict(zip(keys, total[2:]))
 
-    def _policy_gradient(self, samples):
+    def _reference_of(self, batch: Batch, chunk: list, reference: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A micro-batch's reference log-probs [B, T-1]: those worked out already where every sample has
+        them, else computed now."""
+        known = [reference.get(s.id) for s in chunk]
+        if all(r is not None for r in known) and sum(len(r) for r in known) == int(batch.scored.sum()):
+            ref_logp = torch.zeros(batch.scored.shape)
+            ref_logp[batch.scored] = torch.cat(known)
+            return ref_logp.to(self.ranks.device())
+        with torch.no_grad():
+            return self._logprobs(self.reference, batch)[0]
+
+    def _policy_gradient(self, samples, reference: dict[str, torch.Tensor]):
         """Forward and backward over micro-batches; gradients accumulate to those of the whole batch.
 
         Each micro-batch's token-mean loss is weighted by its share of the batch's completion tokens,
@@ -266,8 +291,7 @@ class Trainer:
             weight = float(batch.mask.sum()) / total * (scale > 0)
             with self.ranks.accumulating(self.forward_model, last=i == len(chunks) - 1):
                 logp, entropy = self._logprobs(self.forward_model, batch)
-                with torch.no_grad():
-                    ref_logp, _ = self._logprobs(self.reference, batch)
+                ref_logp = self._reference_of(batch, chunk, reference)
                 loss, chunk_stats = loss_fn(logp, old_logp, ref_logp, batch.advantages.to(mask.device), mask,
                                             clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef,
                                             entropy_coef=self.config.entropy_coef, entropy=entropy)
