@@ -162,11 +162,13 @@ class Trainer:
         """Each sample's completion tokens' log-probs under the reference policy (sample id -> [tokens]),
         as a step's KL term reads them: the reference never changes, so they can be worked out as soon
         as a sample arrives, beside the step before (the learner's ReferenceAhead), not inside its own."""
+        out = {}
         with torch.no_grad():
-            batch = completion_batch(samples)
-            logp, _ = self._logprobs(self.reference, batch)
-            logp = logp.cpu()
-        return {s.id: logp[i][batch.scored[i]] for i, s in enumerate(samples)}
+            for chunk in self.micro_batches(samples):  # no larger a pass than the step's own
+                batch = completion_batch(chunk)
+                logp = self._logprobs(self.reference, batch)[0].cpu()
+                out.update((s.id, logp[i][batch.scored[i]]) for i, s in enumerate(chunk))
+        return out
 
     def step(self, samples: list[trajectory_pb2.Trajectory], uninformative: frozenset = frozenset(),
              reference: dict[str, torch.Tensor] | None = None) -> StepResult:
