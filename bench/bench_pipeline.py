@@ -15,10 +15,13 @@ Same recipe, model, warm start, batch (groups_per_step x group_size), tokens and
     its step also copies the weights into the second model: compare its learning, not its step time);
   - pipeline: `crucible train` (generator, sandbox, verifier, aggregator, learner, evaluator as
     processes over Kafka) at max_policy_lag 0 (sync) and 1 (async), whatever the recipe says.
-Both score the held-out split every `eval_every` (10) versions; the wall time to the target counts
+Both score the held-out split every `eval_every` (10) versions, greedy answers only (the recipe's
+eval_samples is set to 0 for the pipeline: the loop draws no sampled ones); the wall time to the target counts
 from the first step to the one that produced the first version scoring it, evaluations left out (the
 pipeline's: the time that version was published, not when its evaluator, running beside it, finished). The pipeline's figures come from its report.json. A step time is a median in every
-setting: of the loop's steps, of the time between the pipeline's consecutive versions, of TRL's steps.
+setting: of the loop's steps, of the time between the pipeline's consecutive versions (those no
+evaluation overlapped, as the loop's steps hold none; the median of all of them is printed beside),
+of TRL's steps.
   - trl: TRL's GRPOTrainer (bench/trl_grpo.py) from the same starting checkpoint on the same task
     stream, reward, batch, tokens and hyperparameters, in a virtual environment of its own that
     the bench makes once under CRUCIBLE_HOME (TRL is never a dependency of the project); the
@@ -170,8 +173,11 @@ def with_setting(text: str, section: str, key: str, value) -> str:
 def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, folder: Path) -> dict:
     """`crucible train` on the recipe with this lag; figures from its report.json."""
     text = with_setting(recipe_path.read_text(), "algorithm", "max_policy_lag", lag)
+    # The loop's evaluation: greedy answers to the held-out tasks every EVAL_EVERY versions, no sampled
+    # ones (the recipe's eval_samples would have the generator draw them beside the training).
+    text = with_setting(with_setting(text, "eval", "eval_every", EVAL_EVERY), "eval", "eval_samples", 0)
     variant = folder / f"lag{lag}.toml"
-    variant.write_text(with_setting(text, "eval", "eval_every", EVAL_EVERY))
+    variant.write_text(text)
     out = subprocess.run([str(ROOT / "crucible"), "train", str(variant), "--steps", str(steps), "--seed", str(seed)],
                          capture_output=True, text=True, env=os.environ.copy(), timeout=1800)
     if out.returncode != 0:
@@ -190,11 +196,17 @@ def pipeline(recipe_path: Path, seed: int, steps: int, lag: int, target: float, 
         # after the last step, as the in-process loop scores its last step: reached at that step.
         reached = report["curve"][-1]["t"]
     # The median time between consecutive versions, as the in-process loop's step is its median: start-up
-    # (services, the first batch) and the final evaluation are in neither.
+    # (services, the first batch) and the final evaluation are in neither. The loop leaves its evaluations
+    # out of its steps; the evaluator runs beside the pipeline's, on the same two cores, so the intervals
+    # an evaluation overlapped are left out here (all of them: `step_s_all`).
     times = [point["t"] for point in report["curve"]]
-    intervals = [b - a for a, b in zip(times, times[1:])]
-    step_s = statistics.median(intervals) if intervals else report["seconds"] / max(report["steps"], 1)
-    return {"step_s": step_s, "steps": report["steps"],
+    intervals = [(a, b) for a, b in zip(times, times[1:])]
+    evaluating = [(e["t"] - e["eval_ms"] / 1000, e["t"]) for e in report["evaluations"]]
+    clear = [b - a for a, b in intervals if not any(start < b and a < end for start, end in evaluating)]
+    every = [b - a for a, b in intervals]
+    step_s_all = statistics.median(every) if every else report["seconds"] / max(report["steps"], 1)
+    step_s = statistics.median(clear) if len(clear) >= len(every) // 2 and clear else step_s_all
+    return {"step_s": step_s, "step_s_all": step_s_all, "steps": report["steps"],
             "heldout_before": report["heldout_before"], "heldout_after": report["heldout_after"],
             "to_target_s": reached, "breakdown": report.get("step_breakdown", {}),
             "cpu_ms_per_step": report.get("cpu_ms_per_step", {})}
@@ -288,7 +300,8 @@ def main() -> None:
                     result = pipeline(args.recipe, seed, args.steps, int(run == "async"), args.target, folder)
                 rows[RUNS[run]].append(result)
                 # each run's line as soon as it ends: a sweep of several seeds takes the better part of an hour
-                print(f"  seed {seed} {RUNS[run]:<24}: {result['step_s'] * 1000:6.0f} ms/step  held-out "
+                beside = f" ({result['step_s_all'] * 1000:.0f} with evaluations)" if "step_s_all" in result else ""
+                print(f"  seed {seed} {RUNS[run]:<24}: {result['step_s'] * 1000:6.0f} ms/step{beside}  held-out "
                       f"{result['heldout_before']:.3f} -> {result['heldout_after']:.3f}  to target "
                       f"{'%.1f s' % result['to_target_s'] if result['to_target_s'] is not None else 'not reached'}",
                       flush=True)

@@ -59,6 +59,9 @@ async def test_rl_loop_raises_heldout_pass_rate(stack_settings, tmp_path):
     lags = sorted(lag for lag, _ in rows)
     assert lags[len(lags) // 2] == 1.0, lags
     assert sum(stale for _, stale in rows) == 0, rows
+    # Nor were the steps fed a version early (each held by the generator until the version it asked
+    # for): most of the run's steps were.
+    assert report.tasks_fed_early >= 40 * recipe.algorithm.groups_per_step, report.tasks_fed_early
 
 
 async def test_dynamic_sampling_keeps_the_loop_fed_and_counts_what_it_filtered(stack_settings, tmp_path):
