@@ -43,9 +43,6 @@ ZYGOTE_GRACE_S = 0.2  # a job failed: how long the zygote's socket may take to s
 GONE_GRACE_S = 0.2  # a candidate that stopped answering: how long it may take to exit before it is killed
 
 
-_TR = []
-
-
 class ZygoteGone(RuntimeError):
     """The zygote exited or broke its protocol: the worker cannot prepare or reap jails any more."""
 
@@ -270,17 +267,13 @@ class Supervisor:
         while True:
             slot = self._take_slot()
             jail, problem = None, ""
-            _t0 = time.monotonic()
             try:
                 jail = self.prepare(slot)
             except ZygoteGone:
                 raise
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-            _t1 = time.monotonic()
             header = framing.read(0)
-            _t2 = time.monotonic()
-            _TR.append(("prep", _t1-_t0)); _TR.append(("readwait", _t2-_t1))
             if header is None:
                 if jail is not None:
                     jail.release()
@@ -310,12 +303,6 @@ class Supervisor:
         for h in self.harnesses:
             if h is not None:
                 h.close()
-        import collections
-        _agg = collections.defaultdict(list)
-        for k, v in _TR: _agg[k].append(v)
-        with open(f"/tmp/sbtrace-{os.getpid()}.txt", "w") as f:
-            for k, v in _agg.items():
-                v.sort(); f.write(f"{k} n={len(v)} mean={1000*sum(v)/len(v):.2f} p50={1000*v[len(v)//2]:.2f} p90={1000*v[int(len(v)*.9)]:.2f}\n")
         self.harness_cgroup.reap()  # until they have gone: the pool removes the group after this worker
 
     def _runner(self) -> None:
@@ -372,9 +359,7 @@ class Supervisor:
                 harness_ = self._harness(slot) if tested else None
                 if harness_ is not None:
                     cpu = self.job_cpus.take([jail.pid, harness_.pid])
-                _t0 = time.monotonic()
                 result, teardown = run_job(jail, job, cgroups, harness_)
-                _TR.append(("runjob", time.monotonic()-_t0))
             except Exception as exc:
                 # A job whose jail or harness died with the zygote: no jail or harness can be made or
                 # reaped any more, so the worker leaves and the pool starts a new one.
@@ -387,10 +372,8 @@ class Supervisor:
                 self._drop_harness(slot)
             result.pop("harness_finished", None)
             self.send({"job_id": job["job_id"], **result})
-            _t0 = time.monotonic()
             try:
                 teardown()
-                _TR.append(("teardown", time.monotonic()-_t0))
             except Exception:
                 jail.kill()
                 cgroups.reap()
