@@ -424,6 +424,40 @@ class FlatGroups:
             self.count += stale or not informative([m.sample for m in members])
 
 
+@dataclass
+class TaskFeed:
+    """How many training tasks `crucible train` publishes next, and the policy version each asks for
+    (min_policy_version): never more than max_policy_lag + 1 steps ahead of the version reached, plus
+    the steps fed because the learner stalled (`extra`) and a task for each group dynamic sampling
+    filtered; and, fed early, the step after those, asking for the version after the one reached."""
+
+    groups_per_step: int
+    max_policy_lag: int
+    published: int = 0  # tasks that may be sampled with the version reached (or were sampled)
+    held: int = 0  # tasks fed early, each asking for the version after the one reached
+    fed_early: int = 0
+    version: int = -1
+
+    def due(self, *, extra: int = 0, filtered: int = 0, early: bool = False) -> list[int]:
+        """The min_policy_version of each task to publish now (counted as published). A task is fed
+        because the learner reached a version: sampled with an older one, its group could be too stale
+        for the step it is meant for. A step fed because the learner stalled is wanted now: it is not held."""
+        reached = max(self.version, 0)
+        allowed = (reached + self.max_policy_lag + 1 + extra) * self.groups_per_step + filtered
+        now = max(allowed - self.published, 0)
+        ahead = max((self.groups_per_step if early else 0) - self.held, 0)
+        self.published += now
+        self.held += ahead
+        self.fed_early += ahead
+        return [reached] * now + [reached + 1] * ahead
+
+    def reached(self, version: int) -> None:
+        """The learner published `version`: the tasks fed early may be sampled from now on."""
+        if version > self.version:
+            self.version = version
+            self.published, self.held = self.published + self.held, 0
+
+
 def feeds_ahead(max_policy_lag: int, intervals: list[float]) -> bool:
     """Whether the step after the lag bound's last one is fed a version early (FEED_AHEAD_BELOW_S):
     with a lag bound, once versions are known to come well within the time the generator holds a
@@ -446,7 +480,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     trajectories = bus.Reader(["trajectories"], None, settings=s, offsets={"trajectories": {}}, dead_letters=False)
     await trajectories.start()
     started, began = time.monotonic(), time.time()
-    published = run.published
+    feed = TaskFeed(s.groups_per_step, s.max_policy_lag, published=run.published)
     version = -1
     last_step_ms = []
     # Steps' worth of tasks fed beyond the lag bound because the learner stalled: samples lost with a
@@ -466,19 +500,14 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                     extra += 1
                     last_progress = time.monotonic()
                     echo(f"      no new policy version for {stall_s:.0f}s: feeding another step's tasks")
-                # Keep the generator busy, but never more than max_policy_lag + 1 steps ahead of the learner;
-                # each group dynamic sampling filters is replaced by another task.
-                allowed = (max(version, 0) + s.max_policy_lag + 1 + extra) * s.groups_per_step + flat.count
-                early = s.groups_per_step if feeds_ahead(s.max_policy_lag, intervals[-20:]) else 0
-                while published < allowed + early:
+                # Keep the generator busy, within the lag bound (TaskFeed).
+                feed.reached(version)
+                for wanted in feed.due(extra=extra, filtered=flat.count,
+                                       early=feeds_ahead(s.max_policy_lag, intervals[-20:])):
                     task = next(run.train_tasks)
-                    # Fed because the learner reached `version`: sampled with an older one, the group
-                    # could be too stale for the step it is meant for. The step fed early waits for the
-                    # version after it.
-                    task.min_policy_version = max(version, 0) + (published >= allowed)
+                    task.min_policy_version = wanted
                     await producer.send("tasks", task, key=task.id)
-                    report.tasks_fed_early += published >= allowed
-                    published += 1
+                report.tasks_fed_early = feed.fed_early
                 for incoming in await follower.fetch(timeout_ms=500):
                     pv = incoming.message
                     if pv.version <= version:
