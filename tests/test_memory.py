@@ -38,6 +38,9 @@ def faults_a_round(keep: str) -> float:
 
 
 def test_a_service_keeps_what_it_frees_instead_of_faulting_it_in_again():
-    given_back, kept = faults_a_round("false"), faults_a_round("true")
+    # The median of three processes each, alternated: one process now and then faults twice its usual
+    # count (a CI run measured 1,025 pages kept against 3,534 given back, where 513 is usual).
+    runs = [(faults_a_round("false"), faults_a_round("true")) for _ in range(3)]
+    given_back, kept = (sorted(column)[1] for column in zip(*runs))
     # 68 MiB of tensors a round is 17,408 pages; a new thread's own stack and bookkeeping cost some either way.
     assert kept * 4 < given_back, (kept, given_back)  # 3,380 and 513 here
