@@ -12,6 +12,9 @@ HumanEval solution with its tests:
              calls the candidate's process over a pipe (harness.py); and, as a second row, each
              check as one plain program (the very file the bare runs execute: an untested job,
              one process).
+Each sandbox measurement starts a pool and, before its clock, has every worker serve a few jobs
+of the kind measured in each of its slots (WARM_JOBS_PER_WORKER): a running service's pool, not a
+cold one (a pool's start and first jobs: bench_sandbox_cold_start.py).
 Prints executions/s (sandbox with two jobs outstanding per worker), p50/p99
 latency (one job per worker, like the bare runs), the throughput ratio, and what one call
 of a test to the candidate costs (a test that calls it 2000 times).
@@ -36,7 +39,7 @@ from crucible.ml import kinds  # noqa: E402
 from crucible.ml.kinds import builtin_sets  # noqa: E402
 from crucible.services.sandbox_executor.handler import result_message  # noqa: E402
 from crucible.services.sandbox_executor.isolation import base_python  # noqa: E402
-from crucible.services.sandbox_executor.pool import Job, SandboxPool  # noqa: E402
+from crucible.services.sandbox_executor.pool import SLOTS, Job, SandboxPool  # noqa: E402
 
 from crucible.shared.settings import Settings  # noqa: E402
 
@@ -48,6 +51,7 @@ from crucible.shared.settings import Settings  # noqa: E402
 PYTHON_TESTS = kinds.get("python_tests")
 TASKS = {t.metadata["source_id"]: t for t in builtin_sets.humaneval()}
 
+WARM_JOBS_PER_WORKER = 4 * len(SLOTS)  # before the clock: each slot of a worker serves a few jobs
 BASELINES = {"python": [base_python()], "python -I -S": [base_python(), "-I", "-S"]}
 # The bare runs' environment: the caller's without PYTHON* variables, which would change what the
 # interpreter as installed does at start (PYTHONPYCACHEPREFIX alone, pointed at a folder holding no
@@ -86,16 +90,27 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int, tested: 
                     ) -> tuple[float, list[float], str]:
     """Throughput with `in_flight` jobs outstanding; latency is the time each job took from submission.
     Tested: the harness and the candidate's process; untested: the plain program, exit code 0 passes."""
+    def job(p: dict) -> Job:
+        return Job(code=p["prompt"] + p["canonical_solution"], tests=p["test"], entry_point=p["entry_point"]) \
+            if tested else Job(code=plain_program(p))
+
     async with SandboxPool(Settings(sandbox_workers=workers, sandbox_queue_size=4 * workers)) as pool:
-        await pool.execute(Job(code="pass"))  # warm every code path once
+        # A service's pool, not a cold one: before the clock, every slot of every worker has served jobs
+        # of this kind (each slot's harness started and past its first jobs' copied pages). A pool's
+        # start and first jobs are bench_sandbox_cold_start.py's figures.
         slots = asyncio.Semaphore(in_flight)
+
+        async def warm(p):
+            async with slots:
+                await pool.execute(job(p))
+
+        await asyncio.gather(*(warm(p) for p in problems[:WARM_JOBS_PER_WORKER * workers]))
         latencies, results = [], []
 
         async def one(p):
             async with slots:
                 started = time.perf_counter()
-                r = await pool.execute(Job(code=p["prompt"] + p["canonical_solution"], tests=p["test"],
-                                           entry_point=p["entry_point"]) if tested else Job(code=plain_program(p)))
+                r = await pool.execute(job(p))
                 latencies.append((time.perf_counter() - started) * 1000)
                 results.append((p, r))
 
