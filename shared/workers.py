@@ -18,7 +18,8 @@ request is refused with PoolFull at once, the pool's backpressure point.
 
 A worker may take `depth` requests at once (the sandbox's workers prepare the next
 job's jail while one runs, and take two, so none waits for the round trip of a
-result and the next request). Its replies then come in the order its requests
+result and the next request); a request goes to the least busy worker, so one that
+holds nothing takes it before one that holds a request already. Its replies then come in the order its requests
 finish: each names its request (`key_of(reply)`, the key the caller gave with it),
 and a reader per worker hands each to its caller. A request cancelled there leaves
 the stream whole (its late reply is dropped); anything else that goes wrong still
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from typing import AsyncIterator, Awaitable, Callable, Hashable
 
 from crucible.shared import framing
@@ -179,8 +181,31 @@ class Worker:
         return frame
 
 
+class _IdleTokens(asyncio.Queue):
+    """The tokens of requests the workers may take now (a worker has `depth` of them): a request takes a
+    token of the worker with the most of them here, the least busy one, the longest waiting among
+    equals; None (the pool closing) first. A request thus goes to a worker that is doing nothing
+    wherever there is one: taken in the order they were put, both tokens of a sandbox worker came
+    before another worker's, and two jobs shared one worker (its CPU, where it is pinned to one)
+    while the other worker waited."""
+
+    def _init(self, maxsize):
+        self._queue = []
+
+    def _put(self, item):
+        self._queue.append(item)
+
+    def _get(self):
+        tokens = self._queue
+        if None in tokens:
+            return tokens.pop(tokens.index(None))
+        free = Counter(id(worker) for worker, _ in tokens)
+        return tokens.pop(max(range(len(tokens)), key=lambda i: (free[id(tokens[i][0])], -i)))
+
+
 class WorkerPool:
-    """`size` workers started by `spawn`; requests go to idle ones, failed ones are replaced."""
+    """`size` workers started by `spawn`; requests go to idle ones (the least busy first, where a
+    worker takes more than one at once), failed ones are replaced."""
 
     def __init__(self, name: str, size: int, spawn: Spawn, *, ready: Callable[[bytes], bool],
                  max_waiting: int | None = None, stop_grace_s: float = 5.0,
@@ -197,7 +222,7 @@ class WorkerPool:
         self._spawn, self._ready, self._frame_limit = spawn, ready, frame_limit
         self._workers: list[Worker] = []
         # One token per request a worker may take: (worker, its generation); None once the pool closes.
-        self._idle: asyncio.Queue[tuple[Worker, int] | None] = asyncio.Queue()
+        self._idle: asyncio.Queue[tuple[Worker, int] | None] = _IdleTokens()
         self._waiting = 0
         self._restarting: set[asyncio.Task] = set()
         self._closed = False

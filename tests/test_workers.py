@@ -183,6 +183,23 @@ async def keyed(workers: WorkerPool, key: bytes, what: bytes) -> tuple[int, byte
     return int(pid), echoed
 
 
+async def test_a_request_goes_to_a_worker_holding_none_before_one_holding_a_request():
+    async with asyncio.timeout(60):
+        workers = await keyed_pool(2).start()
+        try:
+            held = asyncio.ensure_future(keyed(workers, b"1", b"slow"))  # its worker holds it: busy
+            await asyncio.sleep(0.1)
+            other, _ = await keyed(workers, b"2", b"fast")
+            assert not held.done()  # the second request went to the idle worker, not to the busy one's second place
+            # One place left on each worker now: the next two requests take one each (the busy worker's
+            # answer releases the held request).
+            (a, _), (b, _) = await asyncio.gather(keyed(workers, b"3", b"x"), keyed(workers, b"4", b"y"))
+            first, _ = await held
+            assert {a, b} == {first, other} and first != other and workers.restarts == 0
+        finally:
+            await workers.close()
+
+
 async def test_a_worker_taking_two_requests_answers_each_its_own_in_any_order():
     async with asyncio.timeout(60):
         workers = await keyed_pool().start()
