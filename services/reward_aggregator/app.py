@@ -63,8 +63,9 @@ def _headers(event_headers) -> list[tuple[str, bytes]]:
 JOIN_BATCH, JOIN_LINGER_S, JOIN_IDLE_S = 256, 0.05, 0.005
 # How long a finished group's rows wait for others' before they are inserted. Each insert is a part the
 # store writes and later merges (10-20 ms of its CPU, however few rows): batches 10 ms apart made two or
-# three a step. Nobody waits for these rows (their verdicts' acks do, off the join's path).
-ROWS_LINGER_S = 0.25
+# three a step, and at 0.25 s one a step. Nobody waits for these rows (their verdicts' acks do, off the
+# join's path).
+ROWS_LINGER_S = 0.5
 # Batches whose trajectories and rows may still be on their way while later batches are joined; at this
 # many the join waits for the oldest (a slow store slows the join instead of piling batches up). Batches
 # close 10 ms apart at the most: more than a linger's worth, so a store that keeps up never stalls it.
