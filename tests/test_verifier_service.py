@@ -112,6 +112,29 @@ def test_verdict_is_a_flat_sample_with_components():
     assert CAPITAL.prompt.encode() not in whole.SerializeToString()  # the task does not travel past the verifier
 
 
+def test_a_groups_verdicts_are_counted_by_label_set_and_its_mean_of_each_component_recorded_once(monkeypatch):
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from crucible.services.verifier import consumer
+    from crucible.shared import metrics
+
+    reader = metrics.PrometheusReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("t")
+    monkeypatch.setattr(consumer, "VERDICTS", meter.create_counter("crucible.verifier.verdicts"))
+    monkeypatch.setattr(consumer, "COMPONENTS", meter.create_histogram("crucible.verifier.reward_component"))
+    verdicts = [handler.verify(request(f"r{i}", CAPITAL, answer))
+                for i, answer in enumerate(["Answer: Paris", "Answer: Paris", "Answer: Lyon", "Paris"])]
+    consumer.observe(verdicts)
+    lines = reader.render().splitlines()
+    assert 'crucible_verifier_verdicts_total{kind="exact",passed="true",tampered="false"} 3' in lines
+    assert 'crucible_verifier_verdicts_total{kind="exact",passed="false",tampered="false"} 1' in lines
+    # One value a component for the group: its mean over the four samples.
+    assert 'crucible_verifier_reward_component_count{component="answer_correct",kind="exact"} 1' in lines
+    assert 'crucible_verifier_reward_component_sum{component="answer_correct",kind="exact"} 0.75' in lines
+    expected_format = sum(v.components["format_ok"] for v in verdicts) / 4
+    assert f'crucible_verifier_reward_component_sum{{component="format_ok",kind="exact"}} {expected_format}' in lines
+
+
 # --- Kafka ---------------------------------------------------------------------------------------
 
 @pytest.mark.kafka

@@ -13,17 +13,25 @@ from crucible.v1 import episode_pb2, verdict_pb2
 
 TOPICS = ["executions", "rollouts", "episodes"]
 VERDICTS = metrics.counter("crucible.verifier.verdicts", "verdicts given, by task kind and whether solved", "{verdict}")
-COMPONENTS = metrics.histogram("crucible.verifier.reward_component", "each reward component's value, by kind")
+COMPONENTS = metrics.histogram("crucible.verifier.reward_component",
+                               "each group's mean of each reward component, by kind (every sample's value is in the "
+                               "store's trajectories.reward_components)")
 
 
 def observe(verdicts) -> None:
-    """A group's verdicts counted once per label set (a group's are mostly alike), each component value
-    recorded (a histogram takes its values one by one)."""
+    """A group's verdicts counted once per label set (a group's are mostly alike), and its mean of each
+    component recorded once: a histogram takes its values one call each (about 12 us here), and every
+    sample's were a fifth of the verifier's CPU (32 groups of 8 samples and 4 components a step)."""
     for (kind, passed, tampered), count in Counter((v.task_kind, v.sample.passed, v.tampered) for v in verdicts).items():
         VERDICTS.add(count, {"kind": kind, "passed": str(passed).lower(), "tampered": str(tampered).lower()})
+    sums: dict[tuple[str, str], list[float]] = {}  # (kind, component) -> [sum, count]
     for v in verdicts:
         for name, value in v.components.items():
-            COMPONENTS.record(value, {"kind": v.task_kind, "component": name})
+            total = sums.setdefault((v.task_kind, name), [0.0, 0])
+            total[0] += value
+            total[1] += 1
+    for (kind, name), (total, count) in sums.items():
+        COMPONENTS.record(total / count, {"kind": kind, "component": name})
 
 
 def verdict_handler(scorer: ScorerPool):
