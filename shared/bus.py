@@ -594,6 +594,13 @@ class Reader:
             self.positions[(r.topic, r.partition)] = r.offset + 1
         return records
 
+    async def records_ready(self) -> None:
+        """Returns once a fetch would hand over records (or raise the client's failure) without waiting;
+        takes none."""
+        while not self._carried and self._failure is None:
+            self._arrived.clear()
+            await self._arrived.wait()
+
     async def fetch(self, *, max_records: int = 500, timeout_ms: int = 200) -> list[Incoming]:
         """The next decodable records, each with its consumer span's context (the span ends here)."""
         out = []

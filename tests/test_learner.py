@@ -287,6 +287,56 @@ async def test_step_rows_wait_for_company_and_a_learner_killed_first_writes_them
         await asyncio.wait_for(learner, 30)
 
 
+@pytest.mark.kafka
+@pytest.mark.store
+async def test_samples_arriving_while_a_step_trains_are_taken_in_beside_it_and_its_own_not_again(
+        stack_settings, tmp_path, monkeypatch):
+    """The next step's groups start their reference pass while the step before trains (not once it has
+    ended), and a replay of what that step is training, arriving meanwhile, is not trained again."""
+    import threading
+
+    from crucible.services.learner.reference import ReferenceAhead
+
+    settings = stack_settings.model_copy(update={
+        "groups_per_step": 1, "max_policy_lag": 3, "seed": SEED, "home": tmp_path, "run_id": "beside-run"})
+    inside, go = threading.Event(), threading.Event()
+    step, submit = Trainer.step, ReferenceAhead.submit
+
+    def held_step(self, *args, **kwargs):  # the first step waits for the test, in the learner's step thread
+        if self.version == 0:
+            inside.set()
+            go.wait(60)
+        return step(self, *args, **kwargs)
+
+    submitted: list[tuple[str, bool]] = []  # (group, whether the first step had been let go)
+    monkeypatch.setattr(Trainer, "step", held_step)
+    monkeypatch.setattr(ReferenceAhead, "submit",
+                        lambda self, group_id, samples: (submitted.append((group_id, go.is_set())),
+                                                         submit(self, group_id, samples))[1])
+    stop = asyncio.Event()
+    learner = asyncio.create_task(run(settings, stop))
+    try:
+        await policies(settings, 1)
+        first = trajectories_for("a", 0, [1, 0])
+        await publish(settings, first)
+        assert await asyncio.to_thread(inside.wait, 60)
+        await publish(settings, trajectories_for("b", 0, [0, 1]) + first)  # the next group, and a replay of "a"
+        for _ in range(200):
+            if ("b", False) in submitted:
+                break
+            await asyncio.sleep(0.05)
+        assert ("b", False) in submitted, submitted  # read through the reference while step 1 was held
+        go.set()
+        v1, v2 = (await policies(settings, 3))[1:]
+        assert (v1.version, v1.metrics.samples, v2.version, v2.metrics.samples) == (1, 2, 2, 2)
+        with pytest.raises(TimeoutError):  # "a" again is not a third step
+            await read_raw(settings, "policy", 4, 3)
+    finally:
+        go.set()
+        stop.set()
+        await asyncio.wait_for(learner, 30)
+
+
 def test_pruning_keeps_the_newest_optimiser_state(tmp_path):
     """Old versions go, but never the newest one holding optimiser state: a resumed learner takes it."""
     from crucible.shared.settings import Settings

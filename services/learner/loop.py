@@ -166,6 +166,7 @@ class Learner:
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
                                       offsets={"evaluations": {}}, dead_letters=False)
         self.buffer = GroupBuffer()
+        self.training: set[str] = set()  # the ids of the samples the step under way trains on
         self.ahead = ReferenceAhead(trainer)  # whole groups read through the reference as they arrive
         self.uninformative: list[list[Buffered]] = []  # filtered by dynamic sampling, counted with the next step
         self.duplicates = 0  # samples not buffered because they were trained on already
@@ -216,23 +217,7 @@ class Learner:
                 fetched = await self.reader.fetch(max_records=500)
                 if self.restored and not fetched and await self.reader.at_end():
                     self.restored.clear()
-                for incoming in fetched:
-                    problem = None if integrity.signed_correctly(incoming.message, self.secret) else (
-                        f"trajectory {incoming.message.id[:200]!r} is not signed by a reward aggregator of this "
-                        "deployment (integrity key): only the aggregator sets rewards and advantages")
-                    problem = problem or sample_problem(incoming.message, self.trainer.vocab_size,
-                                                        self.trainer.max_positions)
-                    if problem:
-                        await self.reader.reject(incoming, problem)
-                        continue
-                    sample_id = incoming.message.id
-                    if sample_id in self.trained_past or sample_id in self.recent or sample_id in self.restored:
-                        self.duplicates += 1  # trained on already: read again after a restart, or published twice
-                        continue
-                    self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
-                                             incoming.offset, incoming.context))
-                if fetched:
-                    self._read_ahead()
+                await self._take_in(fetched)
                 while (batch := self._next_batch()) is not None:
                     await self._step(*batch)
                     self.beat = time.monotonic()
@@ -243,6 +228,42 @@ class Learner:
                     self.handing_over = asyncio.ensure_future(self._record())
             await self._handed_over()  # the last version announced, recorded and committed before the reader closes
             await self._record(due=True)
+
+    async def _take_in(self, fetched: list[bus.Incoming]) -> None:
+        """Buffers the fetched samples that are the aggregator's, fit the model, and were not trained on
+        (nor are being trained on now); the others are dead-lettered or counted as duplicates. The
+        groups they complete start their reference pass."""
+        for incoming in fetched:
+            problem = None if integrity.signed_correctly(incoming.message, self.secret) else (
+                f"trajectory {incoming.message.id[:200]!r} is not signed by a reward aggregator of this "
+                "deployment (integrity key): only the aggregator sets rewards and advantages")
+            problem = problem or sample_problem(incoming.message, self.trainer.vocab_size, self.trainer.max_positions)
+            if problem:
+                await self.reader.reject(incoming, problem)
+                continue
+            sample_id = incoming.message.id
+            if sample_id in self.trained_past or sample_id in self.recent or sample_id in self.restored \
+                    or sample_id in self.training:
+                self.duplicates += 1  # trained on already: read again after a restart, or published twice
+                continue
+            self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
+                                     incoming.offset, incoming.context))
+        if fetched:
+            self._read_ahead()
+
+    async def _take_in_until(self, stepping: asyncio.Future) -> None:
+        """Takes in what arrives while a step trains, until it ends. The next step's groups arrive then
+        (the generator samples a version ahead): their reference pass runs beside this step, as
+        ReferenceAhead means it to. Taken in only between steps, it began once this step had ended, and
+        the next step waited for it (its span 371 ms at the median against its own 246)."""
+        while not stepping.done():
+            arrival = asyncio.ensure_future(self.reader.records_ready())
+            try:
+                await asyncio.wait({stepping, arrival}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrival.cancel()
+            if not stepping.done():
+                await self._take_in(await self.reader.fetch(max_records=500, timeout_ms=0))
 
     def _read_ahead(self) -> None:
         """Whole groups a step may train on go through the reference now, beside the step before
@@ -292,8 +313,11 @@ class Learner:
         spans = [self.tracer.start_span("learner step", context=g[0].context) for g in groups]
         try:
             ids = [g[0].sample.group_id for g in groups]
-            result = await asyncio.to_thread(lambda: trainer.step([m.sample for g in groups for m in g], flat,
-                                                                  self.ahead.take(ids)))
+            self.training = {m.sample.id for g in groups for m in g}
+            stepping = asyncio.ensure_future(asyncio.to_thread(
+                lambda: trainer.step([m.sample for g in groups for m in g], flat, self.ahead.take(ids))))
+            await self._take_in_until(stepping)
+            result = await stepping
             for span in spans:
                 span.set_attribute("crucible.learner.version", trainer.version)
                 span.set_attribute("crucible.learner.stepped", result.stepped)
@@ -309,6 +333,7 @@ class Learner:
             # No optimiser step, no version: the samples are accounted for (skipped, by reason) and
             # committed; the checkpoint keeps its older positions, so a restart only re-reads them to skip them again.
             log.info("no optimiser step on %d samples (skipped: %s)", len(taken), dict(result.skipped))
+            self.training = set()
             await self.reader.commit(positions)
             return
         self.trained_past.update({m.sample.id: (m.partition, m.offset) for m in taken})
@@ -316,6 +341,7 @@ class Learner:
                              if o >= positions.get((self.topic, p), 0)}
         samples = [m.sample.id for m in taken]
         self.recent.add(samples)
+        self.training = set()  # recent holds them now
         if not self.unrecorded:
             self.unrecorded_since = time.monotonic()
         entry = step_entry(trainer.version, trainer.step_count,
