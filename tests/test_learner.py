@@ -448,3 +448,39 @@ async def test_dynamic_sampling_filters_groups_with_equal_rewards_and_a_solved_s
     [(filtered,)] = client.query("SELECT metrics['filtered_groups'] FROM policy_versions FINAL "
                                  "WHERE run_id = 'dyn-run' AND version = 1").result_rows
     assert filtered == 2
+
+
+def test_a_captured_version_is_written_as_it_was_while_the_next_step_changes_the_model(tmp_path):
+    """The step's path copies a version's state (checkpoints.capture); the checkpoint written from it
+    later, after the next step changed the model in place, holds that version, not the next one."""
+    from crucible.shared.settings import Settings
+
+    settings = Settings(home=tmp_path, run_id="capture-run")
+    trainer = fresh_trainer(epochs=1, learner_optimizer_every=1)
+    assert trainer.step(trajectories_for("a", 0, [1, 0, 1, 0])).stepped
+    captured = checkpoints.capture(trainer)
+    assert captured is not None and (captured.version, captured.step) == (trainer.version, trainer.step_count)
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = {k: s["exp_avg"].clone() for k, s in trainer.checkpoint_state()[1]["state"].items()}
+    assert trainer.step(trajectories_for("b", 0, [0, 1, 1, 0])).stepped  # the next step, in place
+    assert not all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+
+    folder = checkpoints.save(settings, trainer, {0: 7}, [], tmp_path.as_uri(), captured=captured)
+    assert folder == checkpoints.version_dir(settings, captured.version)
+    model, meta = load_checkpoint(folder)
+    assert (meta["version"], meta["step"], meta["offsets"]) == (captured.version, captured.step, {"0": 7})
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    written = torch.load(folder / checkpoints.OPTIMIZER_FILE, weights_only=True)["state"]
+    assert written.keys() == moments.keys() and all(torch.equal(written[k]["exp_avg"], m) for k, m in moments.items())
+
+
+def test_a_host_copy_keeps_views_of_one_tensor_one_tensor():
+    """Tied weights (one tensor under two names) are copied once and stay tied; nothing is shared with
+    the original."""
+    embedding = torch.arange(6.0).reshape(2, 3)
+    state = {"embed": embedding, "head": embedding, "other": embedding[1:], "step": 3, "groups": [{"lr": 0.1}]}
+    copied = checkpoints._host_copy(state, {})
+    assert copied["embed"] is copied["head"] and copied["embed"] is not embedding
+    assert copied["other"].data_ptr() != embedding.data_ptr() and torch.equal(copied["other"], embedding[1:])
+    embedding.add_(1.0)
+    assert torch.equal(copied["head"], torch.arange(6.0).reshape(2, 3)) and copied["groups"] == [{"lr": 0.1}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import time
 from collections import Counter, deque
@@ -349,15 +350,18 @@ class Learner:
                            result.metrics, result.skipped, samples)
         self.unrecorded.append(entry)
         began = time.perf_counter()
-        # The weights on disk before the next step changes them; the rest of the hand-over (hashing the
-        # folder, announcing it, the steps' rows and alerts, the commit) runs while the next step trains.
-        folder = await asyncio.to_thread(checkpoints.save, self.settings, trainer,
-                                         {p: o for (t, p), o in positions.items() if t == self.topic},
-                                         sorted({*self.trained_past, *self.restored}), self.reference_uri,
-                                         self.unrecorded, self.recent.steps())
+        # The version's state copied before the next step changes the model (checkpoints.capture); writing
+        # it, hashing the folder, announcing it, the steps' rows and alerts and the commit (the hand-over)
+        # run while the next step trains. Where it cannot be copied so, it is written here first.
+        captured = await asyncio.to_thread(checkpoints.capture, trainer)
+        write = functools.partial(checkpoints.save, self.settings, trainer,
+                                  {p: o for (t, p), o in positions.items() if t == self.topic},
+                                  sorted({*self.trained_past, *self.restored}), self.reference_uri,
+                                  list(self.unrecorded), self.recent.steps(), captured)
+        written = None if captured is not None else await asyncio.to_thread(write)
         result.metrics["checkpoint_ms"] = (time.perf_counter() - began) * 1000
         self.handing_over = asyncio.ensure_future(self._hand_over(
-            trainer.version, trainer.step_count, folder, result, entry, positions))
+            trainer.version, trainer.step_count, written or write, result, entry, positions))
 
     async def _handed_over(self) -> None:
         """Waits for the last hand-over to end (raising what it raised)."""
@@ -368,11 +372,14 @@ class Learner:
     async def _hand_over(self, version: int, step: int, folder, result: StepResult, entry: dict,
                          positions: dict) -> None:
         """A checkpointed version announced (crucible.policy), its step recorded (alerts; rows once
-        due), and the positions it trained up to committed. A learner stopped before this ends
-        announces its newest checkpoint again when it starts and writes the rows that checkpoint lists
-        (`_run`); positions not committed are read again and skipped (the checkpoint names what they
-        trained)."""
+        due), and the positions it trained up to committed; `folder` is the checkpoint's, or the call that
+        writes it (a captured state, written here: publish_ms counts it, checkpoint_ms what the step's path
+        spent). A learner stopped before this ends resumes from its newest checkpoint, announces it again
+        when it starts and writes the rows that checkpoint lists (`_run`); positions not committed are read
+        again, and skipped where the checkpoint names what they trained."""
         began = time.perf_counter()
+        if callable(folder):
+            folder = await asyncio.to_thread(folder)
         pv = await asyncio.to_thread(policy_message, self.settings, version, step, folder.as_uri(), result)
         await self._publish(pv)
         # The step's own time is step_ms; what it costs to hand the version over comes after it.
