@@ -27,12 +27,14 @@ of one deployment on one machine shares it. Holding the key is what makes a proc
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
 import secrets
 from pathlib import Path
 
+from crucible.shared import messages
 from crucible.v1 import episode_pb2, execution_pb2, policy_pb2, rollout_pb2, task_pb2, trajectory_pb2, verdict_pb2
 
 KEY_BYTES = 32
@@ -78,7 +80,16 @@ def key(settings) -> bytes:
 
 
 def _mac(secret: bytes, domain: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, domain + b"\0" + body, hashlib.sha256).digest()
+    keyed = _keyed(secret).copy()  # HMAC-SHA256 of domain, NUL, body: the key's two padded blocks hashed once
+    keyed.update(domain)
+    keyed.update(b"\0")
+    keyed.update(body)
+    return keyed.digest()
+
+
+@functools.lru_cache(maxsize=8)
+def _keyed(secret: bytes) -> hmac.HMAC:
+    return hmac.new(secret, digestmod=hashlib.sha256)
 
 
 # --- signed messages: tasks, policy versions, samples, rewards ---------------------------------------
@@ -89,10 +100,33 @@ SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion, rollout_pb2.RolloutGroup, epi
 
 
 def _body(message) -> bytes:
+    """What a message's MAC covers: the message serialized (deterministically) without its signature.
+
+    Fields are written in field-number order, so where `signature` is the type's highest field (every
+    SIGNED type but Task), a signed message's bytes are those of the unsigned one followed by the
+    signature field's: cut off, they are the body without a copy of the message (test_integrity checks
+    it against the copy, type by type). Bytes that do not end so (unknown fields after it) are copied."""
+    whole = message.SerializeToString(deterministic=True)
+    signature = message.signature
+    if not signature:
+        return whole
+    prefix = _signature_prefix(type(message), len(signature))
+    if prefix is not None and whole.endswith(prefix + signature):
+        return whole[:-len(prefix) - len(signature)]
     unsigned = type(message)()
     unsigned.CopyFrom(message)
     unsigned.ClearField("signature")
     return unsigned.SerializeToString(deterministic=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _signature_prefix(kind, length: int) -> bytes | None:
+    """The tag and length that begin a serialized `signature` field of `length` bytes, where it is the
+    type's last field (else None)."""
+    number = kind.DESCRIPTOR.fields_by_name["signature"].number
+    if number != max(f.number for f in kind.DESCRIPTOR.fields):
+        return None
+    return messages.varint(number << 3 | 2) + messages.varint(length)
 
 
 def _domain(message) -> bytes:

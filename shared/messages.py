@@ -144,11 +144,16 @@ def decode_protobuf_many(values: list[bytes], expected: type[Message]) -> list[M
 @functools.lru_cache(maxsize=4096)
 def _item_prefix(length: int) -> bytes:
     """Field 1, length-delimited (the holder's `items`), and the item's length as a varint."""
-    out = bytearray([1 << 3 | 2])
-    while length >= 0x80:
-        out.append(length & 0x7F | 0x80)
-        length >>= 7
-    out.append(length)
+    return varint(1 << 3 | 2) + varint(length)
+
+
+def varint(value: int) -> bytes:
+    """A non-negative integer as protobuf's wire format writes it (a tag, a length)."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
     return bytes(out)
 
 
