@@ -218,7 +218,13 @@ def _traced(inner, method: str, parent):
     return unary
 
 
+# Readiness probes of the broker and the store: a TCP connection each time, which costs the prober and the
+# dependency about 1 ms of CPU together (a broker and a store probed by five services here, every second:
+# about 7 ms of CPU a second on a 2-core machine). While all answer, a lapse is noticed within
+# DEPENDENCY_PROBE_UP_S (a Kubernetes readiness probe asks every 10 s by default); while one does not,
+# its return within DEPENDENCY_PROBE_S.
 DEPENDENCY_PROBE_S = 1.0
+DEPENDENCY_PROBE_UP_S = 4.0
 
 
 async def _answers(address: str, timeout: float = 1.0) -> bool:
@@ -310,7 +316,7 @@ class RpcServer:
                 log.info("ready again: %s answering", ", ".join(self.unreachable))
                 await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self.unreachable = down
-            await asyncio.sleep(DEPENDENCY_PROBE_S)
+            await asyncio.sleep(DEPENDENCY_PROBE_S if down else DEPENDENCY_PROBE_UP_S)
 
     async def stop(self, grace: float = 2.0) -> None:
         if self._probe:
