@@ -31,7 +31,7 @@ from crucible.ml.policy.model import Policy, PolicyConfig
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
 from crucible.services.generator.batcher import Batcher
-from crucible.services.learner.groups import Buffered, GroupBuffer, informative
+from crucible.services.learner.groups import informative
 from crucible.services.learner.trainer import UNINFORMATIVE
 from crucible.shared import bus, integrity, rpc, store
 from crucible.shared.procs import free_ports
@@ -414,14 +414,19 @@ class FlatGroups:
 
     def __init__(self, max_policy_lag: int):
         self.max_lag = max_policy_lag
-        self.buffer = GroupBuffer()
+        self.open: dict[str, dict[str, object]] = {}  # group id -> its samples so far, by sample id
         self.count = 0
 
     def add(self, sample, version: int) -> None:
-        self.buffer.add(Buffered(sample, "", 0, 0, None))
-        for members in self.buffer.take(self.buffer.ready()):
-            stale = 0 <= self.max_lag < version - max(m.sample.policy_version for m in members)
-            self.count += stale or not informative([m.sample for m in members])
+        """One sample read, `version` the newest the learner published: its group counted once complete
+        (as many samples as the aggregator emitted; a sample sent twice counts once)."""
+        members = self.open.setdefault(sample.group_id, {})
+        members.setdefault(sample.id, sample)
+        first = next(iter(members.values()))
+        if len(members) >= first.group_received:
+            del self.open[sample.group_id]
+            stale = 0 <= self.max_lag < version - max(m.policy_version for m in members.values())
+            self.count += stale or not informative(list(members.values()))
 
 
 @dataclass
@@ -539,7 +544,8 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
                          f"  kl {m.kl:6.4f}  stale {m.dropped_stale:3d}  filtered {m.skipped.get(UNINFORMATIVE, 0):3d}"
                          f"  {elapsed:6.1f}s")
                 if s.dynamic_sampling:
-                    for incoming in await trajectories.fetch(timeout_ms=0):
+                    # An observer of every sample: no consumer span each (32 a step, sampled, went to the store).
+                    for incoming in await trajectories.fetch(timeout_ms=0, traced=False):
                         flat.add(incoming.message, version)
                 for incoming in await evaluations.fetch(timeout_ms=0):
                     ev = incoming.message

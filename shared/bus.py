@@ -175,6 +175,7 @@ def _as_published(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
 
 
 _ABSENT = object()
+_UNTRACED = contextlib.nullcontext()
 _PROTOBUF_HEADER = (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode())
 
 
@@ -601,12 +602,15 @@ class Reader:
             self._arrived.clear()
             await self._arrived.wait()
 
-    async def fetch(self, *, max_records: int = 500, timeout_ms: int = 200) -> list[Incoming]:
-        """The next decodable records, each with its consumer span's context (the span ends here)."""
+    async def fetch(self, *, max_records: int = 500, timeout_ms: int = 200, traced: bool = True) -> list[Incoming]:
+        """The next decodable records, each with its consumer span's context (the span ends here);
+        `traced=False`: without one (a reader that only watches a topic, doing nothing for its records'
+        traces), each in the context that was current."""
         out = []
         records = await self.fetch_raw(max_records=max_records, timeout_ms=timeout_ms)
         for record, message in zip(records, decode_records(records, self.schemas)):
-            with consume_span(record.topic, record.partition, record.offset, record.headers, "receive"):
+            with consume_span(record.topic, record.partition, record.offset, record.headers, "receive") \
+                    if traced else _UNTRACED:
                 incoming = await self.decode(record, message)
                 if incoming is not None:
                     out.append(incoming)

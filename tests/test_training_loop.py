@@ -83,3 +83,31 @@ async def test_dynamic_sampling_keeps_the_loop_fed_and_counts_what_it_filtered(s
     rows = client.query("SELECT version, metrics['filtered_groups'] FROM policy_versions FINAL "
                         "WHERE run_id = {r:String} AND version > 0", parameters={"r": report.run_id}).result_rows
     assert len(rows) >= 12 and sum(f for _, f in rows) > 0, rows  # chance-level groups of 8 are sometimes all equal
+
+
+def test_flat_groups_counts_each_complete_group_with_equal_rewards_or_too_stale_once():
+    """What `crucible train` replaces with another task (pure logic): a group counts once all the samples the
+    aggregator emitted have arrived (a sample sent twice counts once), when its rewards are all equal or its
+    newest sample is more versions old than the lag bound allows."""
+    from crucible.cli.train import FlatGroups
+    from crucible.v1 import trajectory_pb2
+
+    def group(name, rewards, policy_version=5, received=None):
+        return [trajectory_pb2.Trajectory(id=f"{name}/{i}", group_id=name, reward=r, policy_version=policy_version,
+                                          group_received=received or len(rewards)) for i, r in enumerate(rewards)]
+
+    flat = FlatGroups(max_policy_lag=1)
+    for sample in group("learns", [1, 0, 1]) + group("solved", [1, 1, 1]) + group("old", [1, 0, 0], policy_version=3):
+        flat.add(sample, version=5)
+    assert flat.count == 2 and not flat.open  # "solved" (equal) and "old" (5 - 3 > 1), each once
+    twice = group("twice", [0, 0])
+    for sample in (twice[0], twice[0]):
+        flat.add(sample, version=5)
+    assert flat.count == 2 and "twice" in flat.open  # one of two samples, however often it arrives
+    flat.add(twice[1], version=5)
+    flat.add(group("waiting", [1, 1, 1], received=3)[0], version=5)
+    assert flat.count == 3 and list(flat.open) == ["waiting"]
+    unbounded = FlatGroups(max_policy_lag=-1)
+    for sample in group("old", [1, 0], policy_version=0):
+        unbounded.add(sample, version=50)
+    assert unbounded.count == 0  # no lag bound: never too stale
