@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import json
 import logging
 import time
@@ -291,7 +292,8 @@ class Aggregator:
             REWARD.record(t.reward, {"kind": kind})
         by_id = {v.sample.id: v for v in verdicts}
         trace_id = telemetry.current_trace_id()
-        rows = [trajectory_row(by_id[t.id], t, trace_id, self.settings.run_id) for t in trajectories]
+        created = trajectories[0].created_at.ToDatetime(tzinfo=dt.timezone.utc) if trajectories else None
+        rows = [trajectory_row(by_id[t.id], t, trace_id, self.settings.run_id, created) for t in trajectories]
         turns = [row for t in trajectories for row in turn_rows(by_id[t.id], t)]
         if not complete:
             log.info("group %s timed out with %d of %d verdicts", group_id, len(verdicts), entry["group_size"])

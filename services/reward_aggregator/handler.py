@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from google.protobuf import timestamp_pb2
+
 from crucible.ml.advantages import advantages, weighted_reward
 from crucible.shared import alerts
 from crucible.shared.settings import RunConfig
@@ -86,25 +88,29 @@ def group_trajectories(verdicts: Sequence[verdict_pb2.Verdict], config: RewardCo
     ordered = sorted(verdicts, key=lambda v: v.sample.sample_index)
     rewards = [reward_of(v, config) for v in ordered]
     advs = advantages(config.estimator, rewards)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = timestamp_pb2.Timestamp()
+    now.FromDatetime(dt.datetime.now(dt.timezone.utc))  # one conversion for the group
     out = []
     for v, r, a in zip(ordered, rewards, advs):
         t = trajectory_pb2.Trajectory()
         t.CopyFrom(v.sample)
         t.reward, t.advantage, t.estimator = r, a, config.estimator
         t.group_complete, t.group_received = complete, len(ordered)
-        t.created_at.FromDatetime(now)
+        t.created_at.CopyFrom(now)
         out.append(t)
     return out
 
 
-def trajectory_row(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory, trace_id: str = "", run_id: str = "") -> list:
+def trajectory_row(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory, trace_id: str = "", run_id: str = "",
+                   created: dt.datetime | None = None) -> list:
+    """The store's row of a trajectory; `created`: its created_at as a datetime, where the caller has it
+    (a group's samples share one)."""
     ex = v.execution
     return [
         t.id, t.task_id, t.group_id, t.sample_index, v.task_kind, t.policy_version,
         v.completion, dict(v.components), t.reward, t.advantage, list(v.tamper_patterns), ex.exit_code,
         ex.duration_ms, _violation_name(ex.violation), v.generation_ms, ex.duration_ms, trace_id,
-        t.created_at.ToDatetime(tzinfo=dt.timezone.utc), t.turns, ex.usage.cpu_user_s + ex.usage.cpu_system_s,
+        created or t.created_at.ToDatetime(tzinfo=dt.timezone.utc), t.turns, ex.usage.cpu_user_s + ex.usage.cpu_system_s,
         ex.usage.max_rss_bytes, run_id,
     ]
 
