@@ -484,3 +484,40 @@ def test_a_host_copy_keeps_views_of_one_tensor_one_tensor():
     assert copied["other"].data_ptr() != embedding.data_ptr() and torch.equal(copied["other"], embedding[1:])
     embedding.add_(1.0)
     assert torch.equal(copied["head"], torch.arange(6.0).reshape(2, 3)) and copied["groups"] == [{"lr": 0.1}]
+
+
+def test_a_step_takes_its_reference_passes_at_once_and_waits_for_them_at_its_first_lookup():
+    """ReferenceAhead.take does not wait for a pass still under way (the step's own forward pass runs
+    meanwhile); looking a sample up does. Pure logic: a stand-in trainer whose pass waits to be released."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from crucible.services.learner.ranks import Ranks
+    from crucible.services.learner.reference import ReferenceAhead
+
+    release = threading.Event()
+
+    def slow_pass(samples):
+        release.wait(30)
+        return {s.id: torch.full((2,), float(s.sample_index)) for s in samples}
+
+    trainer = SimpleNamespace(ranks=Ranks(), config=RunConfig(), reference_logprobs=slow_pass)
+    ahead = ReferenceAhead(trainer)
+    group = [trajectory_pb2.Trajectory(id=f"g/{i}", group_id="g", sample_index=i) for i in range(3)]
+    try:
+        ahead.submit("g", group)
+        began = time.monotonic()
+        taken = ahead.take(["g", "never-given"])
+        assert time.monotonic() - began < 1.0  # not waited for here
+        looked_up = []
+        reader = threading.Thread(target=lambda: looked_up.append(taken.get("g/2")))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and not looked_up  # the lookup waits for the pass
+        release.set()
+        reader.join(10)
+        assert torch.equal(looked_up[0], torch.full((2,), 2.0)) and sorted(taken) == ["g/0", "g/1", "g/2"]
+    finally:
+        release.set()
+        ahead.close()
