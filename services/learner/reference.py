@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -61,44 +60,21 @@ class ReferenceAhead:
         for samples, done in queued:
             done.set_result({s.id: found[s.id] for s in samples})
 
-    def take(self, group_ids: list[str]) -> "Awaited":
-        """The reference log-probs of these groups' samples, and forgets them; groups never given, or whose
-        pass failed, are left out. Those still being read are waited for when first looked up: the step
-        runs its policy's forward pass meanwhile (the pass of the last groups to arrive is often under way
-        as the step begins, and waiting for it first held the step back by about 60 ms at the median)."""
-        return Awaited([(g, done) for g in group_ids if (done := self._groups.pop(g, None)) is not None])
+    def take(self, group_ids: list[str]) -> dict[str, torch.Tensor]:
+        """The reference log-probs of these groups' samples (waiting for any still being read), and
+        forgets them; groups never given, or whose pass failed, are left out."""
+        out: dict[str, torch.Tensor] = {}
+        for group_id in group_ids:
+            done = self._groups.pop(group_id, None)
+            if done is None:
+                continue
+            try:
+                out.update(done.result())
+            except Exception as exc:
+                log.warning("reference log-probs of group %r were not read ahead (%r): the step reads them",
+                            group_id, exc)
+        return out
 
     def close(self) -> None:
-        """Stops the thread once the passes queued have run (a step may still be waiting on them: at most
-        one pass, whatever was queued)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
-class Awaited(Mapping):
-    """Sample id -> reference log-probs of some groups, their passes waited for at the first lookup."""
-
-    def __init__(self, passes: list[tuple[str, Future]]):
-        self._passes = passes
-        self._found: dict[str, torch.Tensor] | None = None
-
-    def _read(self) -> dict[str, torch.Tensor]:
-        if self._found is None:
-            found: dict[str, torch.Tensor] = {}
-            for group_id, done in self._passes:
-                try:
-                    found.update(done.result())
-                except Exception as exc:
-                    log.warning("reference log-probs of group %r were not read ahead (%r): the step reads them",
-                                group_id, exc)
-            self._found = found
-        return self._found
-
-    def __getitem__(self, sample_id: str) -> torch.Tensor:
-        return self._read()[sample_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._read())
-
-    def __len__(self) -> int:
-        return len(self._read())
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -172,7 +171,7 @@ class Trainer:
         return out
 
     def step(self, samples: list[trajectory_pb2.Trajectory], uninformative: frozenset = frozenset(),
-             reference: Mapping[str, torch.Tensor] | None = None) -> StepResult:
+             reference: dict[str, torch.Tensor] | None = None) -> StepResult:
         """Drops what cannot be trained on (counted by reason; samples of the groups named in
         `uninformative` were filtered by dynamic sampling); with anything left, takes one optimiser
         step and bumps the version. The batch's reward and pass rate count every sample given.
@@ -215,7 +214,7 @@ class Trainer:
                     if epoch == 0:
                         skipped[NO_PREFERENCE] += unpaired
                 else:
-                    loss, epoch_stats, epoch_entropy = self._policy_gradient(usable, {} if reference is None else reference)
+                    loss, epoch_stats, epoch_entropy = self._policy_gradient(usable, reference or {})
                 if epoch == 0:  # report the batch as it was sampled, before this step changed the policy
                     stats, entropy = epoch_stats, epoch_entropy
                 if loss is None:
@@ -265,7 +264,7 @@ class Trainer:
         total = self.ranks.sum([loss, entropy, *(stats[k] for k in keys)])
         return total[0], total[1], dict(zip(keys, total[2:]))
 
-    def _reference_of(self, batch: Batch, chunk: list, reference: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _reference_of(self, batch: Batch, chunk: list, reference: dict[str, torch.Tensor]) -> torch.Tensor:
         """A micro-batch's reference log-probs [B, T-1]: those worked out already where every sample has
         them, else computed now."""
         known = [reference.get(s.id) for s in chunk]
@@ -276,7 +275,7 @@ class Trainer:
         with torch.no_grad():
             return self._logprobs(self.reference, batch)[0]
 
-    def _policy_gradient(self, samples, reference: Mapping[str, torch.Tensor]):
+    def _policy_gradient(self, samples, reference: dict[str, torch.Tensor]):
         """Forward and backward over micro-batches; gradients accumulate to those of the whole batch.
 
         Each micro-batch's token-mean loss is weighted by its share of the batch's completion tokens,
