@@ -358,10 +358,10 @@ class Learner:
                                   {p: o for (t, p), o in positions.items() if t == self.topic},
                                   sorted({*self.trained_past, *self.restored}), self.reference_uri,
                                   list(self.unrecorded), self.recent.steps(), captured)
-        written = None if captured is not None else await asyncio.to_thread(write)
+        folder = write if captured is not None else await asyncio.to_thread(write)
         result.metrics["checkpoint_ms"] = (time.perf_counter() - began) * 1000
         self.handing_over = asyncio.ensure_future(self._hand_over(
-            trainer.version, trainer.step_count, written or write, result, entry, positions))
+            trainer.version, trainer.step_count, folder, result, entry, positions))
 
     async def _handed_over(self) -> None:
         """Waits for the last hand-over to end (raising what it raised)."""
