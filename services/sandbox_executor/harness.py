@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import _signal
 import _thread
-import ast
 import builtins
 import json
 import marshal
@@ -463,7 +462,7 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
         elif name not in defined_by_tests:
             if name in trusted:  # the prelude defines it too: the candidate's stands in only for a stub
                 if stubs is None:
-                    stubs = _stub_names(ast.parse(prelude, PRELUDE_FILE))
+                    stubs = _stub_names(prelude)
                 if name not in stubs:
                     continue
             proxied.add(name)
@@ -508,10 +507,16 @@ def _proxy(child: Candidate, name: str):
     return call
 
 
-def _stub_names(prelude: ast.Module) -> set[str]:
-    """Functions the prompt only declares (docstring, pass, ...): the candidate's versions are the ones under test."""
+def _stub_names(prelude: str) -> set[str]:
+    """Functions the prompt only declares (docstring, pass, ...): the candidate's versions are the ones under test.
+
+    `ast` is imported here, in the harness (once in its life), not by the worker: every module the
+    worker holds is copied into every jail's page tables at its fork and torn down at its exit (see
+    pool.PRELOAD), and no jail uses this one."""
+    import ast
+
     stubs = set()
-    for node in prelude.body:
+    for node in ast.parse(prelude, PRELUDE_FILE).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(
                 isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
                 or isinstance(stmt, ast.Raise) for stmt in node.body):

@@ -48,6 +48,12 @@ def main(cfg: dict) -> None:
     # start-up may have added LC_CTYPE to the empty one the worker was given).
     os.environ.clear()
     os.environ.update(jailed.JOB_ENVIRONMENT)
+    # A full collection, then every object moves to the permanent generation, which no job's
+    # collection walks (a walk would write to, and so copy, every page of it). The collection also
+    # stops tracking what holds only atoms (the tuples of constants of the worker's own code, whose
+    # strings name configuration keys): a job's gc.get_objects() sees none of them, however many
+    # collections the imports before happened to run.
+    gc.collect()
     gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # The zygote is forked now, before this process has read any job or started a thread, and before
