@@ -65,6 +65,16 @@ def set_hostname(name: bytes) -> None:
     libc.sethostname(name, len(name))
 
 
+def release_free_heap() -> None:
+    """Gives the C heap's free pages back to the kernel (glibc's malloc_trim: the top of the heap, and
+    free chunks within it, which stay mapped otherwise). What a process maps but no longer uses is
+    still copied into every fork's page tables."""
+    try:
+        libc.malloc_trim(0)
+    except AttributeError:  # not glibc: nothing to give back this way
+        pass
+
+
 def current_cpu() -> int:
     """The CPU the calling thread runs on (-1 where the kernel cannot say)."""
     return libc.sched_getcpu()

@@ -20,7 +20,7 @@ import signal
 import sys
 
 from crucible.services.sandbox_executor import candidate
-from crucible.services.sandbox_executor.jail import jailed, rootfs, seccomp, zygote
+from crucible.services.sandbox_executor.jail import jailed, linux, rootfs, seccomp, zygote
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
 from crucible.shared import framing
 
@@ -55,6 +55,10 @@ def main(cfg: dict) -> None:
     # collections the imports before happened to run.
     gc.collect()
     gc.freeze()
+    # What start-up allocated and freed (compiling the worker's modules, building the template, reading
+    # the configuration) leaves free pages in the C heap, still mapped: ~0.9 MB of the zygote's ~7.7 MB
+    # of anonymous memory, copied into every jail's page tables. They go back to the kernel.
+    linux.release_free_heap()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # The zygote is forked now, before this process has read any job or started a thread, and before
     # it has imported `threading`: a process that has registers a handler every fork runs in the child
