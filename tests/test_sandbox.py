@@ -108,6 +108,26 @@ async def test_reports_full_isolation_here(pool):
     assert result.isolation == "full" and result.missing_guarantees == []
 
 
+async def test_a_job_inherits_the_preloaded_modules_and_nothing_heavy_it_does_not_use(pool):
+    """Every module the worker holds is copied into each jail's page tables at its fork (pool.PRELOAD):
+    a job finds the preloaded ones loaded, and none of those the worker once held that no job needs
+    (its own socket module's enums, the harness's ast, rarely imported heavy ones), until it imports
+    one itself, which works."""
+    heavy = ["socket", "selectors", "ast", "inspect", "dataclasses", "hashlib", "decimal", "datetime",
+             "statistics", "traceback"]
+    code = ("import sys\nbefore = set(sys.modules)\n"
+            f"print(sorted(m for m in {pool_module.PRELOAD!r} if m not in before))\n"
+            f"print(sorted(m for m in {heavy!r} if m in before))\n"
+            f"for m in {heavy!r}:\n    __import__(m)\n"
+            "import hashlib, dataclasses\nprint(hashlib.sha256(b'x').hexdigest()[:8], dataclasses.is_dataclass(1))\n")
+    result = await pool.execute(Job(code=code))
+    assert result.exit_code == 0, result.stderr[-800:]
+    missing, held, works = result.stdout.decode().splitlines()
+    assert missing == "[]", result.stdout
+    assert held == "[]", result.stdout
+    assert works == "2d711642 False"
+
+
 def test_workers_get_a_cpu_each_where_there_is_one_for_each():
     assert pool_module.worker_cpus(1, 2, [0, 1]) == [1]
     assert pool_module.worker_cpus(2, 3, [4, 9, 11]) == [11]

@@ -37,6 +37,7 @@ Stdlib only: this module is loaded into the sandbox worker, which has no site-pa
 from __future__ import annotations
 
 import _signal
+import _socket
 import _thread
 import builtins
 import json
@@ -44,9 +45,9 @@ import marshal
 import os
 import resource
 import select
-import socket
 
 from crucible.services.sandbox_executor import candidate, plain
+from crucible.services.sandbox_executor.jail.linux import recv_fds
 from crucible.shared import framing, tamper_patterns
 
 
@@ -269,10 +270,10 @@ def serve(control: int, workdir: str | None) -> None:
     socket closes. Each job's tests run in a namespace of their own; nothing of the candidate's but
     plain data ever reaches this process."""
     _harden()
-    sock = socket.socket(fileno=control)
+    sock = _socket.socket(fileno=control)
     start_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 1, 4)
+        message, fds = recv_fds(sock, 1, 4)
         if not message:
             return
         if len(fds) != 4:

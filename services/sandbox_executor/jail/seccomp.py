@@ -15,12 +15,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import _socket
 import os
-import socket
 import struct
 
 from crucible.services.sandbox_executor.jail.linux import (NAMESPACE_FLAGS, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP,
-                                                           SYS_CLONE, SYS_CLONE3, check, libc, prctl)
+                                                           SYS_CLONE, SYS_CLONE3, check, libc, prctl, send_fds)
 
 SECCOMP_MODE_FILTER = 2
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
@@ -174,9 +174,9 @@ def install(listener_to: int = -1) -> None:
     listener = check(libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER,
                                   prepared.pointer), "seccomp(NEW_LISTENER)")
     # Family and type given: the kernel is not asked for them (three calls fewer). Closed with it.
-    channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, fileno=listener_to)
+    channel = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, listener_to)
     try:
-        socket.send_fds(channel, [b"L"], [listener])
+        send_fds(channel, b"L", [listener])
     finally:
         channel.close()
         os.close(listener)

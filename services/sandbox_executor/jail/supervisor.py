@@ -22,6 +22,7 @@ the zygote's memory is inherited by jails and harnesses, and it never holds a jo
 """
 from __future__ import annotations
 
+import _socket
 import base64
 import json
 import marshal
@@ -50,7 +51,7 @@ class ZygoteGone(RuntimeError):
 class Zygote:
     """The supervisor's side of the zygote's socket: prepared jails, and the exits it reaped."""
 
-    def __init__(self, pid: int, channel: socket.socket):
+    def __init__(self, pid: int, channel: _socket.socket):
         self.pid, self.channel = pid, channel
         self.prepared: queue.Queue = queue.Queue()
         self.exits: dict[int, tuple[int, tuple[float, float, int]]] = {}
@@ -112,8 +113,8 @@ class Zygote:
     def _listen(self) -> None:
         try:
             while True:
-                message, fds, _, _ = socket.recv_fds(self.channel, zygote.MESSAGE_BYTES,
-                                                     max(len(zygote.PASSED), len(zygote.PASSED_HARNESS)))
+                message, fds = linux.recv_fds(self.channel, zygote.MESSAGE_BYTES,
+                                              max(len(zygote.PASSED), len(zygote.PASSED_HARNESS)))
                 if not message:
                     break
                 kind, *fields = message.split()  # b"prepared <pid>", b"exit <pid> <status> <user s> <system s> <peak bytes>"
@@ -218,7 +219,7 @@ class Harness:
         """A job's descriptors (call_w, reply_r, report_w, the candidate's pidfd), its entry point and
         its tests (frames), on the control socket."""
         self.jobs += 1
-        socket.send_fds(self.control, [b"J"], fds)
+        linux.send_fds(self.control, b"J", fds)
         framing.write(self.control.fileno(), marshal.dumps(job))
         framing.write(self.control.fileno(), tests, harness.TESTS_FRAME_LIMIT)
 
@@ -686,7 +687,7 @@ class ForbiddenCalls:
     def _take_listeners(self) -> None:
         while self.channel:
             try:
-                message, fds, _, _ = socket.recv_fds(self.channel, 16, 4)
+                message, fds = linux.recv_fds(self.channel, 16, 4)
             except BlockingIOError:
                 return
             self.listeners += fds

@@ -29,13 +29,12 @@ import os
 import _socket
 import select
 import signal
-import socket
 
 from crucible.services.sandbox_executor import candidate
 from crucible.services.sandbox_executor.jail import jailed, rootfs
 from crucible.services.sandbox_executor.jail.linux import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID,
-                                                           CLONE_NEWUTS, PR_SET_PDEATHSIG, prctl, set_hostname, setns,
-                                                           unshare)
+                                                           CLONE_NEWUTS, PR_SET_PDEATHSIG, prctl, send_fds, set_hostname,
+                                                           setns, unshare)
 
 # The order of the descriptors passed with each prepared jail (the supervisor reads them by name).
 PASSED = ("pidfd", "job_w", "in_w", "out_r", "err_r", "call_w", "reply_r", "ready_r", "attached_w", "calls")
@@ -44,9 +43,9 @@ PASSED_HARNESS = ("pidfd", "control", "ready_r", "attached_w", "calls")
 MESSAGE_BYTES = 4096
 
 
-def start(cfg: dict) -> tuple[int, socket.socket]:
+def start(cfg: dict) -> tuple[int, _socket.socket]:
     """Forks the zygote; returns its pid and the supervisor's end of its socket."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -72,7 +71,7 @@ def start(cfg: dict) -> tuple[int, socket.socket]:
     return pid, ours
 
 
-def serve(cfg: dict, channel: socket.socket) -> None:
+def serve(cfg: dict, channel: _socket.socket) -> None:
     """Prepares a jail per request (`prepare <slot>`); reports each jail's end once reaped; returns when
     the channel closes."""
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY) if cfg["isolate"] else -1
@@ -101,8 +100,8 @@ def serve(cfg: dict, channel: socket.socket) -> None:
             fork = fork_jail if kind == b"prepare" else fork_harness
             pid, passed = fork(slot_configs[int(slot)], own_pid_ns, shared[int(slot)], [channel.fileno(), *live, *kept])
             live[os.dup(passed["pidfd"])] = pid
-            socket.send_fds(channel, [b"prepared %d" % pid],
-                            [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
+            send_fds(channel, b"prepared %d" % pid,
+                     [passed[name] for name in (PASSED if kind == b"prepare" else PASSED_HARNESS)])
             for fd in passed.values():
                 os.close(fd)
 
@@ -171,7 +170,7 @@ def fork_harness(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: lis
     """Forks a slot's harness (jailed.run_harness): confined as a jail is, in a pid namespace of its own,
     it runs the tests of the slot's tested jobs one after another (harness.serve); the candidate's
     process of each is the job's jail. Its control socket carries each job's tests and call channel."""
-    control, control_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    control, control_theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     # Only the slot's mount namespace (the harness sees each job's /work, as the job's process does);
     # network and UTS namespaces of its own: nothing it makes in them outlives it, and no job reaches them.
     return _fork(cfg, own_pid_ns, slot_ns[2:], close_in_child, {"control": control.detach()},
@@ -186,7 +185,7 @@ def _fork(cfg: dict, own_pid_ns: int, slot_ns: tuple, close_in_child: list[int],
     ready_r, ready_w = os.pipe()
     attached_r, attached_w = os.pipe()
     # Seccomp listeners come in here (the C-level pair: no Python socket objects made and dropped per jail).
-    calls, calls_w = _socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    calls, calls_w = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     if cfg["isolate"]:
         # A process may unshare its children's pid namespace once; joining its own again first
         # lets it do so for every jail. The other namespaces the jail joins or makes itself.
