@@ -15,7 +15,7 @@ from crucible.services.sandbox_executor.handler import job_for_request, result_m
 from crucible.services.sandbox_executor.pool import SandboxPool
 from crucible.shared import integrity
 from crucible.shared.settings import Settings
-from crucible.v1 import episode_pb2, task_pb2
+from crucible.v1 import episode_pb2, execution_pb2, task_pb2
 
 BUILT_IN = ["events", "logs", "lookup", "python", "sql"]
 
@@ -133,6 +133,22 @@ async def test_over_long_output_is_cut_and_says_so(execute):
     logs, logs_task = envs.get("logs"), first_task("logs")
     episode = await ep.play(logs, logs_task, ["@grep 2026", "x"], execute)
     assert "more matching lines" in episode.turns[0].observation
+
+
+def test_why_the_sandbox_stopped_a_program_survives_any_cut_of_its_output():
+    from crucible.ml.envs.base import cut, program_output
+
+    flood = "Traceback (most recent call last):\n" * 500
+    stopped = execution_pb2.ExecutionResult(exit_code=1, stderr=flood.encode(), stdout=b"x" * 5000,
+                                            violation=execution_pb2.VIOLATION_PROCESSES,
+                                            violation_detail="process limit of 32 reached")
+    observation = program_output(stopped)
+    assert observation.failed
+    assert "[the sandbox stopped the program: processes: process limit of 32 reached]" in cut(observation.text)
+    exited = program_output(execution_pb2.ExecutionResult(exit_code=3, stdout=b"y" * 5000))
+    assert exited.failed and "[exit code 3]" in cut(exited.text)
+    fine = program_output(execution_pb2.ExecutionResult(stdout=b"42\n"))
+    assert fine.text == "42" and not fine.failed
 
 
 @pytest.mark.sandbox

@@ -196,7 +196,8 @@ def split_of(key: str, fraction: float = 0.2) -> str:
 
 
 def program_output(result: execution_pb2.ExecutionResult) -> Observation:
-    """What a program run in the sandbox says back: its output, its errors, and why it was stopped."""
+    """What a program run in the sandbox says back: why it was stopped (first, so that no cut of a long
+    output drops it: a fork bomb's children fill any budget with tracebacks), its output, its errors."""
     if result.not_run:
         return Observation(f"error: not run: {result.not_run}", failed=True)
     out = result.stdout.decode("utf-8", errors="replace")
@@ -207,8 +208,8 @@ def program_output(result: execution_pb2.ExecutionResult) -> Observation:
     failed = result.exit_code != 0 or result.signal != 0
     if result.violation:
         name = execution_pb2.Violation.Name(result.violation).removeprefix("VIOLATION_").lower()
-        text += f"\n[the sandbox stopped the program: {name}{': ' + result.violation_detail if result.violation_detail else ''}]"
+        text = f"[the sandbox stopped the program: {name}{': ' + result.violation_detail if result.violation_detail else ''}]\n" + text
         failed = True
     elif failed and not err.strip():
-        text += f"\n[exit code {result.exit_code}{f', signal {result.signal}' if result.signal else ''}]"
+        text = f"[exit code {result.exit_code}{f', signal {result.signal}' if result.signal else ''}]\n" + text
     return Observation(text.strip("\n") or "(no output)", failed=failed)
