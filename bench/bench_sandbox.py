@@ -16,8 +16,10 @@ Each sandbox measurement starts a pool and, before its clock, has every worker s
 of the kind measured in each of its slots (WARM_JOBS_PER_WORKER): a running service's pool, not a
 cold one (a pool's start and first jobs: bench_sandbox_cold_start.py).
 Prints executions/s (sandbox with two jobs outstanding per worker), p50/p99
-latency (one job per worker, like the bare runs), the throughput ratio, and what one call
-of a test to the candidate costs (a test that calls it 2000 times).
+latency (one job per worker, like the bare runs), the throughput ratio, the CPU a check took
+(every process of the measurement: this one and all it started, the reaped included; on a
+shared machine a rate also moves with its other tenants, the CPU a check is the code's own),
+and what one call of a test to the candidate costs (a test that calls it 2000 times).
 Not a test: nothing gates on these numbers.
 """
 from __future__ import annotations
@@ -60,12 +62,39 @@ BASELINES = {"python": [base_python()], "python -I -S": [base_python(), "-I", "-
 BARE_ENVIRONMENT = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds used so far by this process and every process below it, with what their reaped
+    children used (a jail is reaped by its zygote, a bare check by this process): whichever process
+    of a measurement spent it. Read at both ends of a clock; the difference is the measurement's."""
+    below: dict[int, list[int]] = {}
+    used: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:  # fields after the command's closing parenthesis: state, ppid, ..., utime stime cutime cstime
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile: its parent's count has it
+        used[int(entry)] = sum(map(int, fields[11:15]))
+        below.setdefault(int(fields[1]), []).append(int(entry))
+    ticks, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ticks += used.get(pid, 0)
+        todo += below.get(pid, [])
+    return ticks / CLOCK_TICKS
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def bare(problems: list[dict], workers: int, tmp: Path, command: list[str]) -> tuple[float, list[float]]:
+def bare(problems: list[dict], workers: int, tmp: Path, command: list[str]) -> tuple[float, list[float], float]:
+    """Checks a second, each check's latency (ms), and the CPU a check took (ms)."""
     def one(i_problem):
         i, p = i_problem
         path = tmp / f"p{i}.py"
@@ -76,10 +105,11 @@ def bare(problems: list[dict], workers: int, tmp: Path, command: list[str]) -> t
         assert proc.returncode == 0, proc.stderr[-300:]
         return took
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), tree_cpu_s()
     with ThreadPoolExecutor(workers) as executor:
         latencies = list(executor.map(one, enumerate(problems)))
-    return len(problems) / (time.perf_counter() - started), latencies
+    took, cpu = time.perf_counter() - started, tree_cpu_s() - cpu
+    return len(problems) / took, latencies, cpu / len(problems) * 1000
 
 
 def plain_program(p: dict) -> str:
@@ -87,8 +117,9 @@ def plain_program(p: dict) -> str:
 
 
 async def sandboxed(problems: list[dict], workers: int, in_flight: int, tested: bool = True
-                    ) -> tuple[float, list[float], str]:
-    """Throughput with `in_flight` jobs outstanding; latency is the time each job took from submission.
+                    ) -> tuple[float, list[float], str, float]:
+    """Throughput with `in_flight` jobs outstanding; latency is the time each job took from submission;
+    the CPU a job took (ms), every process of the pool's counted.
     Tested: the harness and the candidate's process; untested: the plain program, exit code 0 passes."""
     def job(p: dict) -> Job:
         return Job(code=p["prompt"] + p["canonical_solution"], tests=p["test"], entry_point=p["entry_point"]) \
@@ -114,9 +145,10 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int, tested: 
                 latencies.append((time.perf_counter() - started) * 1000)
                 results.append((p, r))
 
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), tree_cpu_s()
         await asyncio.gather(*(one(p) for p in problems))
-        rate = len(problems) / (time.perf_counter() - started)
+        took, cpu = time.perf_counter() - started, tree_cpu_s() - cpu
+        rate = len(problems) / took
         # Scored after the clock stops, as the bare runs check only an exit code: grading is the
         # verifier's work, not the sandbox's.
         for p, r in results:
@@ -125,7 +157,7 @@ async def sandboxed(problems: list[dict], workers: int, in_flight: int, tested: 
                 continue
             score = PYTHON_TESTS.score(TASKS[p["task_id"]], p["canonical_solution"], result_message(r))
             assert score.passed, (p["task_id"], score.detail[:300])
-        return rate, latencies, pool.report.describe()
+        return rate, latencies, pool.report.describe(), cpu / len(problems) * 1000
 
 
 CALLS = 2000
@@ -163,33 +195,39 @@ def main() -> None:
         for workers in sorted({1, cores}):
             bare_rates = {name: [] for name in BASELINES}
             bare_lat = {name: [] for name in BASELINES}
-            sb_rates, sb_lat, plain_rates, plain_lat = [], [], [], []
+            bare_cpu = {name: [] for name in BASELINES}
+            sb_rates, sb_lat, sb_cpu, plain_rates, plain_lat, plain_cpu = [], [], [], [], [], []
             for _ in range(args.rounds):
                 for name, command in BASELINES.items():
-                    rate, lat = bare(problems, workers, Path(tmp), command)
+                    rate, lat, cpu = bare(problems, workers, Path(tmp), command)
                     bare_rates[name].append(rate)
                     bare_lat[name] += lat
+                    bare_cpu[name].append(cpu)
                 # Throughput with a small backlog per worker; latency with one job per worker, as
                 # the bare runs have (a backlog would add queueing time, not sandbox time).
-                rate, _, isolation = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers))
+                rate, _, isolation, cpu = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers))
                 sb_rates.append(rate)
+                sb_cpu.append(cpu)
                 sb_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers))[1]
-                plain_rates.append(asyncio.run(sandboxed(problems, workers, in_flight=2 * workers, tested=False))[0])
+                rate, _, _, cpu = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers, tested=False))
+                plain_rates.append(rate)
+                plain_cpu.append(cpu)
                 plain_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers, tested=False))[1]
             s, plain = statistics.median(sb_rates), statistics.median(plain_rates)
+            s_cpu, p_cpu = statistics.median(sb_cpu), statistics.median(plain_cpu)
             per_call = asyncio.run(call_cost(workers))
             print(f"\n{workers} worker(s)   [{isolation}]")
             print(f"  sandbox, tested       : {s:7.1f} exec/s  p50 {percentile(sb_lat, .5):6.1f} ms  "
-                  f"p99 {percentile(sb_lat, .99):6.1f} ms")
+                  f"p99 {percentile(sb_lat, .99):6.1f} ms   CPU {s_cpu:5.1f} ms a check")
             print(f"  sandbox, plain program: {plain:7.1f} exec/s  p50 {percentile(plain_lat, .5):6.1f} ms  "
-                  f"p99 {percentile(plain_lat, .99):6.1f} ms")
+                  f"p99 {percentile(plain_lat, .99):6.1f} ms   CPU {p_cpu:5.1f} ms a check")
             print(f"  a tested job's call   : {per_call:7.1f} us (median of 5 jobs of {CALLS} calls, one at a time)")
             for name in BASELINES:
-                b = statistics.median(bare_rates[name])
+                b, b_cpu = statistics.median(bare_rates[name]), statistics.median(bare_cpu[name])
                 print(f"  bare {name:<17}: {b:7.1f} exec/s  p50 {percentile(bare_lat[name], .5):6.1f} ms  "
-                      f"p99 {percentile(bare_lat[name], .99):6.1f} ms   sandbox/bare tested {s / b:.2f}x, "
-                      f"plain {plain / b:.2f}x")
-
+                      f"p99 {percentile(bare_lat[name], .99):6.1f} ms   CPU {b_cpu:5.1f} ms a check")
+                print(f"      sandbox against it: rate tested {s / b:.2f}x, plain {plain / b:.2f}x; "
+                      f"CPU a check tested {b_cpu / s_cpu:.2f}x less, plain {b_cpu / p_cpu:.2f}x less")
 
 if __name__ == "__main__":
     main()
