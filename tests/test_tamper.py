@@ -125,25 +125,43 @@ ATTACKS = {
 }
 
 # Tests that accept "any exception" must not count a vanished candidate, a control-flow exception or a
-# value that never crossed as one: (test code, completion) pairs that must fail.
+# value that never crossed as one: (test code, completion) pairs that must fail, whatever the test catches
+# (`except Exception:`, `except BaseException:`, a bare `except:`).
 LENIENT_TESTS = """
 def check(candidate):
     for value in map(candidate, [1, 2], [3, 4]):
         assert value in (4, 6)
     try:
         candidate('a', None)
-    except Exception:
+    except{catch}:
         pass
     else:
         raise AssertionError('expected an error')
 """
+CATCHES = {"Exception": " Exception", "BaseException": " BaseException", "bare": ""}
 LENIENT_ATTACKS = {
     "exits_nonzero_mid_call": "    import os\n    if b is None:\n        os._exit(1)\n    return a + b\n",
     "sys_exit_nonzero_mid_call": "    import sys\n    if b is None:\n        sys.exit(3)\n    return a + b\n",
     "stop_iteration_ends_the_loop": "    raise StopIteration\n",
     "non_plain_instead_of_raising": "    import collections\n    if b is None:\n        return collections.deque()\n"
                                     "    return a + b\n",
+    "nested_too_deep_instead_of_raising": "    if b is None:\n        v = 0\n        for _ in range(70):\n"
+                                          "            v = [v]\n        return v\n    return a + b\n",
 }
+# What a test's `except Exception:` does not catch in one process: neither does it here (a test that
+# catches BaseException catches these in one process too, and may pass).
+BASE_EXCEPTIONS = {
+    "its_own_base_exception": "    class Halt(BaseException):\n        pass\n    if b is None:\n        raise Halt()\n"
+                              "    return a + b\n",
+    "a_base_exception_group": "    if b is None:\n        raise BaseExceptionGroup('x', [KeyboardInterrupt()])\n"
+                              "    return a + b\n",
+}
+
+
+def lenient_task(catch: str) -> task_pb2.Task:
+    return task_pb2.Task(id="lenient", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=LENIENT_TESTS.format(catch=catch)))
+
 
 # Not tampering, just wrong: still never a pass.
 FAILURES = {
@@ -195,14 +213,42 @@ async def test_wrong_solutions_never_pass(pool, name):
     assert score.reward == 0.0 and score.components["tests_passed"] == 0.0, (score.detail, result.tests)
 
 
+@pytest.mark.parametrize("catch", sorted(CATCHES))
 @pytest.mark.parametrize("name", sorted(LENIENT_ATTACKS))
-async def test_lenient_tests_do_not_swallow_a_broken_candidate(pool, name):
-    task = task_pb2.Task(id="lenient", kind="python_tests", prompt=ADD.prompt, group_size=1,
-                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=LENIENT_TESTS))
+async def test_lenient_tests_do_not_swallow_a_broken_candidate(pool, name, catch):
+    task = lenient_task(CATCHES[catch])
     honest = "    if b is None:\n        raise TypeError('no')\n    return a + b\n"
     assert (await run(pool, task, honest))[0].reward == 1.0
     score, result = await run(pool, task, LENIENT_ATTACKS[name])
     assert score.reward == 0.0, (score.detail, result.tests)
+
+
+@pytest.mark.parametrize("name", sorted(BASE_EXCEPTIONS))
+async def test_a_base_exception_of_the_candidates_is_not_an_exception_to_the_tests(pool, name):
+    score, result = await run(pool, lenient_task(CATCHES["Exception"]), BASE_EXCEPTIONS[name])
+    assert score.reward == 0.0, (score.detail, result.tests)
+    score, result = await run(pool, lenient_task(CATCHES["BaseException"]), BASE_EXCEPTIONS[name])
+    assert score.reward == 1.0, (score.detail, result.tests)  # as in one process: that test takes any
+
+
+async def test_an_argument_that_cannot_cross_fails_its_test_whatever_the_test_expects(pool):
+    """A test passing what is not plain data (an object, a Decimal) expecting a TypeError: the harness
+    cannot make the call, so the test is not evidence, not the harness's own error taken as the
+    candidate's; the job's other tests still count."""
+    tests = ("def test_sums():\n    assert add(2, 3) == 5\n\n"
+             "def test_rejects_what_is_not_a_number():\n"
+             "    from decimal import Decimal\n"
+             "    for bad in (object(), Decimal(1)):\n"
+             "        try:\n            add(bad, 1)\n        except TypeError:\n            continue\n"
+             "        raise AssertionError('expected a TypeError')\n")
+    task = task_pb2.Task(id="not-sent", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=tests))
+    score, result = await run(pool, task, "    return a + b\n")  # never validates: in one process, fails
+    assert (score.components["tests_passed"], score.components["tests_total"]) == (1.0, 2.0), score.detail
+    assert score.reward < 1.0, score.detail
+    outcomes = {t["name"]: (t["passed"], t.get("message", "")) for t in result.tests}
+    assert outcomes["test_sums"][0] and not outcomes["test_rejects_what_is_not_a_number"][0], outcomes
+    assert "only plain data can cross" in outcomes["test_rejects_what_is_not_a_number"][1], outcomes
 
 
 async def test_candidate_cannot_redefine_what_the_tests_use(pool):

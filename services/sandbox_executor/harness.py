@@ -55,15 +55,29 @@ class CandidateError(Exception):
     """An exception the candidate raised whose class is its own (its name is in the message)."""
 
 
-# The two below derive from BaseException on purpose: a test's `except Exception:` (or
-# `except TypeError:`) must not turn "the candidate vanished" or "returned no data" into a pass.
+class CallFailed(BaseException):
+    """A call of the candidate that did not happen as a call in one process would: the arguments could
+    not cross, the candidate did not answer, or answered with what is not plain data. A BaseException,
+    so a test's `except Exception:` (or `except TypeError:`) does not take it for the candidate's own
+    error; and a test during which one was raised fails whatever it catches (`except:` included):
+    what was never asked or never answered is never evidence of a pass (Candidate.failed)."""
 
-class CandidateGone(BaseException):
+
+class CandidateGone(CallFailed):
     """The candidate's process ended, exited, or broke the call protocol; every later call fails too."""
 
 
-class NotPlainData(BaseException):
+class NotPlainData(CallFailed):
     """The candidate returned something that is not plain data."""
+
+
+class NotSent(CallFailed):
+    """The test passes what cannot cross to the candidate (not plain data, or too much of it)."""
+
+
+class CandidateBaseException(BaseException):
+    """An exception the candidate raised that is not an Exception (a class of its own deriving from
+    BaseException, a BaseExceptionGroup): as in one process, `except Exception:` does not catch it."""
 
 
 # Exceptions a test may legitimately expect from the candidate. StopIteration and its async twin are
@@ -126,6 +140,8 @@ class Candidate:
         self.known: dict = {}  # the prompt's and the tests' names (_run_tests): their exception classes
         self._calling = _thread.allocate_lock()
         self.calls = 0  # calls the tests made (_run_tests: a test that made none passed nothing)
+        self.failed = 0  # calls that raised CallFailed (_run_tests: a test with one passed nothing)
+        self.failure = ""  # the last one's message
         self._before_tests = True  # what the reply being read is (_read_some reports a loss as such)
         self._replies = framing.Reader(self._read_some, candidate.MAX_FRAME)
 
@@ -135,12 +151,20 @@ class Candidate:
 
     def call(self, name: str, args: tuple, kwargs: dict):
         self.calls += 1
+        try:
+            return self._call(name, args, kwargs)
+        except CallFailed as exc:
+            self.failed += 1
+            self.failure = str(exc)
+            raise
+
+    def _call(self, name: str, args: tuple, kwargs: dict):
         if self.gone:
             raise CandidateGone(self.gone)
         try:
             request = {"op": "call", "name": name, "args": plain.to_tree(args), "kwargs": plain.to_tree(kwargs)}
         except plain.NotPlain as exc:
-            raise TypeError(f"the test passes {exc} to {name}(); only plain data can cross to the candidate") from None
+            raise NotSent(f"the test passes {exc} to {name}(); only plain data can cross to the candidate") from None
         # Mutable arguments come back after the call and are written into the test's own objects,
         # so a test sees in-place changes (or their absence) as it would in one process.
         # Whether it returns or raises (a test may check that a failed call left its input alone).
@@ -195,8 +219,8 @@ class Candidate:
         try:
             framing.write(self.call_w, plain.dumps(obj), candidate.MAX_FRAME)
         except framing.FrameTooLarge as exc:
-            raise TypeError(f"the test passes {exc.size} bytes of data to {obj['name']}(); "
-                            f"at most {exc.limit} cross to the candidate") from None
+            raise NotSent(f"the test passes {exc.size} bytes of data to {obj['name']}(); "
+                          f"at most {exc.limit} cross to the candidate") from None
         except OSError:
             self._lost(before_tests=False)
 
@@ -474,17 +498,19 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
     child.known = {name: value for name, value in prelude_names.items() if name not in proxied}
 
     for name, test in selected:
-        calls = child.calls
+        calls, failed = child.calls, child.failed
         try:
             returned = test()
             if type(returned).__name__ in ("coroutine", "generator"):
                 returned.close()  # an async or generator test: nothing of it ran
-        except (CandidateGone, NotPlainData) as exc:
+        except CallFailed as exc:
             report.outcome(name, False, str(exc))
         except BaseException as exc:
             report.outcome(name, False, f"{type(exc).__name__}: {exc}")
         else:
-            if child.calls == calls:  # no evidence: a test that never reached the program passes nothing
+            if child.failed != failed:  # the test caught it (`except:`): still no evidence of a pass
+                report.outcome(name, False, child.failure)
+            elif child.calls == calls:  # no evidence: a test that never reached the program passes nothing
                 report.outcome(name, False, "the test never called the program")
             else:
                 report.outcome(name, True)
@@ -611,4 +637,7 @@ def _exception(builtin: str, args: tuple, message: str, own: str, known: dict) -
                     return klass(*given)
                 except Exception:
                     continue
+    named = getattr(builtins, builtin, None)
+    if isinstance(named, type) and issubclass(named, BaseException) and not issubclass(named, Exception):
+        return CandidateBaseException(f"{own}: {message}")  # not what `except Exception:` takes
     return CandidateError(f"{own}: {message}")
