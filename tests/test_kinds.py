@@ -362,6 +362,22 @@ def test_subclasses_cross_as_their_base_and_are_flagged_when_they_steer():
     assert [f[0] for f in flags] == ["non_plain_return"]
 
 
+def test_a_buffer_that_is_not_a_bytearray_is_not_plain_data():
+    """An array.array or a memoryview compares unequal to its items' list or its bytes in one process:
+    read as a bytearray through its buffer, it would cross as something else. A bytearray's subclass
+    still crosses as the bytearray it holds."""
+    import array
+
+    class Buffer(bytearray):
+        pass
+
+    for value in (array.array("i", [0, 1, 4]), memoryview(b"ab"), array.array("b", b"ab")):
+        with pytest.raises(plain.NotPlain):
+            plain.to_tree(value)
+    back = plain.from_tree(plain.to_tree(Buffer(b"ab")))
+    assert back == bytearray(b"ab") and type(back) is bytearray
+
+
 @pytest.mark.parametrize("tree", [["x", 1], {"a": 1}, ["d", 1], ["s", ["l"]], ["b", "!!"], ["c", 1, "a"],
                                   ["F", "1.5"], ["I", "zz"]])
 def test_malformed_trees_are_refused(tree):

@@ -84,7 +84,7 @@ _int_index, _float_value, _str_value, _bytes_value = int.__index__, float.__floa
 _list_iter, _tuple_iter, _dict_items = list.__iter__, tuple.__iter__, dict.items
 _set_iter, _frozenset_iter = set.__iter__, frozenset.__iter__
 _complex_real, _complex_imag = complex.real.__get__, complex.imag.__get__
-_bytearray_copy = bytearray.__bytes__ if hasattr(bytearray, "__bytes__") else (lambda b: bytes(memoryview(b)))
+_bytearray_copy = bytearray.copy  # a bytearray's own bytes; any other object (an array.array, a buffer) refused
 
 # Plain base type -> how to read a subclass instance's real value through the base's own slot.
 _CONVERT = (
@@ -93,7 +93,7 @@ _CONVERT = (
     (float, lambda v: _float_value(v)),
     (str, lambda v: _str_value(v)),
     (bytes, lambda v: _bytes_value(v)),
-    (bytearray, lambda v: bytearray(_bytearray_copy(v))),
+    (bytearray, lambda v: _bytearray_copy(v)),
     (complex, lambda v: complex(_complex_real(v), _complex_imag(v))),
     (list, lambda v: list(_list_iter(v))),
     (tuple, lambda v: tuple(_tuple_iter(v))),
