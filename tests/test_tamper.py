@@ -471,6 +471,18 @@ async def test_honest_habits_with_files_descriptors_and_signals_are_paid_in_full
     assert score.reward == 1.0 and not score.tampered, (score.patterns, score.detail, result.stderr[-500:])
 
 
+async def test_long_failure_messages_never_crowd_out_the_outcomes_after_them(pool):
+    """Twelve failing tests whose messages are long and not ASCII (escaped in the report's JSON, six
+    bytes a character), then eighteen that pass: every outcome is read, whatever the job's output cap."""
+    failing = "".join(f"def test_{i:02d}():\n    assert add({i}, 0) == {i + 1}, '\u0436' * 3000\n\n" for i in range(12))
+    passing = "".join(f"def test_{i:02d}():\n    assert add({i}, 0) == {i}\n\n" for i in range(12, 30))
+    task = task_pb2.Task(id="long-messages", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=failing + passing))
+    score, result = await run(pool, task, HONEST)
+    assert (score.components["tests_passed"], score.components["tests_total"]) == (18.0, 30.0), score.detail
+    assert len(result.tests) == 30 and not score.tampered, score.detail
+
+
 @pytest.mark.parametrize("shape", sorted(HONEST_SHAPES))
 async def test_honest_answers_of_every_shape_are_paid_in_full(pool, shape):
     task, completion = HONEST_SHAPES[shape]

@@ -103,7 +103,7 @@ class Report:
 
     def outcome(self, name: str, passed: bool, message: str = "") -> None:
         self.failed += not passed
-        self._line({"name": name, "passed": passed, "message": message[:1000]})
+        self._line({"name": name, "passed": passed, "message": _clip(message)})
 
     def tamper(self, pattern: str, detail: str) -> None:
         key = (str(pattern)[:64], str(detail)[:500])
@@ -126,6 +126,20 @@ class Report:
         `retire`: this harness takes no more jobs (the supervisor starts a fresh one for the slot)."""
         self._line({"done": True, "exit_code": exit_code, "cpu_user_s": usage[0], "cpu_system_s": usage[1],
                     "max_rss_bytes": usage[2], "retire": retire})
+
+
+MESSAGE_BYTES = 1000  # a test's failure message, as the report line carries it (JSON: escapes counted)
+
+
+def _clip(message: str) -> str:
+    """The message cut to at most MESSAGE_BYTES in the report's JSON, where a character takes up to 12
+    bytes (a non-ASCII one is escaped): however long or foreign every failure message is, a job's report
+    stays within what the supervisor reads of it (outcome.REPORT_BYTES), and no outcome crowds out
+    those after it."""
+    message = message[:MESSAGE_BYTES]
+    while len(encoded := json.dumps(message)) - 2 > MESSAGE_BYTES:
+        message = message[:len(message) * MESSAGE_BYTES // len(encoded)]
+    return message
 
 
 class Candidate:

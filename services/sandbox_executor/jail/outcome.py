@@ -12,6 +12,11 @@ import signal
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
 
 DONE_PREFIX = b'{"done": '  # the start of the harness's last report line (harness.Report.done)
+# What the supervisor reads of a tested job's report: more than the harness writes for any job (its lines
+# are bounded: at most MAX_REPORT_LINES, a failure message at most harness.MESSAGE_BYTES), never the job's
+# output cap, which a test suite of long failure messages would fill, cutting off the passes after them.
+MAX_REPORT_LINES = 2000
+REPORT_BYTES = 8 << 20
 
 
 def harness_done(report: bytes) -> dict | None:
@@ -34,7 +39,7 @@ def parse_report(data: bytes) -> dict:
     candidate's process left before the tests were done ("gone": "before_tests" or "during_tests");
     malformed lines are dropped."""
     tests, tamper, gone, declared = [], [], "", []
-    for line in data.splitlines()[:2000]:
+    for line in data.splitlines()[:MAX_REPORT_LINES]:
         try:
             item = json.loads(line)
             if "declared" in item:

@@ -540,7 +540,7 @@ def run_job(jail: Jail, job: dict, cgroups: Cgroups, harness_: Harness | None = 
             if not chunk:
                 open_fds.remove(fd)
                 continue
-            room = cap - len(out[fd])
+            room = (outcome.REPORT_BYTES if fd == report_r else cap) - len(out[fd])
             out[fd] += chunk[:room]
             if fd == report_r and tested and outcome.DONE_PREFIX in out[report_r][-4096:]:
                 done = outcome.harness_done(out[report_r])  # None until the line is whole
