@@ -289,6 +289,11 @@ def test_program_continues_the_prompt_or_stands_alone():
     ("import json\njson.loads = None\n", "patched_stdlib"),
     ("import json as j\nj.loads = None\n", "patched_stdlib"),
     ("import sys\nsys.modules['ast'] = None\n", "patched_stdlib"),
+    # the module itself, inside a function that binds no name of its own over it
+    ("import json\ndef f():\n    json.loads = None\n", "patched_stdlib"),
+    ("import copy\ndef f():\n    global copy\n    copy = None\n    copy.deepcopy = None\n", "patched_stdlib"),
+    ("import unittest\nunittest.TestCase.failUnlessEqual = None\n", "assert_machinery"),
+    ("import unittest\nt = unittest.TestCase\nt.assertEqual = None\n", "assert_machinery"),
 ])
 def test_source_scan_names_patterns(source, pattern):
     assert pattern in [p for p, _ in tamper_scan.scan_source(source)]
@@ -305,6 +310,11 @@ def test_source_scan_names_patterns(source, pattern):
     "def clone(head):\n    copy = Node(head.val)\n    copy.next = None\n    return copy\n",
     "def build(tree):\n    ast = Node()\n    ast.left = tree\n    return ast\n",
     "def link(node, root):\n    node.fail_link = root\n    node.fail = root\n",
+    "def link(child, root, job):\n    child.failLink = root\n    job.assert_ok = True\n",
+    # a function's own name hides the module an import bound to it
+    "import copy\ndef clone(n):\n    copy = N()\n    copy.value = n\n    return copy\n",
+    "import json\ndef parse(json):\n    json.cache = {}\n",
+    "import ast\ndef walk():\n    for ast in nodes:\n        ast.seen = True\n",
 ])
 def test_source_scan_leaves_honest_code_alone(source):
     assert tamper_scan.scan_source(source) == []
@@ -325,6 +335,8 @@ def test_source_scan_ignores_the_trusted_prompt():
     (b"42\n[1, 2, 3]\nthe answer passed through\n", False),
     (b'{"status": "computing", "input": 3, "bypass": false}\n', False),
     (b'{"status": "passed"}\n', True),
+    (b'{"password_set": true, "status": "ok"}\n', False),
+    (b'{"user": "a", "pass_rate": 0.5, "result": "success"}\n', False),
     (b"OK\n", False),
     (b"", False),
 ])
