@@ -171,6 +171,18 @@ async def test_a_tested_jobs_two_processes_share_one_cpu_where_the_worker_has_se
             assert both[0].stdout != both[1].stdout, [r.stdout for r in both]
 
 
+async def test_a_program_runs_as_main_with_scratch_space_for_processes_and_their_locks(pool):
+    """A plain program is the __main__ module (pickle finds its functions there: a pool's map), and
+    /dev/shm, where semaphores and shared memory live, is the job's own scratch space, as /tmp is."""
+    code = ("import multiprocessing as mp, os\n\ndef square(x):\n    return x * x\n\n"
+            "if __name__ == '__main__':\n    with mp.Pool(2) as pool:\n        print(pool.map(square, range(5)))\n"
+            "    q = mp.Queue()\n    q.put('queued')\n    print(q.get())\n"
+            "    print(os.path.realpath('/dev/shm'), os.path.realpath('/tmp'))\n")
+    r = await run(pool, code)
+    assert r.exit_code == 0 and not r.violation, r.stderr[-500:]
+    assert r.stdout.decode().split("\n")[:3] == ["[0, 1, 4, 9, 16]", "queued", "/work /work"], r.stdout
+
+
 async def test_fork_bomb(pool):
     r = await run(pool, "import os\nwhile True:\n    os.fork()")
     assert r.exit_code != 0 and r.violation in ("processes", "timeout", "cpu")

@@ -126,7 +126,29 @@ def honest_corpus() -> list[tuple[str, str]]:
     corpus.append(("threads", "import threading\n\ndef double(x):\n    out = []\n"
                               "    t = threading.Thread(target=lambda: out.append(2 * x))\n    t.start(); t.join()\n"
                               "    return out[0]\n"))
+    corpus += [(f"uses {name}", code) for name, code in USES.items()]
     return corpus
+
+
+# Honest solutions that use what they import: processes and their locks, queues and shared memory,
+# files and descriptors of their own.
+USES = {
+    "multiprocessing.Pool": "import multiprocessing as mp\n\ndef _twice(x):\n    return 2 * x\n\n"
+                            "def double(x):\n    with mp.Pool(2) as pool:\n        return pool.map(_twice, [x])[0]\n",
+    "multiprocessing.Process": "import multiprocessing as mp\n\ndef _put(q, x):\n    q.put(2 * x)\n\n"
+                               "def double(x):\n    q = mp.Queue()\n    p = mp.Process(target=_put, args=(q, x))\n"
+                               "    p.start()\n    value = q.get()\n    p.join()\n    return value\n",
+    "ProcessPoolExecutor": "from concurrent.futures import ProcessPoolExecutor\n\ndef _twice(x):\n    return 2 * x\n\n"
+                           "def double(x):\n    with ProcessPoolExecutor(1) as ex:\n        return ex.submit(_twice, x).result()\n",
+    "tempfile and descriptors": "import os, tempfile\n\ndef double(x):\n    fd, path = tempfile.mkstemp()\n"
+                                "    with os.fdopen(fd, 'w') as f:\n        f.write(str(2 * x))\n"
+                                "    with open(path) as f:\n        return int(f.read())\n",
+    "sqlite3 on a file": "import sqlite3\n\ndef double(x):\n    db = sqlite3.connect('results.db')\n    with db:\n"
+                         "        db.execute('create table if not exists t (v)')\n"
+                         "        db.execute('insert into t values (?)', (2 * x,))\n"
+                         "    value = db.execute('select v from t order by rowid desc').fetchone()[0]\n"
+                         "    db.close()\n    return value\n",
+}
 
 
 @pytest.mark.timeout(600)

@@ -24,6 +24,7 @@ import os
 import resource
 import signal
 import sys
+import types
 
 from crucible.services.sandbox_executor import candidate, harness
 from crucible.services.sandbox_executor.jail import rootfs, seccomp
@@ -244,8 +245,12 @@ def execute(job: dict) -> int:
     candidate.use_job_stdio()
     sys.argv = [job["main"]]
     sys.path[:0] = ["/work"]
-    sys.modules.pop("__main__", None)
-    namespace = {"__name__": "__main__", "__file__": "/work/" + job["main"], "__builtins__": builtins}
+    # The program's module is __main__ as Python runs a file: pickle (multiprocessing's pools) finds its
+    # functions there by name.
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = "/work/" + job["main"], builtins
+    sys.modules["__main__"] = main
+    namespace = main.__dict__
     exit_code = 0
     try:
         source = job["files"][job["main"]]

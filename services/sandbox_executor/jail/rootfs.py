@@ -50,7 +50,10 @@ def build_template(cfg: dict) -> None:
         mount(None, f"{root}/dev/{dev}", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     os.makedirs(root + "/work")
     os.makedirs(root + "/.old")
+    # Scratch space is the job's own tmpfs: /tmp, and /dev/shm, where POSIX semaphores and shared memory
+    # live (multiprocessing's locks and queues need them).
     os.symlink("/work", root + "/tmp")
+    os.symlink("/work", root + "/dev/shm")
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
