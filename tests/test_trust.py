@@ -140,6 +140,12 @@ USES = {
                                "    p.start()\n    value = q.get()\n    p.join()\n    return value\n",
     "ProcessPoolExecutor": "from concurrent.futures import ProcessPoolExecutor\n\ndef _twice(x):\n    return 2 * x\n\n"
                            "def double(x):\n    with ProcessPoolExecutor(1) as ex:\n        return ex.submit(_twice, x).result()\n",
+    "shared_memory": "from multiprocessing import shared_memory\n\ndef double(x):\n"
+                     "    m = shared_memory.SharedMemory(create=True, size=8)\n    m.buf[0] = 2\n    y = m.buf[0] * x\n"
+                     "    m.close()\n    m.unlink()\n    return y\n",
+    "subprocess": "import subprocess, sys\n\ndef double(x):\n"
+                  "    run = subprocess.run([sys.executable, '-c', 'print(2 * int(input()))'], input=str(x),\n"
+                  "                         capture_output=True, text=True, check=True)\n    return int(run.stdout)\n",
     "tempfile and descriptors": "import os, tempfile\n\ndef double(x):\n    fd, path = tempfile.mkstemp()\n"
                                 "    with os.fdopen(fd, 'w') as f:\n        f.write(str(2 * x))\n"
                                 "    with open(path) as f:\n        return int(f.read())\n",

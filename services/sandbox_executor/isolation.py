@@ -58,12 +58,13 @@ def base_python() -> str:
 def readonly_binds() -> tuple[list[str], list[str], dict[str, str]]:
     """(paths bound read-only, paths hidden under an empty tmpfs, symlinks) that make up the jail's root.
 
-    Only the interpreter's standard library and the shared libraries it loads:
-    no /etc, no /home, no /usr/bin, no site-packages.
+    Only the interpreter (a program may start it again: `subprocess.run([sys.executable, ...])`, the
+    resource tracker of multiprocessing's shared memory), its standard library and the shared libraries
+    it loads: no /etc, no /home, no /usr/bin, no site-packages.
     """
     stdlib = sysconfig.get_paths()["stdlib"]
     libdir = sysconfig.get_config_var("LIBDIR") or str(interpreter_prefix() / "lib")
-    binds = [stdlib]
+    binds = [base_python(), stdlib]
     for lib in Path(libdir).glob("libpython*.so*"):
         binds.append(str(lib))
     multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"

@@ -1,6 +1,6 @@
 """The jail's root filesystem: a read-only template built once per worker, entered by each job.
 
-The template holds only read-only binds of the interpreter's standard library
+The template holds only read-only binds of the interpreter, its standard library
 and the shared libraries it loads, a few device nodes and empty mount points;
 no /etc, /home, /usr/bin, /proc, and the interpreter's site-packages hidden.
 Each cgroup slot has a mount namespace whose root is the template, made once
