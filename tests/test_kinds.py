@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+from collections import deque
+from datetime import date, datetime, time, timedelta, timezone, tzinfo
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
@@ -350,6 +354,9 @@ def test_output_scan(out, fake):
     None, True, 0, -5, 2 ** 70, 1.5, -0.0, float("inf"), float("nan"), 1 + 2j, "", "é\x00", b"\x00\xff",
     bytearray(b"ab"), [1, [2, (3, {4})]], (), {"a": 1, 2: [3], (4, 5): None}, frozenset({1, "x"}),
     pytest.param(10 ** 5000, id="int_of_5000_digits"),
+    Fraction(-7, 3), Decimal("1.10"), Decimal("-Infinity"), date(2024, 2, 29), datetime(2024, 1, 2, 3, 4, 5, 6),
+    datetime(2024, 1, 2, tzinfo=timezone(timedelta(hours=-3))), time(23, 59, 1), timedelta(-1, 5, 7), range(1, 9, 2),
+    deque([1, [2]], maxlen=4), [Fraction(2 ** 100, 3), {"d": deque()}],
 ])
 def test_plain_values_round_trip_exactly(value):
     back = plain.from_tree(plain.loads(plain.dumps(plain.to_tree(value))))
@@ -388,6 +395,29 @@ def test_a_buffer_that_is_not_a_bytearray_is_not_plain_data():
             plain.to_tree(value)
     back = plain.from_tree(plain.to_tree(Buffer(b"ab")))
     assert back == bytearray(b"ab") and type(back) is bytearray
+
+
+def test_only_the_standard_librarys_own_value_classes_cross():
+    """A subclass of Fraction (its methods its author's), a datetime in a zone with methods of its own:
+    not plain data."""
+    class Third(Fraction):
+        def __eq__(self, other):
+            return True
+
+    class Zone(tzinfo):
+        def utcoffset(self, when):
+            return timedelta(0)
+
+    for value in (Third(1, 3), datetime(2024, 1, 1, tzinfo=Zone()), time(1, tzinfo=Zone())):
+        with pytest.raises(plain.NotPlain):
+            plain.to_tree(value)
+
+
+@pytest.mark.parametrize("tree", [["Q", "1", 0], ["Q", 1, 0], ["D", "zz"], ["R", "a", 1, 1], ["R", 1, 2, 0], ["q", "x", 1],
+                                  ["Y", 5], ["S", 1, 2], ["q"], ["W", "2024-13-01"]])
+def test_malformed_standard_library_values_are_refused(tree):
+    with pytest.raises(ValueError):
+        plain.from_tree(tree)
 
 
 @pytest.mark.parametrize("tree", [["x", 1], {"a": 1}, ["d", 1], ["s", ["l"]], ["b", "!!"], ["c", 1, "a"],

@@ -146,7 +146,7 @@ LENIENT_ATTACKS = {
     "exits_nonzero_mid_call": "    import os\n    if b is None:\n        os._exit(1)\n    return a + b\n",
     "sys_exit_nonzero_mid_call": "    import sys\n    if b is None:\n        sys.exit(3)\n    return a + b\n",
     "stop_iteration_ends_the_loop": "    raise StopIteration\n",
-    "non_plain_instead_of_raising": "    import collections\n    if b is None:\n        return collections.deque()\n"
+    "non_plain_instead_of_raising": "    import array\n    if b is None:\n        return array.array('i')\n"
                                     "    return a + b\n",
     "nested_too_deep_instead_of_raising": "    if b is None:\n        v = 0\n        for _ in range(70):\n"
                                           "            v = [v]\n        return v\n    return a + b\n",
@@ -235,13 +235,13 @@ async def test_a_base_exception_of_the_candidates_is_not_an_exception_to_the_tes
 
 
 async def test_an_argument_that_cannot_cross_fails_its_test_whatever_the_test_expects(pool):
-    """A test passing what is not plain data (an object, a Decimal) expecting a TypeError: the harness
+    """A test passing what is not plain data (an object, a class) expecting a TypeError: the harness
     cannot make the call, so the test is not evidence, not the harness's own error taken as the
     candidate's; the job's other tests still count."""
     tests = ("def test_sums():\n    assert add(2, 3) == 5\n\n"
              "def test_rejects_what_is_not_a_number():\n"
              "    from decimal import Decimal\n"
-             "    for bad in (object(), Decimal(1)):\n"
+             "    for bad in (object(), Decimal):\n"
              "        try:\n            add(bad, 1)\n        except TypeError:\n            continue\n"
              "        raise AssertionError('expected a TypeError')\n")
     task = task_pb2.Task(id="not-sent", kind="python_tests", prompt=ADD.prompt, group_size=1,
@@ -350,6 +350,23 @@ MINMAX = ('def minmax(xs):\n    """(min, max)"""\n', "minmax",
           "def check(candidate):\n    assert candidate([3, 1, 2]) == (1, 3)\n")
 # Honest answers in shapes one process would take, each once paid 0 (most also named tampering).
 HONEST_SHAPES = {
+    # the standard library's values, returned and passed
+    "fraction_and_decimal": _honest('def split(x):\n    """x as a Fraction and a Decimal"""\n', "split",
+                                    "from fractions import Fraction\nfrom decimal import Decimal\n"
+                                    "def check(candidate):\n    assert candidate(Fraction(1, 4)) == (Fraction(1, 4), Decimal('0.25'))\n"
+                                    "    assert candidate(Decimal('0.5'))[0] == Fraction(1, 2)\n",
+                                    "    from fractions import Fraction\n    from decimal import Decimal\n"
+                                    "    f = Fraction(x)\n    return f, Decimal(f.numerator) / Decimal(f.denominator)\n"),
+    "dates": _honest('def next_day(d):\n    """the day after d, and how long after d"""\n', "next_day",
+                     "import datetime as dt\ndef check(candidate):\n"
+                     "    assert candidate(dt.date(2024, 2, 28)) == (dt.date(2024, 2, 29), dt.timedelta(days=1))\n"
+                     "    assert candidate(dt.datetime(2024, 12, 31, 23, 59))[0] == dt.datetime(2025, 1, 1, 23, 59)\n",
+                     "    import datetime\n    step = datetime.timedelta(days=1)\n    return d + step, step\n"),
+    "range_and_deque": _honest('def window(n):\n    """the last three of range(n), and range(n)"""\n', "window",
+                               "from collections import deque\ndef check(candidate):\n"
+                               "    last, whole = candidate(5)\n    assert last == deque([2, 3, 4], maxlen=3) and last.maxlen == 3\n"
+                               "    assert whole == range(5)\n",
+                               "    from collections import deque\n    return deque(range(n), maxlen=3), range(n)\n"),
     "namedtuple": _honest(*MINMAX, "    import collections\n    P = collections.namedtuple('P', 'lo hi')\n"
                                    "    return P(min(xs), max(xs))\n"),
     "int_enum": _honest('def sq(x):\n    """x * x"""\n', "sq", "def check(candidate):\n    assert candidate(3) == 9\n",

@@ -2,7 +2,9 @@
 
 The harness calls the candidate's functions through a pipe; arguments and
 return values cross as *plain data* only: None, bool, int, float, complex,
-str, bytes, bytearray and lists, tuples, sets, frozensets and dicts of those.
+str, bytes, bytearray and lists, tuples, sets, frozensets and dicts of those,
+and the standard library's values made of them (Fraction, Decimal, date,
+datetime, time, timedelta, range, deque: exactly those classes).
 What the harness gets back is rebuilt from a JSON tree by `from_tree`, so it is
 always an exact builtin value: no subclass, no custom `__eq__`, `__hash__` or
 `__bool__`, no generator, nothing that can run the candidate's code inside the
@@ -24,6 +26,8 @@ import itertools
 import json
 import json.encoder
 import json.scanner
+import builtins as builtins_module
+import importlib
 import math
 import sys
 
@@ -162,6 +166,9 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         return ["c", to_tree(value.real, flags, d, budget), to_tree(value.imag, flags, d, budget)]
     if t in ITERATOR_TYPES:
         return ["i", *[to_tree(v, flags, d, budget) for v in _drawn(value, budget)]]
+    stdlib_value = _stdlib_value(t)
+    if stdlib_value is not None:
+        return [stdlib_value[0], *[to_tree(v, flags, d, budget) for v in stdlib_value[1](value)]]
     if t in _VIEW_TAGS:  # a dict's keys, values or items, rebuilt as a view of a dict of their own
         return [_VIEW_TAGS[t], *[to_tree(v, flags, d, budget) for v in value]]
     for base, convert in _CONVERT:
@@ -180,6 +187,42 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
     own_class = getattr(t, "__module__", "") not in ("builtins",) and not _is_stdlib_class(t)
     machinery = getattr(t, "__name__", "") in _MACHINERY_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
     raise NotPlain(f"a {name}", suspicious=own_class or machinery)
+
+
+# The standard library's value types that cross, by tag: (module, class name, its value's parts as plain
+# data, the value made again from them). Exactly these classes (a subclass does not cross: its methods
+# are its author's); the harness makes each anew from plain parts, as it makes a list.
+_STDLIB_VALUES = {
+    "Q": ("fractions", "Fraction", lambda v: (v.numerator, v.denominator), lambda m, n, d: m.Fraction(n, d)),
+    "D": ("decimal", "Decimal", lambda v: (str(v),), lambda m, text: m.Decimal(text)),
+    "Y": ("datetime", "date", lambda v: (v.isoformat(),), lambda m, text: m.date.fromisoformat(text)),
+    "W": ("datetime", "datetime", lambda v: (_zoned(v).isoformat(),), lambda m, text: m.datetime.fromisoformat(text)),
+    "H": ("datetime", "time", lambda v: (_zoned(v).isoformat(),), lambda m, text: m.time.fromisoformat(text)),
+    "S": ("datetime", "timedelta", lambda v: (v.days, v.seconds, v.microseconds),
+          lambda m, days, seconds, micro: m.timedelta(days, seconds, micro)),
+    "R": ("builtins", "range", lambda v: (v.start, v.stop, v.step), lambda m, *bounds: range(*bounds)),
+    "q": ("collections", "deque", lambda v: (v.maxlen, *v), lambda m, maxlen, *items: m.deque(items, maxlen)),
+}
+_PARTS = {"Q": 2, "D": 1, "Y": 1, "W": 1, "H": 1, "S": 3, "R": 3}  # how many parts each has (a deque: any)
+
+
+def _stdlib_value(t) -> tuple | None:
+    """(tag, parts of a value) where `t` is one of _STDLIB_VALUES' classes, as its module (already loaded,
+    or no value of it could exist here) defines it; None otherwise."""
+    for tag, (module_name, name, parts, _) in _STDLIB_VALUES.items():
+        module = builtins_module if module_name == "builtins" else sys.modules.get(module_name)
+        if module is not None and getattr(module, name, None) is t:
+            return tag, parts
+    return None
+
+
+def _zoned(value):
+    """A datetime or time whose zone is none or a fixed offset (which its text carries); NotPlain for
+    any other zone (a class with methods of its own)."""
+    zone = value.tzinfo
+    if zone is not None and type(zone) is not sys.modules["datetime"].timezone:
+        raise NotPlain(f"a {_type_name(type(value))} in a {_type_name(type(zone))} zone")
+    return value
 
 
 def _drawn(iterator, budget: list) -> list:
@@ -258,6 +301,13 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
         if tag in ("b", "B"):
             raw = base64.b64decode(text.encode("ascii"), validate=True)
             return raw if tag == "b" else bytearray(raw)
+    if tag in _STDLIB_VALUES and len(items) == _PARTS.get(tag, max(1, len(items))):
+        module_name, _, _, make = _STDLIB_VALUES[tag]
+        parts = [from_tree(v, d, budget) for v in items]
+        try:  # each class checks its parts itself (a range of strings is a TypeError)
+            return make(importlib.import_module(module_name), *parts)
+        except (ValueError, TypeError, ArithmeticError) as exc:  # decimal's InvalidOperation, a zero denominator
+            raise ValueError(f"a value node tagged {tag!r} that makes no value: {type(exc).__name__}") from None
     if tag == "c" and len(items) == 2:
         re, im = (from_tree(v, d, budget) for v in items)
         if type(re) is float and type(im) is float:
