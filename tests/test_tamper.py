@@ -303,6 +303,12 @@ ARGUMENT_CASES = {
         "    assert inner == [1, 3]\n",
         "    s['a'].sort(reverse=True)\n    return s['a'][n]\n",
         "    return sorted(s['a'], reverse=True)[n]\n"),
+    # a deque the call rotates: the test's own deque turns too, or does not
+    "a_deque": (
+        "from collections import deque\ndef check(candidate):\n    q = deque([1, 2, 3], maxlen=3)\n"
+        "    assert candidate(q, 1) == 3\n    assert q == deque([3, 1, 2]) and q.maxlen == 3\n",
+        "    return s[-1]\n",
+        "    s.rotate(n)\n    return s[0]\n"),
 }
 
 

@@ -40,6 +40,7 @@ import _signal
 import _socket
 import _thread
 import builtins
+import collections
 import json
 import marshal
 import os
@@ -565,7 +566,7 @@ def _stub_names(prelude: str) -> set[str]:
     return stubs
 
 
-_MUTABLE = (list, dict, set, bytearray)
+_MUTABLE = (list, dict, set, bytearray, collections.deque)
 _BUILTIN_NAMES = frozenset(dir(builtins))
 
 
@@ -619,10 +620,10 @@ def _update(old, new) -> None:
                 _update(was, now)
             elif was is _MISSING or type(now) is not type(was) or was != now:
                 old[key] = now
-    elif type(old) is set:
+    elif type(old) is set or type(old) is collections.deque:  # (a deque's maxlen is its own: no call changes it)
         if old != new:
             old.clear()
-            old.update(new)
+            old.extend(new) if type(old) is collections.deque else old.update(new)
     elif old != new:  # a list of another length, a bytearray
         old[:] = new
 
