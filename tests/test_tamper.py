@@ -81,8 +81,6 @@ ATTACKS = {
     "reads_the_test_file": ("    for p in ('/work/test_program.py', 'test_program.py', '/tmp/tests.py'):\n"
                             "        try:\n            return open(p).read()\n        except OSError:\n"
                             "            pass\n    return 0\n", "reads_test_file"),
-    "edits_the_test_file": ("try:\n    open('/work/test_program.py', 'w').write('def check(c):\\n    pass\\n')\n"
-                            "except OSError:\n    pass\ndef add(a, b):\n    return 0\n", "reads_test_file"),
     "writes_the_report_fd_it_was_never_given": ("import os\ntry:\n    f = os.fdopen(7, 'w')\nexcept OSError:\n"
                                                 "    pass\ndef add(a, b):\n    return 0\n", "writes_report_fd"),
     "reads_expected_values_it_was_never_given": ("def add(a, b):\n    try:\n        return eval(open('expected.txt').read())\n"
@@ -177,6 +175,9 @@ FAILURES = {
     "syntax_error": "    return a +\n",
     "sleeps_forever": "    import time\n    time.sleep(60)\n",
     "never_defines_it": "pass\n",
+    # (tests never come to the candidate's process: a file it writes under their name is read by nothing)
+    "edits_the_test_file": "try:\n    open('/work/test_program.py', 'w').write('def check(c):\\n    pass\\n')\n"
+                           "except OSError:\n    pass\ndef add(a, b):\n    return 0\n",
     # (a generator reaches the tests as an iterator over its items: not 5, but no forgery either)
     "returns_a_generator": "    return (x for x in [a + b])\n",
 }
@@ -356,6 +357,18 @@ MINMAX = ('def minmax(xs):\n    """(min, max)"""\n', "minmax",
           "def check(candidate):\n    assert candidate([3, 1, 2]) == (1, 3)\n")
 # Honest answers in shapes one process would take, each once paid 0 (most also named tampering).
 HONEST_SHAPES = {
+    # a value the harness cannot compare (a signalling NaN) in an argument the call never touches
+    "a_signalling_nan_left_alone": _honest('def bump(row):\n    """adds one to row[1]"""\n', "bump",
+                                           "from decimal import Decimal\ndef check(candidate):\n"
+                                           "    row = [Decimal('sNaN'), 1]\n    candidate(row)\n    assert row[1] == 2\n",
+                                           "    row[1] += 1\n"),
+    # an error class of the standard library's, caught by its own name
+    "a_standard_library_error": _honest('def strict(x):\n    """x as a Decimal; a NaN raises InvalidOperation"""\n',
+                                        "strict", "from decimal import Decimal, InvalidOperation\n"
+                                        "def check(candidate):\n    assert candidate('1.5') == Decimal('1.5')\n"
+                                        + _expects("candidate('NaN')", "InvalidOperation"),
+                                        "    from decimal import Decimal, InvalidOperation\n    d = Decimal(x)\n"
+                                        "    if d.is_nan():\n        raise InvalidOperation('NaN')\n    return d\n"),
     # the standard library's values, returned and passed
     "fraction_and_decimal": _honest('def split(x):\n    """x as a Fraction and a Decimal"""\n', "split",
                                     "from fractions import Fraction\nfrom decimal import Decimal\n"
@@ -483,6 +496,9 @@ HONEST_HABITS = {
     "fdopens_a_temporary_file": "import os, tempfile\nfd, path = tempfile.mkstemp()\nwith os.fdopen(fd, 'w') as f:\n"
                                 "    f.write('x')\nr, w = os.pipe()\nos.fdopen(w, 'w').close()\nos.fdopen(r).close()\n"
                                 "fd = os.open(path, os.O_RDONLY)\nassert open(fd).read() == 'x'\n",
+    "names_its_temporary_files_as_it_likes": "import os, tempfile\nwith tempfile.NamedTemporaryFile('w', prefix='test_',\n"
+                                             "                                 suffix='_expected.txt') as f:\n"
+                                             "    f.write('x')\n    f.flush()\n    assert open(f.name).read() == 'x'\n",
     "signals_itself": "import os, signal\nGOT = []\nsignal.signal(signal.SIGUSR1, lambda *a: GOT.append(1))\n"
                       "os.kill(os.getpid(), signal.SIGUSR1)\nassert GOT\n",
 }
@@ -504,6 +520,30 @@ async def test_long_failure_messages_never_crowd_out_the_outcomes_after_them(poo
     score, result = await run(pool, task, HONEST)
     assert (score.components["tests_passed"], score.components["tests_total"]) == (18.0, 30.0), score.detail
     assert len(result.tests) == 30 and not score.tampered, score.detail
+
+
+# Wrong answers that once passed because of what the harness did with them: the harness's own error,
+# taking an answer back, raised into the test as if the candidate had raised it; a returned generator
+# read whole at the call, so the error it raises lazily in one process came as an eager raise.
+NOT_THE_CANDIDATES_RAISE = {
+    "the_harness_comparing_a_signalling_nan": (
+        "from decimal import Decimal, InvalidOperation\ndef check(candidate):\n    vals = [Decimal('1.50')]\n"
+        "    candidate(vals)\n    assert vals == [Decimal('1.5')]\n" + _expects("candidate([Decimal('NaN')])", "InvalidOperation"),
+        "    from decimal import Decimal\n    if any(v.is_nan() for v in s):\n        s[0] = Decimal('sNaN')\n"
+        "        return\n    s[:] = [v.normalize() for v in s]\n"),
+    "a_generator_that_raises_only_when_read": (
+        "def check(candidate):\n    assert list(candidate([3])) == [0, 1, 2]\n" + _expects("candidate([-1])", "ValueError"),
+        "    if s[0] < 0:\n        raise ValueError('negative')\n    yield from range(s[0])\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_THE_CANDIDATES_RAISE))
+async def test_only_the_candidates_own_raise_reaches_the_tests(pool, case):
+    tests, completion = NOT_THE_CANDIDATES_RAISE[case]  # each fails in one process
+    task = task_pb2.Task(id=case, kind="python_tests", prompt='def f(s):\n    """see the tests"""\n', group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="f", test_code=tests))
+    score, result = await run(pool, task, completion)
+    assert score.reward == 0.0, (score.detail, result.tests)
 
 
 @pytest.mark.parametrize("shape", sorted(HONEST_SHAPES))

@@ -138,6 +138,9 @@ USES = {
     "multiprocessing.Process": "import multiprocessing as mp\n\ndef _put(q, x):\n    q.put(2 * x)\n\n"
                                "def double(x):\n    q = mp.Queue()\n    p = mp.Process(target=_put, args=(q, x))\n"
                                "    p.start()\n    value = q.get()\n    p.join()\n    return value\n",
+    "multiprocessing spawn": "import multiprocessing as mp\n\ndef _twice(x):\n    return 2 * x\n\n"
+                             "def double(x):\n    with mp.get_context('spawn').Pool(1) as pool:\n"
+                             "        return pool.apply(_twice, (x,))\n",
     "ProcessPoolExecutor": "from concurrent.futures import ProcessPoolExecutor\n\ndef _twice(x):\n    return 2 * x\n\n"
                            "def double(x):\n    with ProcessPoolExecutor(1) as ex:\n        return ex.submit(_twice, x).result()\n",
     "shared_memory": "from multiprocessing import shared_memory\n\ndef double(x):\n"

@@ -38,9 +38,9 @@ MAX_FRAME = 8 << 20  # the call channel's limit on a message, either way (the ha
 
 _ASSERT_WORDS = ("assert", "fail", "TestCase", "unittest", "AssertionError")
 # File names are read as words (`latest.json` holds no "test", `checkpoint.pkl` no "check"). A program
-# writing a file named as tests are (test*, harness) plants tests; one reading a file named as tests or
-# their results that is not there looks for them (the tests never come to this process: what it wrote
-# itself, or a file the task gave it, it may read by any name).
+# reading a file named as tests or their results that is not there looks for them (the tests never come
+# to this process: what it wrote itself, or a file the task gave it, it may read by any name; and what it
+# writes, under any name, no test reads: a temporary file's `test_` prefix is its own business).
 _WORDS = re.compile(r"[^a-z0-9]+").split
 _TEST_NAMES = ("test", "harness")  # a word starting with one
 _RESULT_NAMES = frozenset({"check", "checks", "checker", "report", "result", "results", "expected", "answer",
@@ -165,11 +165,9 @@ class Watch:
             self.flag("introspection", f"opens {resolved}")
         elif resolved != self.program_file and resolved.startswith((self.work_dir + "/", "/tmp/")):
             words = [w for w in _WORDS(os.path.basename(resolved).lower()) if w]
-            testlike = _any(w.startswith(_TEST_NAMES) for w in words)
-            if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_CREAT:
-                if testlike:
-                    self.flag("reads_test_file", f"writes {resolved}, named as tests are")
-            elif (testlike or _any(w in _RESULT_NAMES for w in words)) and not os.path.exists(resolved):
+            reads = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_CREAT
+            if reads and _any(w.startswith(_TEST_NAMES) or w in _RESULT_NAMES for w in words) \
+                    and not os.path.exists(resolved):
                 self.flag("reads_test_file", f"opens {resolved}, looking for tests it was never given")
 
     def _patched(self, obj, name) -> None:
@@ -425,7 +423,11 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
     try:
         tree = plain.to_tree(result, flags)
     except plain.Raised as raised:  # a returned generator raised as its items were drawn
-        return _raised(raised.exc)
+        # In one process the call returned and the raise came later, as the test drew: not replayed as a
+        # raise of the call (a test that wants the call itself to raise would pass), never a value.
+        return {"error": "non_plain", "message": f"{name}() returned an iterator that raised "
+                                                 f"{_class_name(raised.exc)} as its items were drawn: it is read "
+                                                 "whole when the call returns, so only one that ends can be checked"}
     except plain.NotPlain as exc:
         if exc.suspicious:
             watch.flag("non_plain_return", f"{name}() returned {exc}")
@@ -482,7 +484,8 @@ def _raised(exc: BaseException) -> dict:
     """A call's raise, as the harness rebuilds it: the nearest builtin class the exception's derives from
     (ValueError for a json.JSONDecodeError), the class's own name (the prompt's class of that name is
     raised where it defines one) and its message."""
-    reply = {"raise": _builtin_class(exc).__name__, "class": _class_name(exc), "message": _message(exc)}
+    reply = {"raise": _builtin_class(exc).__name__, "class": _class_name(exc), "message": _message(exc),
+             "module": _module_name(exc)}
     try:  # its arguments too, where they are plain and small (UnicodeDecodeError is made from five)
         reply["exception_args"] = plain.to_tree(tuple(BaseException.__dict__["args"].__get__(exc)), None, 0,
                                                 [EXCEPTION_ARGS])
@@ -503,6 +506,15 @@ def _builtin_class(exc: BaseException) -> type:
 
 def _class_name(exc: BaseException) -> str:
     return str(type.__dict__["__name__"].__get__(type(exc)))[:200]
+
+
+def _module_name(exc: BaseException) -> str:
+    """The module its class says it is from (the harness takes it only for a class of the standard
+    library's that the tests have loaded: decimal.InvalidOperation)."""
+    try:
+        return str(type.__dict__["__module__"].__get__(type(exc)))[:200]
+    except BaseException:
+        return ""
 
 
 def _message(exc: BaseException) -> str:

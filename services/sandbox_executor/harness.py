@@ -46,6 +46,7 @@ import marshal
 import os
 import resource
 import select
+import sys
 
 from crucible.services.sandbox_executor import candidate, plain
 from crucible.services.sandbox_executor.jail.linux import recv_fds
@@ -201,6 +202,9 @@ class Candidate:
             except (ValueError, KeyError, TypeError) as exc:
                 self.report.tamper("forged_reply", f"{name}() answered with a malformed value: {exc}")
                 raise CandidateGone(f"{name}() answered with a malformed value") from None
+            except Exception as exc:  # whatever else taking the answer raised: never the test's to catch
+                raise NotPlainData(f"{name}() answered with what the tests cannot take: "
+                                   f"{type(exc).__name__}") from None
             if "ok" in reply:
                 return value
         if reply.get("error") == "non_plain":
@@ -214,7 +218,7 @@ class Candidate:
             except ValueError:
                 args = (message,)
             raise _exception(raised, args if type(args) is tuple else (message,), message,
-                             str(reply.get("class", raised))[:200], self.known)
+                             str(reply.get("class", raised))[:200], self.known, str(reply.get("module", "")))
         self.report.tamper("forged_reply", f"{name}() answered with {sorted(reply)[:5]}")
         raise CandidateGone("the candidate broke the call protocol")
 
@@ -609,7 +613,7 @@ def _update(old, new) -> None:
         for i, (was, now) in enumerate(zip(old, new)):
             if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
                 _update(was, now)
-            elif type(now) is not type(was) or was != now:
+            elif type(now) is not type(was) or _differs(was, now):
                 old[i] = now
     elif type(old) is dict:
         for key in [key for key in old if key not in new]:
@@ -618,25 +622,42 @@ def _update(old, new) -> None:
             was = old.get(key, _MISSING)
             if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
                 _update(was, now)
-            elif was is _MISSING or type(now) is not type(was) or was != now:
+            elif was is _MISSING or type(now) is not type(was) or _differs(was, now):
                 old[key] = now
     elif type(old) is set or type(old) is collections.deque:  # (a deque's maxlen is its own: no call changes it)
-        if old != new:
+        if _differs(old, new):
             old.clear()
             old.extend(new) if type(old) is collections.deque else old.update(new)
-    elif old != new:  # a list of another length, a bytearray
+    elif _differs(old, new):  # a list of another length, a bytearray
         old[:] = new
 
 
 _MISSING = object()
+_STDLIB_MODULES = frozenset(sys.stdlib_module_names) - {"builtins"}
+_NEVER_REPLAYED = (StopIteration, StopAsyncIteration)
 
 
-def _exception(builtin: str, args: tuple, message: str, own: str, known: dict) -> BaseException:
+def _differs(was, now) -> bool:
+    """Whether a value the candidate handed back is not the one the test holds; a comparison that raises
+    (a signalling NaN) counts as a change."""
+    try:
+        return bool(was != now)
+    except Exception:
+        return True
+
+
+def _exception(builtin: str, args: tuple, message: str, own: str, known: dict, module: str = "") -> BaseException:
     """The exception the candidate raised, rebuilt here from its arguments (else its message): the class
     of its name that the prompt or the tests define (`except NegativeError:` catches the prompt's
-    NegativeError), else the nearest builtin class it derives from (ValueError for a JSONDecodeError),
-    or the first of that class's bases that can be made; CandidateError otherwise."""
+    NegativeError), or the standard library's of its module and name where this process has that module
+    loaded (the tests imported it: `except decimal.InvalidOperation:`), else the nearest builtin class it
+    derives from (ValueError for a JSONDecodeError), or the first of that class's bases that can be made;
+    CandidateError otherwise."""
     theirs = known.get(own)
+    if not (isinstance(theirs, type) and issubclass(theirs, Exception)) and module.split(".")[0] in _STDLIB_MODULES:
+        theirs = getattr(sys.modules.get(module), own, None)  # never an import: only what is loaded
+        if isinstance(theirs, type) and issubclass(theirs, _NEVER_REPLAYED):
+            theirs = None  # a builtin class is replayed as _REPLAYED says, whatever module is named
     if isinstance(theirs, type) and issubclass(theirs, Exception):
         for given in (args, (message,)):
             try:

@@ -196,14 +196,16 @@ _STDLIB_VALUES = {
     "Q": ("fractions", "Fraction", lambda v: (v.numerator, v.denominator), lambda m, n, d: m.Fraction(n, d)),
     "D": ("decimal", "Decimal", lambda v: (str(v),), lambda m, text: m.Decimal(text)),
     "Y": ("datetime", "date", lambda v: (v.isoformat(),), lambda m, text: m.date.fromisoformat(text)),
-    "W": ("datetime", "datetime", lambda v: (_zoned(v).isoformat(),), lambda m, text: m.datetime.fromisoformat(text)),
-    "H": ("datetime", "time", lambda v: (_zoned(v).isoformat(),), lambda m, text: m.time.fromisoformat(text)),
+    "W": ("datetime", "datetime", lambda v: (_zoned(v).isoformat(), v.fold, v.tzname()),
+          lambda m, text, fold, zone: _in_zone(m, m.datetime.fromisoformat(text), fold, zone)),
+    "H": ("datetime", "time", lambda v: (_zoned(v).isoformat(), v.fold, v.tzname()),
+          lambda m, text, fold, zone: _in_zone(m, m.time.fromisoformat(text), fold, zone)),
     "S": ("datetime", "timedelta", lambda v: (v.days, v.seconds, v.microseconds),
           lambda m, days, seconds, micro: m.timedelta(days, seconds, micro)),
     "R": ("builtins", "range", lambda v: (v.start, v.stop, v.step), lambda m, *bounds: range(*bounds)),
     "q": ("collections", "deque", lambda v: (v.maxlen, *v), lambda m, maxlen, *items: m.deque(items, maxlen)),
 }
-_PARTS = {"Q": 2, "D": 1, "Y": 1, "W": 1, "H": 1, "S": 3, "R": 3}  # how many parts each has (a deque: any)
+_PARTS = {"Q": 2, "D": 1, "Y": 1, "W": 3, "H": 3, "S": 3, "R": 3}  # how many parts each has (a deque: any)
 
 
 def _stdlib_value(t) -> tuple | None:
@@ -222,6 +224,14 @@ def _zoned(value):
     zone = value.tzinfo
     if zone is not None and type(zone) is not sys.modules["datetime"].timezone:
         raise NotPlain(f"a {_type_name(type(value))} in a {_type_name(type(zone))} zone")
+    return value
+
+
+def _in_zone(datetime_module, value, fold: int, zone: str | None):
+    """A datetime or time made from its text, with the fold and the zone's name its text does not carry."""
+    value = value.replace(fold=fold)
+    if value.tzinfo is not None and zone is not None:
+        value = value.replace(tzinfo=datetime_module.timezone(value.utcoffset(), zone))
     return value
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from crucible.services.sandbox_executor.candidate import MODULE_NAME
+
 if TYPE_CHECKING:
     from crucible.services.sandbox_executor.pool import Job
 
@@ -20,7 +22,10 @@ def _python(job: "Job") -> tuple[dict[str, str], str, str | None]:
         from crucible.services.sandbox_executor.pool import JobRejected
 
         raise JobRejected("tests given without an entry_point: HumanEval-style check(candidate) needs one")
-    return {"main.py": job.code}, "main.py", (job.tests or None)
+    # A tested job's program is the module the candidate's process loads it as (candidate.MODULE_NAME), so
+    # a process it starts afresh (multiprocessing's spawn) imports its functions by that name.
+    main = f"{MODULE_NAME}.py" if job.tests else "main.py"
+    return {main: job.code}, main, (job.tests or None)
 
 
 RUNNERS = {"python": _python}
