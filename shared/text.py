@@ -14,6 +14,18 @@ def valid_text(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
+def valid_texts(data):
+    """JSON data (json.loads') with every string in it, keys too, at any depth, as valid_text makes it:
+    what another process wrote as `\\ud800` becomes text a protobuf string field takes."""
+    if isinstance(data, str):
+        return valid_text(data)
+    if isinstance(data, list):
+        return [valid_texts(v) for v in data]
+    if isinstance(data, dict):
+        return {valid_texts(k): valid_texts(v) for k, v in data.items()}
+    return data
+
+
 def is_unicode(data) -> bool:
     """Whether every string in JSON data (keys too, at any depth) is valid Unicode."""
     try:

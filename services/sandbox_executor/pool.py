@@ -25,6 +25,7 @@ from crucible.services.sandbox_executor.jail.cgroups import JAIL_OWN_TASKS, Cgro
 from crucible.services.sandbox_executor.runners import prepare
 from crucible.shared import metrics
 from crucible.shared.settings import Settings, get_settings
+from crucible.shared.text import valid_texts
 from crucible.shared.workers import PoolFull, WorkerFailed, WorkerPool  # noqa: F401 (PoolFull is part of this API)
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,10 @@ class SandboxPool:
                   "work_bytes": limits.work_bytes}
         async with self._workers.worker() as worker:
             try:
-                raw = json.loads(await worker.ask(json.dumps(header).encode(), payload, key=header["job_id"]))
+                # Text the job's processes wrote (a test's message, a tamper detail) may hold a lone surrogate
+                # (`raise ValueError("\\ud800")`): made valid here, once, for every field a result message has.
+                raw = valid_texts(json.loads(await worker.ask(json.dumps(header).encode(), payload,
+                                                              key=header["job_id"])))
             except WorkerFailed as exc:  # raised inside the block: the worker is restarted
                 raise RuntimeError(f"sandbox failure: {exc}") from None
         if "error" in raw:  # the job failed, its worker did not (it goes on with the job beside it)
