@@ -402,6 +402,11 @@ async def test_what_a_reward_is_computed_from_must_be_trusted(verifier):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await verifier.Verify(bad, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.details()
+    # an execution result sent with an answer-only kind: nothing ran it, and it would reach the verdict
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await verifier.Verify(request("a", CAPITAL, "Answer: Paris", execution=outcome(True, violation_detail="x")),
+                              timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "scored from the answer alone" in err.value.details()
     # the honest way still works: the verifier runs the sandbox, whose result is sealed
     assert (await verifier.Verify(request("ok", ADD, honest), timeout=30)).reward == 1.0
 

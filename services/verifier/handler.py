@@ -60,6 +60,11 @@ def check_trust(request: verdict_pb2.VerifyRequest, secret: bytes) -> None:
     try:
         integrity.check_task(request.task, secret)
         kind = kind_for(request.task, what)
+        if request.HasField("execution") and not kind.needs_execution:
+            # Nothing ran this kind's answer in a sandbox: a result sent with it is no one's, and would
+            # reach the verdict and the stored rows as if one had.
+            raise Unverifiable(f"{what}: kind {kind.name!r} is scored from the answer alone; an execution "
+                               "result sent with it is refused")
         if kind.needs_execution and request.HasField("execution"):
             job = kind.execution(request.task, request.rollout.completion)
             integrity.check_execution(request.execution, job, secret)
