@@ -112,7 +112,8 @@ async def python_tests(problems: int, workers: int) -> tuple[float, float, float
                 task, completion = request.task, request.rollout.completion
                 job = kind.execution(task, completion)
                 result = await sandbox.execute(job_for_request(job))
-                sealed = integrity.seal(result_message(result), job, integrity.key(Settings()))  # as the sandbox does
+                sealed = integrity.seal(result_message(result), job, integrity.key(Settings()),  # as the sandbox does
+                                        request.rollout.id)
                 return await scorer.verify(verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout,
                                                                      execution=sealed))
 

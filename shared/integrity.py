@@ -200,20 +200,37 @@ def _result_body(result: execution_pb2.ExecutionResult) -> bytes:
     return unsealed.SerializeToString(deterministic=True)
 
 
+def _sealed_for(rollout_id: str | None) -> bytes:
+    """The seal's domain. A result made for a sampled rollout (the sandbox's run of a group it consumed,
+    the verifier's own run of one it was asked to score) is bound to that rollout; one made for whoever
+    called Sandbox.Execute is bound to nothing, and is never taken for a rollout's: a caller may run a
+    program as often as it likes and keep the run it prefers (a flaky program's one pass in four)."""
+    if rollout_id is None:
+        return b"crucible.execution/call"
+    return b"crucible.execution/rollout\0" + hashlib.sha256(rollout_id.encode("utf-8", "surrogatepass")).digest()
+
+
 def seal(result: execution_pb2.ExecutionResult, request: execution_pb2.ExecuteRequest,
-         secret: bytes) -> execution_pb2.ExecutionResult:
-    """The sandbox's seal on a result it produced for `request` (in place; returns it)."""
+         secret: bytes, rollout_id: str | None = None) -> execution_pb2.ExecutionResult:
+    """The seal on a result produced for `request` (in place; returns it): for the sampled rollout
+    `rollout_id`, or (None) for a call of Sandbox.Execute."""
     result.job_digest = job_digest(request)
-    result.seal = _mac(secret, b"crucible.execution", _result_body(result))
+    result.seal = _mac(secret, _sealed_for(rollout_id), _result_body(result))
     return result
 
 
 def check_execution(result: execution_pb2.ExecutionResult, request: execution_pb2.ExecuteRequest,
-                    secret: bytes) -> None:
-    """IntegrityError unless a sandbox holding the key produced this result for exactly this job."""
+                    secret: bytes, rollout_id: str | None = None) -> None:
+    """IntegrityError unless a holder of the key produced this result for exactly this job, and for the
+    rollout `rollout_id` (None: for a call of Sandbox.Execute)."""
     if not result.seal:
         raise IntegrityError("the execution result is not sealed by a sandbox")
-    if not hmac.compare_digest(result.seal, _mac(secret, b"crucible.execution", _result_body(result))):
-        raise IntegrityError("the execution result's seal does not match: it was changed, or not made by a sandbox")
+    body = _result_body(result)
+    if not hmac.compare_digest(result.seal, _mac(secret, _sealed_for(rollout_id), body)):
+        if rollout_id is not None and hmac.compare_digest(result.seal, _mac(secret, _sealed_for(None), body)):
+            raise IntegrityError("the execution result was sealed for a call of Sandbox.Execute, not for this "
+                                 "rollout's run: a caller may run a program as often as it likes")
+        raise IntegrityError("the execution result's seal does not match: it was changed, made for another "
+                             "rollout, or not made by a sandbox")
     if not hmac.compare_digest(result.job_digest, job_digest(request)):
         raise IntegrityError("the execution result is for another job (other code, tests or limits)")

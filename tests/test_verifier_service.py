@@ -43,9 +43,11 @@ def signed(task: task_pb2.Task) -> task_pb2.Task:
     return integrity.sign_task(copy, KEY)
 
 
-def sealed(result: execution_pb2.ExecutionResult, task: task_pb2.Task, completion: str) -> execution_pb2.ExecutionResult:
-    """The result as a sandbox holding KEY would have sealed it for this completion of this task."""
-    return integrity.seal(result, request_for_rollout(task, rollout("any", completion)), KEY)
+def sealed(result: execution_pb2.ExecutionResult, task: task_pb2.Task, completion: str,
+           rollout_id: str | None = None) -> execution_pb2.ExecutionResult:
+    """The result as a sandbox holding KEY would have sealed it for this completion of this task: run for the
+    rollout `rollout_id` (None: for a call of Sandbox.Execute)."""
+    return integrity.seal(result, request_for_rollout(task, rollout("any", completion)), KEY, rollout_id)
 
 
 def rollout(rid: str, completion: str, index: int = 0) -> rollout_pb2.Rollout:
@@ -146,10 +148,11 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
         execution_pb2.Execution(
             id="e", group=group("x", ADD, "    return a + b\n", "    return a - b\n",
                                 "    print('All tests passed')\n    return a + b\n", ""),
-            results=[sealed(outcome(True), ADD, "    return a + b\n"), sealed(outcome(False), ADD, "    return a - b\n"),
+            results=[sealed(outcome(True), ADD, "    return a + b\n", "x/0"),
+                     sealed(outcome(False), ADD, "    return a - b\n", "x/1"),
                      sealed(outcome(True, stdout=b"All tests passed\n"), ADD,
-                            "    print('All tests passed')\n    return a + b\n"),
-                     sealed(execution_pb2.ExecutionResult(not_run="code is empty"), ADD, "")]),
+                            "    print('All tests passed')\n    return a + b\n", "x/2"),
+                     sealed(execution_pb2.ExecutionResult(not_run="code is empty"), ADD, "", "x/3")]),
     ]
     groups = [
         group("h", CAPITAL, "Answer: Paris"),
@@ -216,7 +219,7 @@ async def test_verify_runs_python_tests_in_the_sandbox(verifier):
         "v1", ADD, "    class A:\n        __eq__ = lambda s, o: True\n    return A()\n"), timeout=30)
     assert forged.reward == 0.0 and forged.tampered and "non_plain_return" in forged.tamper_patterns
     given = await verifier.Verify(request("v2", ADD, "    return a + b\n",
-                                          execution=sealed(outcome(False), ADD, "    return a + b\n")), timeout=30)
+                                          execution=sealed(outcome(False), ADD, "    return a + b\n", "v2")), timeout=30)
     assert given.reward == 0.0  # a sealed execution that comes along is scored as it is
 
 
@@ -384,8 +387,12 @@ async def test_what_a_reward_is_computed_from_must_be_trusted(verifier):
         "unsealed": outcome(True),
         "sealed with another key": integrity.seal(outcome(True), request_for_rollout(ADD, rollout("x", honest)),
                                                   bytes(32)),
-        "changed after sealing": sealed(outcome(False), ADD, honest),
-        "for other code": sealed(outcome(True), ADD, "    return 5\n"),
+        "changed after sealing": sealed(outcome(False), ADD, honest, "f"),
+        "for other code": sealed(outcome(True), ADD, "    return 5\n", "f"),
+        # the very job, sealed for a call of Sandbox.Execute (which anyone may repeat until a run passes),
+        # or for another rollout's run
+        "for a call, not a run": sealed(outcome(True), ADD, honest),
+        "for another rollout": sealed(outcome(True), ADD, honest, "g/0"),
     }
     forged_results["changed after sealing"].tests[0].passed = True
     for name, result in forged_results.items():
@@ -422,7 +429,7 @@ async def test_forged_groups_on_the_topics_are_dead_lettered_not_paid(settings, 
     # the generator sent it (a correct answer is paid, and what else the sample holds would be learned).
     written = rollout_pb2.RolloutGroup(group_id="fw", task=signed(CAPITAL), rollouts=[rollout("fw/0", "Answer: Paris")])
     retouched = execution_pb2.Execution(id="r", group=group("fr", ADD, honest),
-                                        results=[sealed(outcome(True), ADD, honest)])
+                                        results=[sealed(outcome(True), ADD, honest, "fr/0")])
     retouched.group.rollouts[0].token_ids[:] = [6, 6, 6]
     retouched.group.rollouts[0].logprobs[:] = [-40.0, -40.0, -40.0]
     async with bus.Producer(keyed(settings)) as producer:

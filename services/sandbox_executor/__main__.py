@@ -68,14 +68,16 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
             job = job_for_request(request)
             pool.check(job)
         except NothingToRun as exc:
-            return integrity.seal(not_run_result(str(exc)), request, secret)
+            return integrity.seal(not_run_result(str(exc)), request, secret, rollout.id)
         except (JobRejected, ValueError) as exc:
             if task_refused(task):
                 raise  # the group goes to the DLQ with the reason
             # the model's output is what the sandbox will not take (a NUL byte, a huge program): that
             # sample is scored as not run, a failure; the group's others are run as usual
-            return integrity.seal(not_run_result(f"the sandbox refused this completion: {exc}"), request, secret)
-        return integrity.seal(result_message(await execute(job)), request, secret)
+            return integrity.seal(not_run_result(f"the sandbox refused this completion: {exc}"), request, secret,
+                                  rollout.id)
+        # sealed for this rollout: the verifier takes for it only this run's result (integrity.seal)
+        return integrity.seal(result_message(await execute(job)), request, secret, rollout.id)
 
     async def handle(incoming: bus.Incoming):
         group = incoming.message

@@ -67,7 +67,7 @@ def check_trust(request: verdict_pb2.VerifyRequest, secret: bytes) -> None:
                                "result sent with it is refused")
         if kind.needs_execution and request.HasField("execution"):
             job = kind.execution(request.task, request.rollout.completion)
-            integrity.check_execution(request.execution, job, secret)
+            integrity.check_execution(request.execution, job, secret, request.rollout.id)
     except integrity.IntegrityError as exc:
         raise Unverifiable(f"{what}: {exc}") from None
 

@@ -90,7 +90,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
         job = kind.execution(request.task, request.rollout.completion)
         if not job.code.strip():  # nothing to run: a failure to score, not a bad request
             result = integrity.seal(execution_pb2.ExecutionResult(not_run="the completion holds no program"),
-                                    job, self.scorer.secret)  # the verifier's own finding
+                                    job, self.scorer.secret, request.rollout.id)  # the verifier's own finding
         else:
             job.request_id = request.rollout.id
             try:
@@ -101,4 +101,10 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
                 return Refusal(code, f"the sandbox at {self.sandbox_target} (CRUCIBLE_VERIFIER_SANDBOX_TARGET) "
                                      f"could not run rollout {request.rollout.id!r}: {exc.code().name}: "
                                      f"{exc.details()}")
+            try:  # the sandbox's answer to this verifier's own call: a run of this rollout, sealed as one
+                integrity.check_execution(result, job, self.scorer.secret)
+            except integrity.IntegrityError as exc:
+                return Refusal(grpc.StatusCode.UNAVAILABLE, f"the sandbox at {self.sandbox_target} answered with a "
+                                                            f"result this verifier cannot trust: {exc}")
+            integrity.seal(result, job, self.scorer.secret, request.rollout.id)
         return verdict_pb2.VerifyRequest(task=request.task, rollout=request.rollout, execution=result)
