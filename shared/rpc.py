@@ -86,9 +86,10 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
             await abort(context, grpc.StatusCode.UNAUTHENTICATED,
                         "missing or wrong bearer token (set CRUCIBLE_RPC_TOKEN to the deployment's)")
 
+        # The request is left as the bytes it came as (no deserializer): nothing of an unauthenticated
+        # caller's message is parsed, however large or deep.
         return getattr(grpc, f"{kind}_rpc_method_handler")(
-            refuse, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 @dataclass(frozen=True)

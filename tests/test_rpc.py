@@ -113,6 +113,30 @@ async def test_a_token_guards_every_call_but_health_checks():
             await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
 
 
+async def test_nothing_of_an_unauthenticated_callers_request_is_parsed(monkeypatch):
+    """A call without the token is refused before any of its request is parsed (a 30 MiB one cost the
+    server its parse first); with the token, the same call's request is parsed and answered."""
+    parsed = []
+    tolerant = rpc._tolerant
+
+    def counting(deserialize):  # every request parser the server is given, counted as it parses
+        inner = tolerant(deserialize)
+        return None if inner is None else (lambda data: parsed.append(len(data)) or inner(data))
+
+    monkeypatch.setattr(rpc, "_tolerant", counting)
+    server = _learner_server(security=rpc.Security(token="s3cret-token"))
+    request = policy_pb2.GetPolicyRequest(run_id="r" * 1000)
+    async with server:
+        async with rpc.channel(server.address, rpc.Security()) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await policy_pb2_grpc.LearnerStub(ch).GetPolicy(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert parsed == []
+        async with rpc.channel(server.address, rpc.Security(token="s3cret-token")) as ch:
+            await policy_pb2_grpc.LearnerStub(ch).GetPolicy(request, timeout=5)
+        assert parsed == [request.ByteSize()]
+
+
 async def test_a_port_another_server_holds_is_refused_not_shared():
     """With gRPC's default SO_REUSEPORT a second server bound the first one's port and took half of
     its calls (a run's verifier and generator were once given one port: the verifier's health check
