@@ -277,6 +277,9 @@ class WorkerPool:
             self._waiting -= 1
         try:
             yield worker
+        except framing.FrameTooLarge:  # a request refused before any of it was sent (replies: WorkerFailed)
+            self._idle.put_nowait(token)  # the worker is as it was: not restarted for the caller's size
+            raise
         except asyncio.CancelledError as exc:
             # Keyed: the stream is whole; the request's place comes back when its reply has been dropped
             # (Worker.on_dropped_reply), so a worker never runs more than `depth` requests at once.

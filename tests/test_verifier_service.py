@@ -191,6 +191,22 @@ async def test_executions_and_answer_rollouts_become_verdicts(settings, scorer):
 
 # --- gRPC ----------------------------------------------------------------------------------------
 
+async def test_a_group_larger_together_than_a_scoring_process_takes_is_scored_in_parts(scorer):
+    """A signed task of 1.1 MB and a group of 64: the record fits Kafka, but the group's requests (each
+    holding the task) are 70 MB together, over a scoring frame's limit: scored in parts, every one paid."""
+    tests = "DATA = '" + "a" * 1_100_000 + "'\ndef check(f):\n    assert f(2, 3) == 5\n"
+    task = task_pb2.Task(id="big", kind="python_tests", prompt=ADD.prompt, group_size=64,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=tests))
+    honest = "    return a + b\n"
+    big = group("big", task, *[honest] * 64)
+    record = execution_pb2.Execution(id="big", group=big, results=[
+        sealed(outcome(True), big.task, honest, r.id) for r in big.rollouts])
+    failures, restarts = scorer.failures, scorer._workers.restarts
+    [out] = await verdict_handler(scorer)(bus.Incoming("executions", 0, 0, b"big", record))
+    assert [v.reward for v in out.message.verdicts] == [1.0] * 64
+    assert (scorer.failures, scorer._workers.restarts) == (failures, restarts)  # no part failed, no process restarted
+
+
 @pytest_asyncio.fixture(scope="module")
 async def sandbox_address():
     async with SandboxPool(Settings(sandbox_workers=2, sandbox_wall_s=5.0)) as pool:

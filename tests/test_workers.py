@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from crucible.shared import framing
 from crucible.shared.procs import pid_alive
 from crucible.shared.workers import PoolFull, WorkerFailed, WorkerPool, WorkerTimeout
 
@@ -86,6 +87,19 @@ async def test_a_request_cancelled_mid_way_does_not_answer_the_next_caller():
                 await abandoned
             second, echoed = await answer(workers, b"mine")
             assert echoed == b"mine" and second != first
+        finally:
+            await workers.close()
+
+
+async def test_a_request_over_the_frame_limit_is_refused_and_the_worker_kept():
+    async with asyncio.timeout(60):
+        workers = await pool(frame_limit=1024).start()
+        try:
+            first, _ = await answer(workers, b"x")
+            with pytest.raises(framing.FrameTooLarge):
+                await workers.ask(b"y" * 2048)
+            second, echoed = await answer(workers, b"z")  # nothing was sent: the same process answers
+            assert (second, echoed, workers.restarts) == (first, b"z", 0)
         finally:
             await workers.close()
 

@@ -116,6 +116,12 @@ class ScorerPool:
         try:
             reply = await self._workers.ask(framing.join([r.SerializeToString() for r in requests]),
                                             timeout=self.timeout_s)
+        except framing.FrameTooLarge as exc:  # nothing was sent: too large together, or this one alone
+            if len(requests) > 1:
+                half = len(requests) // 2
+                return [*await self._score(requests[:half]), *await self._score(requests[half:])]
+            self.failures += 1
+            return [handler.failed(requests[0], f"the request is larger than a scoring process takes ({exc})")]
         except WorkerFailed as exc:
             if len(requests) > 1:
                 log.info("a group of %d completions could not be scored together (%s); scoring each alone",
