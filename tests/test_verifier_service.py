@@ -230,6 +230,9 @@ async def verifier(scorer, sandbox_address):
 async def test_verify_runs_python_tests_in_the_sandbox(verifier):
     good = await verifier.Verify(request("v0", ADD, "    return a + b\n"), timeout=30)
     assert good.reward == 1.0 and good.execution.tests[0].passed
+    # the verifier's own run comes back unsealed: a caller may ask again until a flaky program passes, and
+    # must not take away a seal for the rollout it named
+    assert not good.execution.seal
     assert good.execution.isolation == execution_pb2.ISOLATION_LEVEL_FULL
     forged = await verifier.Verify(request(
         "v1", ADD, "    class A:\n        __eq__ = lambda s, o: True\n    return A()\n"), timeout=30)
