@@ -84,9 +84,10 @@ class CandidateBaseException(BaseException):
 
 # Exceptions a test may legitimately expect from the candidate. StopIteration and its async twin are
 # left out: raised through `for r in map(candidate, cases)` they would end a test's loop early, silently.
+_NEVER_REPLAYED = (StopIteration, StopAsyncIteration)
 _REPLAYED = frozenset(name for name in dir(builtins)
                       if isinstance(getattr(builtins, name), type) and issubclass(getattr(builtins, name), Exception)
-                      and name not in ("StopIteration", "StopAsyncIteration"))
+                      and not issubclass(getattr(builtins, name), _NEVER_REPLAYED))
 
 
 class Report:
@@ -627,14 +628,13 @@ def _update(old, new) -> None:
     elif type(old) is set or type(old) is collections.deque:  # (a deque's maxlen is its own: no call changes it)
         if _differs(old, new):
             old.clear()
-            old.extend(new) if type(old) is collections.deque else old.update(new)
+            (old.extend if type(old) is collections.deque else old.update)(new)
     elif _differs(old, new):  # a list of another length, a bytearray
         old[:] = new
 
 
 _MISSING = object()
 _STDLIB_MODULES = frozenset(sys.stdlib_module_names) - {"builtins"}
-_NEVER_REPLAYED = (StopIteration, StopAsyncIteration)
 
 
 def _differs(was, now) -> bool:

@@ -202,10 +202,19 @@ _STDLIB_VALUES = {
           lambda m, text, fold, zone: _in_zone(m, m.time.fromisoformat(text), fold, zone)),
     "S": ("datetime", "timedelta", lambda v: (v.days, v.seconds, v.microseconds),
           lambda m, days, seconds, micro: m.timedelta(days, seconds, micro)),
-    "R": ("builtins", "range", lambda v: (v.start, v.stop, v.step), lambda m, *bounds: range(*bounds)),
+    "R": ("builtins", "range", lambda v: (v.start, v.stop, v.step),
+          lambda m, start, stop, step: range(start, stop, step)),
     "q": ("collections", "deque", lambda v: (v.maxlen, *v), lambda m, maxlen, *items: m.deque(items, maxlen)),
 }
-_PARTS = {"Q": 2, "D": 1, "Y": 1, "W": 3, "H": 3, "S": 3, "R": 3}  # how many parts each has (a deque: any)
+_VARARGS = 0x04  # a code object's flag: the function takes *args
+
+
+def _takes(make, count: int) -> bool:
+    """Whether a make function of _STDLIB_VALUES takes `count` parts (after the module): as many as it
+    names, or at least that many where it takes *parts (a deque's items)."""
+    code = make.__code__
+    named = code.co_argcount - 1
+    return count == named or (bool(code.co_flags & _VARARGS) and count >= named)
 
 
 def _stdlib_value(t) -> tuple | None:
@@ -311,7 +320,7 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
         if tag in ("b", "B"):
             raw = base64.b64decode(text.encode("ascii"), validate=True)
             return raw if tag == "b" else bytearray(raw)
-    if tag in _STDLIB_VALUES and len(items) == _PARTS.get(tag, max(1, len(items))):
+    if tag in _STDLIB_VALUES and _takes(_STDLIB_VALUES[tag][3], len(items)):
         module_name, _, _, make = _STDLIB_VALUES[tag]
         parts = [from_tree(v, d, budget) for v in items]
         try:  # each class checks its parts itself (a range of strings is a TypeError)
