@@ -18,6 +18,7 @@ on with the next one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import functools
@@ -156,9 +157,14 @@ def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Me
     decodes those one by one, and says which cannot be decoded and why."""
     out: list[Message | None] = [None] * len(records)
     by_topic: dict[str, list[int]] = {}
+    # _as_published's test, written out for the records as aiokafka hands them over (headers a list):
+    # a call or two a record fewer, in the loop every consumed record passes through.
+    prefixes = {topic: [(H_SCHEMA, _schema_header(schema)), _PROTOBUF_HEADER] for topic, schema in schemas.items()}
     for i, record in enumerate(records):
-        schema = schemas.get(record.topic)
-        if schema is not None and _as_published(record.value, record.headers, schema):
+        prefix, headers = prefixes.get(record.topic), record.headers
+        if prefix is not None and record.value is not None and (
+                headers[:2] == prefix if type(headers) is list
+                else _as_published(record.value, headers, schemas[record.topic])):
             by_topic.setdefault(record.topic, []).append(i)
     for topic, indices in by_topic.items():
         if len(indices) > 1:
@@ -176,6 +182,7 @@ def _as_published(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
 
 _ABSENT = object()
 _UNTRACED = contextlib.nullcontext()
+_NO_FUTURES: tuple[asyncio.Future, ...] = ()  # a handled record's outputs when it has none
 _PROTOBUF_HEADER = (H_CONTENT_TYPE, messages.CONTENT_TYPE_PROTOBUF.encode())
 
 
@@ -405,7 +412,7 @@ class _DropCarried(ConsumerRebalanceListener):
 
     def on_partitions_revoked(self, revoked) -> None:
         gone = {(tp.topic, tp.partition) for tp in revoked}
-        self.reader._carried = [r for r in self.reader._carried if (r.topic, r.partition) not in gone]
+        self.reader._carry([run for run in self.reader._carried if (run[0].topic, run[0].partition) not in gone])
 
     def on_partitions_assigned(self, assigned) -> None:
         pass
@@ -470,8 +477,12 @@ class Reader:
         # and no offsets reads every partition of its topics.
         self._consumer = (AIOKafkaConsumer(*self.topics, **options) if self._start_offsets is None and group_id is None
                           else AIOKafkaConsumer(**options))
-        # Records the client fetched that no caller has been handed yet (fetch_raw takes all it has).
-        self._carried: list[ConsumerRecord] = []
+        # Records the client fetched that no caller has been handed yet (fetch_raw takes all it has), as
+        # the client hands them over: runs of one partition each, in offset order (never empty).
+        self._carried: collections.deque[list[ConsumerRecord]] = collections.deque()
+        self._carried_count = 0
+        # What the last fetch_raw handed over: per (topic, partition), the next offset and how many records.
+        self.taken: dict[tuple[str, int], tuple[int, int]] = {}
         self._carry_below = 500  # taken from the client while fewer are carried: the last fetch_raw's max_records
         self._pump: asyncio.Future | None = None  # _take_fetched, from start()
         self._arrived, self._room = asyncio.Event(), asyncio.Event()
@@ -510,7 +521,7 @@ class Reader:
         rollouts for 4 s, and before that episodes waited 2.5 s at the median. A failure of the
         client is raised by the next fetch_raw, and taking goes on."""
         while True:
-            if len(self._carried) >= self._carry_below:
+            if self._carried_count >= self._carry_below:
                 self._room.clear()
                 await self._room.wait()
                 continue
@@ -525,9 +536,15 @@ class Reader:
                 await self._room.wait()  # until fetch_raw has raised it
                 continue
             for records in batches.values():
-                self._carried.extend(records)
+                if records:
+                    self._carried.append(records)
+                    self._carried_count += len(records)
             if self._carried:
                 self._arrived.set()
+
+    def _carry(self, runs: Iterable[list[ConsumerRecord]]) -> None:
+        self._carried = collections.deque(runs)
+        self._carried_count = sum(map(len, self._carried))
 
     async def _assign_and_seek(self) -> None:
         await self._consumer.topics()  # loads cluster metadata, so partitions_for_topic can answer
@@ -588,11 +605,27 @@ class Reader:
             failure, self._failure = self._failure, None
             self._room.set()
             raise failure
-        records, self._carried = self._carried[:max_records], self._carried[max_records:]
-        if len(self._carried) < max_records:
+        # Whole runs where they fit: a partition's position (and what a consumer commits) is its run's
+        # last record's, not a dictionary write per record.
+        records: list[ConsumerRecord] = []
+        taken: dict[tuple[str, int], tuple[int, int]] = {}
+        while self._carried and len(records) < max_records:
+            run = self._carried[0]
+            room = max_records - len(records)
+            if len(run) > room:
+                run, self._carried[0] = run[:room], run[room:]
+            else:
+                self._carried.popleft()
+            records += run
+            last = run[-1]
+            key = (last.topic, last.partition)
+            taken[key] = (last.offset + 1, taken.get(key, (0, 0))[1] + len(run))
+        self._carried_count -= len(records)
+        if self._carried_count < max_records:
             self._room.set()
-        for r in records:
-            self.positions[(r.topic, r.partition)] = r.offset + 1
+        for key, (position, _) in taken.items():
+            self.positions[key] = position
+        self.taken = taken
         return records
 
     async def records_ready(self) -> None:
@@ -769,10 +802,14 @@ class Consumer(Reader):
                     continue
                 idle_since = loop.time()
                 started = time.perf_counter()
+                taken = self.taken
                 try:
-                    offsets = await self._run_batch(records)
+                    offsets = await self._run_batch(records, {key: position for key, (position, _) in taken.items()})
                 finally:  # counted per batch: an instrument call per record costs more than the record's decode
-                    for topic, count in Counter(r.topic for r in records).items():
+                    counts: Counter[str] = Counter()
+                    for (topic, _), (_, count) in taken.items():
+                        counts[topic] += count
+                    for topic, count in counts.items():
                         RECORDS.add(count, {"topic": topic, "outcome": "consumed"})
                     BATCH_MS.record((time.perf_counter() - started) * 1000, {"group": self.group_id or ""})
                 done += len(records)
@@ -793,10 +830,13 @@ class Consumer(Reader):
             await committing
         return done
 
-    async def _run_batch(self, records: list[ConsumerRecord]) -> dict[tuple[str, int], int]:
+    async def _run_batch(self, records: list[ConsumerRecord], offsets: dict[tuple[str, int], int] | None = None
+                         ) -> dict[tuple[str, int], int]:
         """Handles one fetched batch; returns the offsets to commit once every output is acknowledged
-        (none: a transactional batch commits its own)."""
-        offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
+        (none: a transactional batch commits its own). `offsets`: the batch's, where the caller knows them
+        (fetch_raw's `taken`)."""
+        if offsets is None:
+            offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
         pending: list[asyncio.Future] = []
         decoded = decode_records(records, self.schemas)
         if self.transactional:
@@ -874,9 +914,10 @@ class Consumer(Reader):
         them all rather than once each."""
         pending: list[asyncio.Future] = []
         carrying, scope = None, None  # the unsampled parent whose context is current, and its scope
+        handle, parent_from_headers = self._handle, telemetry.parent_from_headers  # (looked up once a batch)
         try:
             for record, message in zip(records, decoded):
-                parent = telemetry.parent_from_headers(record.headers)
+                parent = parent_from_headers(record.headers)
                 if parent is None or parent is not carrying:
                     if scope is not None:
                         carrying, scope = None, scope.__exit__(None, None, None)
@@ -884,11 +925,11 @@ class Consumer(Reader):
                     if scope is None:  # a span of its own
                         with consume_span(record.topic, record.partition, record.offset, record.headers,
                                           parent=parent):
-                            pending.extend(await self._handle(record, message))
+                            pending += await handle(record, message)
                         continue
                     scope.__enter__()
                     carrying = parent
-                pending.extend(await self._handle(record, message))
+                pending += await handle(record, message)
         finally:
             if scope is not None:
                 scope.__exit__(None, None, None)
@@ -913,7 +954,7 @@ class Consumer(Reader):
         except Exception as exc:
             return await self._handle_failed(record, incoming, exc)
         self.handled += 1
-        return await self._send(outputs) if outputs else []
+        return await self._send(outputs) if outputs else _NO_FUTURES
 
     async def _handle_failed(self, record: ConsumerRecord, incoming: Incoming, exc: Exception) -> list[asyncio.Future]:
         """After the handler raised `exc` on a record: Reject dead-letters it at once; anything else (a

@@ -512,3 +512,40 @@ async def test_records_handled_in_order_each_run_under_their_own_trace():
     for name in ("n1", "x1"):  # no (readable) trace context: a trace of its own
         context, _, parent, _ = seen[name]
         assert parent is None and context.trace_id not in (0xA, 0xB, 0xC), name
+
+
+async def test_records_are_handed_over_as_fetched_and_positions_follow_what_was_handed():
+    """The reader carries what the client fetched as runs of one partition: a fetch may end inside a
+    run, positions (and a consumer's commit) are the last handed record's, and a partition taken away
+    by a rebalance loses its carried records, nothing else."""
+    from aiokafka.structs import ConsumerRecord
+    from crucible.shared.settings import Settings
+
+    def run(partition: int, offsets: range) -> list:
+        return [ConsumerRecord("carry.tasks", partition, o, 0, 0, None, b"", None, 0, 0, []) for o in offsets]
+
+    reader = bus.Reader(["tasks"], "carry", settings=Settings(topic_prefix="carry."))
+    reader._carry([run(0, range(0, 3)), run(1, range(10, 14)), run(0, range(3, 5))])
+    assert reader._carried_count == 9
+
+    first = await reader.fetch_raw(max_records=5, timeout_ms=0)
+    assert [(r.partition, r.offset) for r in first] == [(0, 0), (0, 1), (0, 2), (1, 10), (1, 11)]
+    assert reader.taken == {("carry.tasks", 0): (3, 3), ("carry.tasks", 1): (12, 2)}
+    assert reader.positions == {("carry.tasks", 0): 3, ("carry.tasks", 1): 12}
+    assert reader._carried_count == 4
+
+    bus._DropCarried(reader).on_partitions_revoked([TopicPartition("carry.tasks", 1)])
+    rest = await reader.fetch_raw(max_records=5, timeout_ms=0)
+    assert [(r.partition, r.offset) for r in rest] == [(0, 3), (0, 4)]
+    assert reader.taken == {("carry.tasks", 0): (5, 2)} and reader.positions[("carry.tasks", 0)] == 5
+    assert reader._carried_count == 0 and await reader.fetch_raw(max_records=5, timeout_ms=0) == []
+
+    async def handler(incoming):
+        return None
+
+    consumer = bus.Consumer(["tasks"], "carry", handler, settings=Settings(topic_prefix="carry."))
+    value, headers = messages.encode(task_pb2.Task(id="t", kind="exact")), bus.publish_headers(task_pb2.Task())
+    records = [ConsumerRecord(r.topic, r.partition, r.offset, 0, 0, None, value, None, 0, 0, list(headers))
+               for r in run(2, range(7, 9)) + run(3, range(0, 1)) + run(2, range(9, 10))]
+    # Offsets of a batch without what fetch_raw took: worked out from the records, the last of each partition.
+    assert await consumer._run_batch(records) == {("carry.tasks", 2): 10, ("carry.tasks", 3): 1}
