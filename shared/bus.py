@@ -157,14 +157,12 @@ def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Me
     decodes those one by one, and says which cannot be decoded and why."""
     out: list[Message | None] = [None] * len(records)
     by_topic: dict[str, list[int]] = {}
-    # _as_published's test, written out for the records as aiokafka hands them over (headers a list):
-    # a call or two a record fewer, in the loop every consumed record passes through.
-    prefixes = {topic: [(H_SCHEMA, _schema_header(schema)), _PROTOBUF_HEADER] for topic, schema in schemas.items()}
+    # _as_published's test as one comparison of the first two headers (no call a record, in the loop
+    # every consumed record passes through).
+    prefixes = {topic: _published_prefix(schema) for topic, schema in schemas.items()}
     for i, record in enumerate(records):
         prefix, headers = prefixes.get(record.topic), record.headers
-        if prefix is not None and record.value is not None and (
-                headers[:2] == prefix if type(headers) is list
-                else _as_published(record.value, headers, schemas[record.topic])):
+        if prefix is not None and record.value is not None and headers and tuple(headers[:2]) == prefix:
             by_topic.setdefault(record.topic, []).append(i)
     for topic, indices in by_topic.items():
         if len(indices) > 1:
@@ -176,8 +174,13 @@ def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Me
 
 def _as_published(value: bytes | None, headers: Sequence[tuple[str, bytes]] | None, schema: type[Message]) -> bool:
     """Whether a record is as publish_headers writes it: a value, protobuf, this schema named first."""
-    return value is not None and bool(headers) and len(headers) > 1 and headers[1] == _PROTOBUF_HEADER \
-        and headers[0] == (H_SCHEMA, _schema_header(schema))
+    return value is not None and bool(headers) and tuple(headers[:2]) == _published_prefix(schema)
+
+
+@functools.cache
+def _published_prefix(schema: type[Message]) -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+    """The first two headers publish_headers writes for `schema`."""
+    return (H_SCHEMA, _schema_header(schema)), _PROTOBUF_HEADER
 
 
 _ABSENT = object()
