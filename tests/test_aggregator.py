@@ -144,7 +144,9 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
     straggling = [verdict("B", i, 3, r) for i, r in enumerate([1.0, 0.0])]  # the third never comes
     # Group A's verdicts in two records, one of them alone (as an episode's comes), B's in one; then
     # a record that mixes two groups, and one whose two verdicts are the same sample: refused whole.
-    records = [complete[:1], straggling, complete[1:3], complete[3:]]
+    # A's first sample also comes again failed (another run of its program, replayed into the open
+    # group): the first verdict stands.
+    records = [complete[:1], [verdict("A", 0, 4, 0.0)], straggling, complete[1:3], complete[3:]]
     mixed = [verdict("C", 0, 2, 1.0), verdict("D", 1, 2, 1.0)]
     twice = [verdict("E", 0, 2, 1.0), verdict("E", 0, 2, 0.0)]
     try:

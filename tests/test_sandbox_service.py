@@ -257,3 +257,48 @@ async def test_a_completion_the_sandbox_refuses_is_scored_not_run_and_its_group_
     execution = execution_pb2.Execution.FromString(record.value)
     refused, ran = execution.results
     assert "NUL byte" in refused.not_run and ran.tests[0].passed
+
+
+@pytest.mark.kafka
+async def test_a_group_published_again_is_not_run_again(settings, pool):
+    """Anyone who can write to crucible.rollouts can copy a genuine record there again, as often as a
+    program that passes now and then takes to pass: each run a new throw of the dice. The sandbox runs
+    a group once; its copies are not run (and never reach the verifier), the groups after them are."""
+    await bus.ensure_topics(["rollouts", "executions"], settings=settings)
+    task = task_pb2.Task(id="coin", kind="python_tests", prompt="def coin():\n", group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="coin",
+                                                           test_code="def check(f):\n    assert f() == 1\n"))
+    integrity.sign(task, KEY)
+    coin = "    import random\n    return random.randint(0, 1)\n"
+    first = rollout_pb2.RolloutGroup(group_id="coin", task=task, rollouts=[
+        rollout_pb2.Rollout(id="coin/0", completion=coin)])
+    after = rollout_pb2.RolloutGroup(group_id="after", task=task, rollouts=[
+        rollout_pb2.Rollout(id="after/0", completion=coin)])
+    async with bus.Producer(keyed(settings)) as producer:
+        await producer.send_and_wait("rollouts", first, key="coin")  # signed for the generator, in place
+    for _ in range(3):  # the very record, copied back with a plain client
+        await publish_unsigned(settings, "rollouts", first, b"coin")
+    async with bus.Producer(keyed(settings)) as producer:
+        await producer.send_and_wait("rollouts", after, key="after")
+    consumer_ref = []
+    async with bus.Consumer(["rollouts"], "sandbox-replays", group_handler(pool, consumer_ref, "test", KEY),
+                            settings=settings) as consumer:
+        consumer_ref.append(consumer)
+        await asyncio.wait_for(consumer.run(max_records=5), 60)
+    assert consumer.handled == 5 and consumer.dead_lettered == 0  # copies are not errors: nothing dead-lettered
+    await asyncio.sleep(1.0)  # a copy's execution, had it run, would be in by now
+    records = await read_raw(settings, "executions", 2)
+    assert sorted(r.key for r in records) == [b"after", b"coin"]
+    with pytest.raises(asyncio.TimeoutError):
+        await read_raw(settings, "executions", 3, timeout=3)
+
+
+def test_run_once_keeps_the_newest_groups_and_lets_a_failed_run_go():
+    from crucible.services.sandbox_executor.__main__ import RunOnce
+
+    runs = RunOnce(kept=2)
+    assert runs.take("a") and not runs.take("a")
+    runs.let_go("a")  # its run failed: the retry runs it
+    assert runs.take("a") and runs.take("b") and runs.take("c")
+    assert runs.take("a")  # the oldest of three was forgotten (at most `kept` ids are held)
+    assert not runs.take("c") and runs.take("b")  # c is held still; b was forgotten when a came back

@@ -244,8 +244,10 @@ class Aggregator:
             "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
         for verdict in record.verdicts:
             await self._raise_alerts(verdict)
-            # A replayed verdict overwrites its own slot: the join is idempotent per sample index.
-            entry["verdicts"][str(verdict.sample.sample_index)] = verdict
+            # The first verdict of a slot stands: a replay (the same verdict again, or a verdict of another
+            # run of the same sample: a second throw of the dice for a program that passes now and then)
+            # never replaces it. The join is idempotent per sample index.
+            entry["verdicts"].setdefault(str(verdict.sample.sample_index), verdict)
         log.debug("%d verdicts joined group %s at %s@%d", len(record.verdicts), group_id, m.topic, m.offset)
         if len(entry["verdicts"]) >= entry["group_size"]:
             self._open[key] = (None, event)

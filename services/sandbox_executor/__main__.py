@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import socket
+from collections import OrderedDict
 
 from crucible.v1 import execution_pb2_grpc, rollout_pb2
 from crucible.services.sandbox_executor.handler import (
@@ -21,9 +22,36 @@ from crucible.services.sandbox_executor.pool import JobRejected, PoolFull, Sandb
 from crucible.services.sandbox_executor.servicer import SandboxServicer
 from crucible.ml import envs
 from crucible.ml.envs import episode as ep
-from crucible.shared import bus, integrity, rpc, service
+from crucible.shared import bus, integrity, metrics, rpc, service
 
 log = logging.getLogger("crucible.sandbox")
+REPLAYS = metrics.counter("crucible.sandbox.replays_not_run",
+                          "records of a sampled group this process had run already: not run again", "{record}")
+RUN_GROUPS_KEPT = 1 << 16  # the ids of the groups last run, kept to know a replay of one (~5 MB)
+
+
+class RunOnce:
+    """Which groups this process has taken to run (the newest `kept`): the first record of a sampled
+    group is run; another record of it (anyone re-publishing a genuine group, as often as a program that
+    passes now and then takes to pass) is not, so no run is a second throw of the dice. A group whose
+    run failed is let go (its handler's retry runs it). A process that starts anew knows none: a
+    consumer that restarts before its commit runs its last batch again, as at-least-once delivery has it."""
+
+    def __init__(self, kept: int = RUN_GROUPS_KEPT):
+        self.kept = kept
+        self._taken: OrderedDict[str, None] = OrderedDict()
+
+    def take(self, group_id: str) -> bool:
+        """Whether the group is this caller's to run (never taken, or let go since)."""
+        if group_id in self._taken:
+            return False
+        self._taken[group_id] = None
+        if len(self._taken) > self.kept:
+            self._taken.popitem(last=False)
+        return True
+
+    def let_go(self, group_id: str) -> None:
+        self._taken.pop(group_id, None)
 
 
 def backpressured(pool: SandboxPool, consumer_ref: list):
@@ -51,6 +79,7 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
     """Runs every rollout of a group that needs running, all at once through the pool; each result
     sealed for the job it ran (shared/integrity.py)."""
     execute = backpressured(pool, consumer_ref)
+    runs = RunOnce()
 
     def task_refused(task) -> bool:
         """Whether the sandbox refuses the task itself (its language, its limits), whatever the completion."""
@@ -87,10 +116,19 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
             integrity.check_sampled(group, secret)  # would refuse it after)
         except integrity.IntegrityError as exc:
             raise bus.Reject(str(exc)) from None
+        if not runs.take(group.group_id):
+            REPLAYS.add(1)
+            log.warning("group %r (%s@%d) was run already by this process: not run again", group.group_id,
+                        incoming.topic, incoming.offset)
+            return []
         try:
             results = await asyncio.gather(*(run_one(group.task, r) for r in group.rollouts))
         except (JobRejected, ValueError) as exc:  # the task asks for something no job can be (its language, ...)
+            runs.let_go(group.group_id)
             raise bus.Reject(f"group {group.group_id!r} (task {group.task.id!r}): {exc}") from exc
+        except BaseException:
+            runs.let_go(group.group_id)
+            raise
         return [bus.Outgoing("executions", execution_message(group, results, executor_id), key=group.group_id)]
 
     return handle
