@@ -415,7 +415,10 @@ class _DropCarried(ConsumerRebalanceListener):
 
     def on_partitions_revoked(self, revoked) -> None:
         gone = {(tp.topic, tp.partition) for tp in revoked}
-        self.reader._carry([run for run in self.reader._carried if (run[0].topic, run[0].partition) not in gone])
+        reader = self.reader
+        reader._carry([run for run in reader._carried if (run[0].topic, run[0].partition) not in gone])
+        if reader._carried_count < reader._carry_below:
+            reader._room.set()  # taking from the client goes on at once
 
     def on_partitions_assigned(self, assigned) -> None:
         pass
@@ -938,13 +941,13 @@ class Consumer(Reader):
                 scope.__exit__(None, None, None)
         return pending
 
-    async def _process(self, record: ConsumerRecord, message: Message | None) -> list[asyncio.Future]:
+    async def _process(self, record: ConsumerRecord, message: Message | None) -> Sequence[asyncio.Future]:
         """Decodes (unless `message` is its value decoded) and handles one record under its consumer
         span; returns the delivery futures of its outputs."""
         with consume_span(record.topic, record.partition, record.offset, record.headers):
             return await self._handle(record, message)
 
-    async def _handle(self, record: ConsumerRecord, message: Message | None) -> list[asyncio.Future]:
+    async def _handle(self, record: ConsumerRecord, message: Message | None) -> Sequence[asyncio.Future]:
         """Decodes (unless `message` is its value decoded) and handles one record (under its consumer
         span or carried context, made current by the caller); returns the delivery futures of its
         outputs."""

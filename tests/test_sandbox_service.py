@@ -297,8 +297,38 @@ def test_run_once_keeps_the_newest_groups_and_lets_a_failed_run_go():
     from crucible.services.sandbox_executor.__main__ import RunOnce
 
     runs = RunOnce(kept=2)
-    assert runs.take("a") and not runs.take("a")
+    at = {name: ("rollouts", 0, offset) for offset, name in enumerate("abc")}
+    assert runs.take("a", at["a"]) and not runs.take("a", ("rollouts", 0, 9)) and runs.copies == 1
+    assert runs.take("a", at["a"])  # the same record again (a rebalance before its commit): run again
     runs.let_go("a")  # its run failed: the retry runs it
-    assert runs.take("a") and runs.take("b") and runs.take("c")
-    assert runs.take("a")  # the oldest of three was forgotten (at most `kept` ids are held)
-    assert not runs.take("c") and runs.take("b")  # c is held still; b was forgotten when a came back
+    assert runs.take("a", ("rollouts", 1, 5)) and runs.take("b", at["b"]) and runs.take("c", at["c"])
+    assert runs.take("a", at["a"])  # the oldest of three was forgotten (at most `kept` ids are held)
+    assert not runs.take("c", at["b"]) and runs.take("b", at["c"])  # c is held still; b was forgotten
+    assert runs.copies == 2
+
+
+async def test_a_group_whose_handling_failed_is_run_again_by_the_retry(pool, monkeypatch):
+    """Whatever fails after a group was taken (its runs, or making its execution message), the group is
+    let go: the consumer's retry of the handler runs it, rather than taking it for a copy and dropping it."""
+    from crucible.services.sandbox_executor import __main__ as sandbox_main
+
+    task = task_pb2.Task(id="once", kind="python_tests", prompt="def one():\n", group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="one", test_code="def check(f):\n    assert f() == 1\n"))
+    integrity.sign(task, KEY)
+    group = rollout_pb2.RolloutGroup(group_id="once", task=task, rollouts=[
+        rollout_pb2.Rollout(id="once/0", completion="    return 1\n")])
+    integrity.sign(group, KEY)
+    incoming = bus.Incoming("rollouts", 0, 7, b"once", group)
+    handler = sandbox_main.group_handler(pool, [], "test", KEY)
+    made = sandbox_main.execution_message
+
+    def broken(*args):
+        raise RuntimeError("broker gone while the message was made")
+
+    monkeypatch.setattr(sandbox_main, "execution_message", broken)
+    with pytest.raises(RuntimeError):
+        await handler(incoming)
+    monkeypatch.setattr(sandbox_main, "execution_message", made)
+    [output] = await handler(incoming)  # the retry: run, not dropped as a copy
+    assert output.message.results[0].tests[0].passed
+    assert await handler(bus.Incoming("rollouts", 0, 8, b"once", group)) == []  # a copy, later: not run

@@ -68,7 +68,7 @@ def test_every_syscall_number_gets_what_the_tables_say(notify):
         # Another architecture's call is refused, whatever its number.
         assert run_filter(program, nr, arch=0x40000003)[0] == deny
     # Found by search: no call runs more than a couple of dozen instructions of it (a list of
-    # comparisons ran ninety for every allowed call, at each install once per syscall number).
+    # comparisons ran seventy-odd for every allowed call, at each install once per syscall number).
     assert longest <= 24, longest
 
 

@@ -27,25 +27,28 @@ from crucible.shared import bus, integrity, metrics, rpc, service
 log = logging.getLogger("crucible.sandbox")
 REPLAYS = metrics.counter("crucible.sandbox.replays_not_run",
                           "records of a sampled group this process had run already: not run again", "{record}")
-RUN_GROUPS_KEPT = 1 << 16  # the ids of the groups last run, kept to know a replay of one (~5 MB)
+RUN_GROUPS_KEPT = 1 << 16  # the groups last run, kept to know a copy of one (~10 MB)
 
 
 class RunOnce:
-    """Which groups this process has taken to run (the newest `kept`): the first record of a sampled
-    group is run; another record of it (anyone re-publishing a genuine group, as often as a program that
-    passes now and then takes to pass) is not, so no run is a second throw of the dice. A group whose
-    run failed is let go (its handler's retry runs it). A process that starts anew knows none: a
-    consumer that restarts before its commit runs its last batch again, as at-least-once delivery has it."""
+    """Which groups this process has taken to run (the newest `kept`), each with the record it came in:
+    the first record of a sampled group is run; another record of it (anyone re-publishing a genuine
+    group, as often as a program that passes now and then takes to pass) is not, so no run is a second
+    throw of the dice. The same record delivered again (a rebalance before its commit) is run again, as
+    at-least-once delivery has it; so is a group whose run failed (let go: its handler's retry runs
+    it). A process that starts anew knows none."""
 
     def __init__(self, kept: int = RUN_GROUPS_KEPT):
         self.kept = kept
-        self._taken: OrderedDict[str, None] = OrderedDict()
+        self._taken: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self.copies = 0  # records not run
 
-    def take(self, group_id: str) -> bool:
-        """Whether the group is this caller's to run (never taken, or let go since)."""
-        if group_id in self._taken:
+    def take(self, group_id: str, record: tuple[str, int, int]) -> bool:
+        """Whether the group is this caller's to run from `record` (topic, partition, offset): never
+        taken, let go since, or taken from this very record."""
+        if self._taken.setdefault(group_id, record) != record:
+            self.copies += 1
             return False
-        self._taken[group_id] = None
         if len(self._taken) > self.kept:
             self._taken.popitem(last=False)
         return True
@@ -116,20 +119,24 @@ def group_handler(pool: SandboxPool, consumer_ref: list, executor_id: str, secre
             integrity.check_sampled(group, secret)  # would refuse it after)
         except integrity.IntegrityError as exc:
             raise bus.Reject(str(exc)) from None
-        if not runs.take(group.group_id):
+        if not runs.take(group.group_id, (incoming.topic, incoming.partition, incoming.offset)):
             REPLAYS.add(1)
-            log.warning("group %r (%s@%d) was run already by this process: not run again", group.group_id,
-                        incoming.topic, incoming.offset)
+            if runs.copies & (runs.copies - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood of copies is no flood of logs
+                log.warning("group %r (%s@%d) was run already by this process: not run again (%d such records)",
+                            group.group_id, incoming.topic, incoming.offset, runs.copies)
             return []
+        sent = False
         try:
-            results = await asyncio.gather(*(run_one(group.task, r) for r in group.rollouts))
-        except (JobRejected, ValueError) as exc:  # the task asks for something no job can be (its language, ...)
-            runs.let_go(group.group_id)
-            raise bus.Reject(f"group {group.group_id!r} (task {group.task.id!r}): {exc}") from exc
-        except BaseException:
-            runs.let_go(group.group_id)
-            raise
-        return [bus.Outgoing("executions", execution_message(group, results, executor_id), key=group.group_id)]
+            try:
+                results = await asyncio.gather(*(run_one(group.task, r) for r in group.rollouts))
+            except (JobRejected, ValueError) as exc:  # the task asks for what no job can be (its language, ...)
+                raise bus.Reject(f"group {group.group_id!r} (task {group.task.id!r}): {exc}") from exc
+            outputs = [bus.Outgoing("executions", execution_message(group, results, executor_id), key=group.group_id)]
+            sent = True
+            return outputs
+        finally:
+            if not sent:  # failed: not run, as far as a retry is concerned
+                runs.let_go(group.group_id)
 
     return handle
 

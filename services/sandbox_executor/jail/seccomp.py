@@ -119,7 +119,7 @@ def compile_filter(notify: bool = False) -> bytes:
     allow, enosys = [_stmt(RET, SECCOMP_RET_ALLOW)], [_stmt(RET, SECCOMP_RET_ERRNO | errno.ENOSYS)]
     actions = syscall_actions(deny)
     # Ranges [start, next start) of the numbers below the x32 bit, each with one action; neighbours
-    # with the same plain return are one range (mount, umount2, swapon, swapoff, reboot: 165-169). A
+    # with the same plain return are one range (acct, settimeofday, mount, ... iopl, ioperm: 163-173). A
     # forbidden call newer than the rest (statmount, listmount) is still named, not ENOSYS.
     ranges: list[tuple[int, list[bytes]]] = []
     for nr in range(max(NEWEST_KNOWN_SYSCALL, *actions) + 2):
