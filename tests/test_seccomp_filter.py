@@ -75,3 +75,9 @@ def test_every_syscall_number_gets_what_the_tables_say(notify):
 def test_a_jump_too_far_for_classic_bpf_is_refused_not_wrapped():
     with pytest.raises(ValueError, match="does not fit"):
         S._jump(S.JEQ, 0, 256, 0)
+
+
+def test_a_syscall_number_in_two_tables_is_refused_not_silently_ranked(monkeypatch):
+    monkeypatch.setitem(S.REFUSED_SYSCALLS_X86_64, "ptrace", S.FORBIDDEN_SYSCALLS_X86_64["ptrace"])
+    with pytest.raises(ValueError, match=r"\[101\] are in two"):
+        S.compile_filter(True)

@@ -97,13 +97,20 @@ def syscall_actions(deny: int) -> dict[int, list[bytes]]:
     def on_arg0(test: int, k: int, when: int, otherwise: int) -> list[bytes]:
         return [_stmt(LD_W_ABS, ARG0), _jump(test, k, 0, 1), _stmt(RET, when), _stmt(RET, otherwise)]
 
-    actions = {nr: ret["deny"] for nr in FORBIDDEN_SYSCALLS_X86_64.values()}
-    actions.update({nr: ret["eperm"] for nr in REFUSED_SYSCALLS_X86_64.values()})
-    actions.update({nr: on_arg0(JEQ, AF_UNIX, SECCOMP_RET_ALLOW, deny) for nr in UNIX_ONLY_X86_64.values()})
-    actions[SYS_CLONE] = on_arg0(JSET, NAMESPACE_FLAGS, deny, SECCOMP_RET_ALLOW)  # clone's flags
-    actions[SYS_PRCTL] = on_arg0(JEQ, PR_SET_SECCOMP_ARG, deny, SECCOMP_RET_ALLOW)  # prctl's option
-    # clone3's flags sit behind a pointer BPF cannot read: ENOSYS makes libc fall back to clone.
-    actions[SYS_CLONE3] = ret["enosys"]
+    tables = [
+        {nr: ret["deny"] for nr in FORBIDDEN_SYSCALLS_X86_64.values()},
+        {nr: ret["eperm"] for nr in REFUSED_SYSCALLS_X86_64.values()},
+        {nr: on_arg0(JEQ, AF_UNIX, SECCOMP_RET_ALLOW, deny) for nr in UNIX_ONLY_X86_64.values()},
+        {SYS_CLONE: on_arg0(JSET, NAMESPACE_FLAGS, deny, SECCOMP_RET_ALLOW)},  # clone's flags
+        {SYS_PRCTL: on_arg0(JEQ, PR_SET_SECCOMP_ARG, deny, SECCOMP_RET_ALLOW)},  # prctl's option
+        # clone3's flags sit behind a pointer BPF cannot read: ENOSYS makes libc fall back to clone.
+        {SYS_CLONE3: ret["enosys"]},
+    ]
+    actions: dict[int, list[bytes]] = {}
+    for table in tables:
+        if twice := actions.keys() & table.keys():  # one number, one rule: none silently outranks another
+            raise ValueError(f"syscall numbers {sorted(twice)} are in two of the filter's tables")
+        actions.update(table)
     return actions
 
 
