@@ -28,6 +28,17 @@ def keyed(settings: Settings) -> Settings:
     return settings.model_copy(update={"integrity_key": SecretStr(KEY.hex())})
 
 
+async def consume_rollouts(settings: Settings, pool: SandboxPool, group: str, records: int,
+                           **options) -> bus.Consumer:
+    """Runs the sandbox's rollouts consumer (its group handler, KEY held) over `records` records."""
+    consumer_ref = []
+    async with bus.Consumer(["rollouts"], group, group_handler(pool, consumer_ref, "test", KEY), settings=settings,
+                            **options) as consumer:
+        consumer_ref.append(consumer)
+        await asyncio.wait_for(consumer.run(max_records=records), 60)
+    return consumer
+
+
 @pytest_asyncio.fixture(scope="module")
 async def pool():
     async with SandboxPool(Settings(sandbox_workers=2, sandbox_queue_size=2, sandbox_wall_s=5.0)) as p:
@@ -172,11 +183,7 @@ async def test_rollouts_become_executions_over_kafka(settings, pool):
             await producer.send_and_wait("rollouts", g, key=g.group_id)
     # a group no generator sent (written raw, unsigned), of a signed task: nothing of it is run either
     await publish_unsigned(settings, "rollouts", group("w", task, "    import time\n    time.sleep(30)\n"), b"w")
-    consumer_ref = []
-    handler = group_handler(pool, consumer_ref, "test", KEY)
-    async with bus.Consumer(["rollouts"], "sandbox", handler, settings=settings, concurrency=4) as consumer:
-        consumer_ref.append(consumer)
-        await asyncio.wait_for(consumer.run(max_records=6), 20)
+    await consume_rollouts(settings, pool, "sandbox", 6, concurrency=4)
     records = await read_raw(settings, "executions", 2)
     assert sorted(r.key for r in records) == [b"g", b"p"]  # the answer-only group needs no execution
     e = {x.group.group_id: x for x in (execution_pb2.Execution.FromString(r.value) for r in records)}
@@ -248,11 +255,7 @@ async def test_a_completion_the_sandbox_refuses_is_scored_not_run_and_its_group_
     await bus.ensure_topics(["rollouts", "executions"], settings=settings)
     async with bus.Producer(keyed(settings)) as producer:
         await producer.send_and_wait("rollouts", group, key="nul")
-    consumer_ref = []
-    async with bus.Consumer(["rollouts"], "sandbox-nul", group_handler(pool, consumer_ref, "test", KEY),
-                            settings=settings) as consumer:
-        consumer_ref.append(consumer)
-        await asyncio.wait_for(consumer.run(max_records=1), 60)
+    await consume_rollouts(settings, pool, "sandbox-nul", 1)
     [record] = await read_raw(settings, "executions", 1)
     execution = execution_pb2.Execution.FromString(record.value)
     refused, ran = execution.results
@@ -280,11 +283,7 @@ async def test_a_group_published_again_is_not_run_again(settings, pool):
         await publish_unsigned(settings, "rollouts", first, b"coin")
     async with bus.Producer(keyed(settings)) as producer:
         await producer.send_and_wait("rollouts", after, key="after")
-    consumer_ref = []
-    async with bus.Consumer(["rollouts"], "sandbox-replays", group_handler(pool, consumer_ref, "test", KEY),
-                            settings=settings) as consumer:
-        consumer_ref.append(consumer)
-        await asyncio.wait_for(consumer.run(max_records=5), 60)
+    consumer = await consume_rollouts(settings, pool, "sandbox-replays", 5)
     assert consumer.handled == 5 and consumer.dead_lettered == 0  # copies are not errors: nothing dead-lettered
     await asyncio.sleep(1.0)  # a copy's execution, had it run, would be in by now
     records = await read_raw(settings, "executions", 2)
