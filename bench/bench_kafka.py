@@ -35,7 +35,7 @@ from opentelemetry import trace  # noqa: E402
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
 
 from crucible.v1 import task_pb2  # noqa: E402
-from crucible.shared import bus, messages, span_store, telemetry  # noqa: E402
+from crucible.shared import bus, messages, service, span_store, telemetry  # noqa: E402
 from crucible.local.kafka import LocalKafka  # noqa: E402
 from crucible.shared.procs import free_port  # noqa: E402
 from crucible.shared.settings import Settings  # noqa: E402
@@ -120,6 +120,7 @@ async def consume_bus(settings: Settings, n: int, topic: str = "tasks", round_: 
 
 
 async def run(settings: Settings, n: int, rounds: int = 3) -> None:
+    service.tune_gc()  # as every service process runs (service.setup); every reader here runs with it
     telemetry.setup_telemetry("bench-kafka", settings)
     trace.get_tracer_provider().add_span_processor(BatchSpanProcessor(
         EncodeOnly(), schedule_delay_millis=telemetry.STORE_SPANS_EVERY_MS,

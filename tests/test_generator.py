@@ -256,3 +256,20 @@ def test_background_services_yield_the_cpu():
     bad = subprocess.run([sys.executable, "-c", probe], env={**env, "CRUCIBLE_CPU_NICE": "-5"},
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "cpu_nice" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_service_processes_collect_young_objects_less_often():
+    """Every service's process runs with the collector's youngest generation at GC_YOUNG_THRESHOLD (a
+    consumer's fetched batch is not traversed again and again while it is handled), not CPython's 700."""
+    import os
+    import subprocess
+    import sys
+
+    from crucible.shared import service
+
+    probe = "import gc\nfrom crucible.shared import service\nservice.setup('probe')\nprint(*gc.get_threshold())\n"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CRUCIBLE_METRICS_PORT": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    young, *older = map(int, out.stdout.split()[-3:])
+    assert young == service.GC_YOUNG_THRESHOLD > 700 and older == [10, 10], out.stdout
