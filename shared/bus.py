@@ -672,10 +672,11 @@ class Reader:
                      record.partition, record.offset, reason)
             self.skipped += 1
 
-    def _decoded(self, record: ConsumerRecord, message: Message | None = None) -> Incoming | str:
-        """The record decoded (inside the caller's consumer span) unless `message` is its value decoded
-        already, or why it cannot be (a dead letter's reason). Not a coroutine: a record that decodes,
-        nearly every one, awaits nothing."""
+    def _decoded(self, record: ConsumerRecord, message: Message | None = None,
+                 context: otel_context.Context | None = None) -> Incoming | str:
+        """The record decoded (inside the caller's consumer span, whose context is `context` or the
+        current one) unless `message` is its value decoded already, or why it cannot be (a dead
+        letter's reason). Not a coroutine: a record that decodes, nearly every one, awaits nothing."""
         if message is None:
             try:
                 message = decode_record(record.value, record.headers, self.schemas[record.topic])
@@ -684,7 +685,7 @@ class Reader:
             except Exception as exc:  # whatever a decoder raises on some input: that record, never the partition
                 return f"undecodable: {type(exc).__name__}: {str(exc)[:300]}"
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
-                        tuple(record.headers or ()), otel_context.get_current())
+                        tuple(record.headers or ()), context or otel_context.get_current())
 
     async def reject(self, incoming: Incoming, reason: str) -> None:
         """Dead-letters a record that decoded but cannot be used (the reader's own check), with the reason."""
@@ -919,7 +920,8 @@ class Consumer(Reader):
         span made: telemetry.carried) follow each other under that context, made current once for
         them all rather than once each."""
         pending: list[asyncio.Future] = []
-        carrying, scope = None, None  # the unsampled parent whose context is current, and its scope
+        # The unsampled parent whose context is current, its scope, and that context (each record's).
+        carrying, scope, context = None, None, None
         handle, parent_from_headers = self._handle, telemetry.parent_from_headers  # (looked up once a batch)
         try:
             for record, message in zip(records, decoded):
@@ -934,8 +936,8 @@ class Consumer(Reader):
                             pending += await handle(record, message)
                         continue
                     scope.__enter__()
-                    carrying = parent
-                pending += await handle(record, message)
+                    carrying, context = parent, otel_context.get_current()
+                pending += await handle(record, message, context)
         finally:
             if scope is not None:
                 scope.__exit__(None, None, None)
@@ -947,11 +949,12 @@ class Consumer(Reader):
         with consume_span(record.topic, record.partition, record.offset, record.headers):
             return await self._handle(record, message)
 
-    async def _handle(self, record: ConsumerRecord, message: Message | None) -> Sequence[asyncio.Future]:
+    async def _handle(self, record: ConsumerRecord, message: Message | None,
+                      context: otel_context.Context | None = None) -> Sequence[asyncio.Future]:
         """Decodes (unless `message` is its value decoded) and handles one record (under its consumer
-        span or carried context, made current by the caller); returns the delivery futures of its
-        outputs."""
-        incoming = self._decoded(record, message)
+        span or carried context, made current by the caller: `context`, where the caller has it);
+        returns the delivery futures of its outputs."""
+        incoming = self._decoded(record, message, context)
         if isinstance(incoming, str):
             await self._undecodable(record, incoming)
             return []
