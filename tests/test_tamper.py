@@ -213,6 +213,24 @@ async def test_attack_scores_zero_and_is_named(pool, name):
     assert score.components["tampered"] == 1.0
 
 
+# ctypes as the program reaches it (named by the sandbox's watch as it happens, whoever wrote the import or
+# the call the program made), and as the standard library uses it for the program (not named).
+NATIVE = {
+    "imported through importlib": ("import importlib\nct = importlib.import_module('ctypes')\n", True),
+    "taken from multiprocessing and used": ("from multiprocessing import sharedctypes\n"
+                                            "peek = sharedctypes.ctypes.string_at(id(0), 8)\n", True),
+    "multiprocessing.Value": ("import multiprocessing as mp\nv = mp.Value('i', 1)\nv.value += 1\n", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+async def test_ctypes_is_named_where_the_program_reaches_it_not_where_the_standard_library_does(pool, name):
+    code, named = NATIVE[name]
+    _, result = await run(pool, ADD, HONEST + code)
+    seen = [t for t in result.tamper if t["pattern"] == "native_code"]
+    assert bool(seen) == named, (seen, result.tamper, result.stderr[-300:])
+
+
 @pytest.mark.parametrize("name", sorted(FAILURES))
 async def test_wrong_solutions_never_pass(pool, name):
     score, result = await run(pool, ADD, FAILURES[name])

@@ -152,6 +152,10 @@ USES = {
     "tempfile and descriptors": "import os, tempfile\n\ndef double(x):\n    fd, path = tempfile.mkstemp()\n"
                                 "    with os.fdopen(fd, 'w') as f:\n        f.write(str(2 * x))\n"
                                 "    with open(path) as f:\n        return int(f.read())\n",
+    "multiprocessing.Value": "import multiprocessing as mp\n\ndef double(x):\n    v = mp.Value('i', x)\n"
+                             "    a = mp.Array('i', [x, x])\n    with v.get_lock():\n        v.value += a[1]\n"
+                             "    return v.value\n",
+    "its own function's arity": "def double(x):\n    assert double.__code__.co_argcount == 1\n    return 2 * x\n",
     "sqlite3 on a file": "import sqlite3\n\ndef double(x):\n    db = sqlite3.connect('results.db')\n    with db:\n"
                          "        db.execute('create table if not exists t (v)')\n"
                          "        db.execute('insert into t values (?)', (2 * x,))\n"

@@ -48,11 +48,16 @@ _RESULT_NAMES = frozenset({"check", "checks", "checker", "report", "result", "re
 _INTROSPECTION_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys._current_exceptions",
                                    "sys.settrace", "sys.setprofile", "sys.addaudithook"})
 _GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
-_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "__code__", "f_back"})
+# (A function's __code__ is no frame: reading it, as a decorator reads an arity, shows the program its own
+# code; replacing it is code_patching.)
+_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
 _NATIVE_EVENTS = frozenset({"ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.addressof",
                             "ctypes.string_at", "ctypes.wstring_at", "ctypes.PyObj_FromPtr"})
 _NATIVE_MODULES = ("ctypes", "_ctypes")
 _LOADED_NATIVE = ("ctypes", "ctypes._endian", "_ctypes")  # what the worker's own `import ctypes` loaded
+# Files whose ctypes events act for their caller (Watch._from_program): the import system's, and ctypes' own
+# (it imports _ctypes for whoever imported it, and its Python functions call into C for their callers).
+_CTYPES_ON_BEHALF = ("<frozen importlib.", "/importlib/", "/ctypes/")
 _WATCHED = (_INTROSPECTION_EVENTS | _GC_EVENTS | _NATIVE_EVENTS
             | {"open", "object.__getattr__", "object.__setattr__",
                "object.__delattr__", "os.kill", "os.killpg", "signal.pthread_kill", "import"})
@@ -105,11 +110,14 @@ class Watch:
         finally:
             self._busy = False
 
-    def _from_program(self) -> bool:
-        """Whether the code that raised the event is the program's (not the standard library's)."""
+    def _from_program(self, acting_for: tuple[str, ...] = ()) -> bool:
+        """Whether the code that raised the event is the program's (not the standard library's).
+        `acting_for`: marks of the files of machinery that raises the event on its caller's behalf (the
+        import system, ctypes' own Python): the caller it acts for is judged, not the machinery."""
         frame = self._getframe(1)
-        while frame is not None and frame.f_code.co_filename == self._this_file:
-            frame = frame.f_back  # out of the hook's own frames, to whoever raised the event
+        while frame is not None and (frame.f_code.co_filename == self._this_file
+                                     or _any(mark in frame.f_code.co_filename for mark in acting_for)):
+            frame = frame.f_back  # out of the hook's own frames (and the machinery's), to whoever asked
         if frame is None:
             return False
         filename = frame.f_code.co_filename
@@ -144,9 +152,12 @@ class Watch:
             if target in (0, -1, 1, os.getppid()) and target != os.getpid():  # not itself (pid 1 here)
                 self.flag("kills_harness", f"{event}({target}, {args[1]})")
         elif event in _NATIVE_EVENTS:
-            self.flag("native_code", f"{event}: ctypes reaches memory the interpreter protects")
+            # The program's own use, not the standard library's (multiprocessing.Value keeps its number in
+            # ctypes memory): whoever called into ctypes.
+            if self._from_program(_CTYPES_ON_BEHALF):
+                self.flag("native_code", f"{event}: ctypes reaches memory the interpreter protects")
         elif event == "import":
-            if _str(args[0]).split(".")[0] in _NATIVE_MODULES:
+            if _str(args[0]).split(".")[0] in _NATIVE_MODULES and self._from_program(_CTYPES_ON_BEHALF):
                 self.flag("native_code", f"imports {args[0]}: ctypes reaches memory the interpreter protects")
 
     def _opened(self, path, flags: int) -> None:
