@@ -442,6 +442,10 @@ HONEST_SHAPES = {
                                             "import math\n\ndef check(candidate):\n"
                                             "    assert math.isnan(candidate(([1, 2], (float('nan'),))))\n",
                                             "    return sum(pair[0]) + pair[1][0]\n"),
+    # surrogates the tests pass, each one character (JSON's escapes once joined a pair into one)
+    "surrogates_passed_apart": _honest('def count(s):\n    """len(s)"""\n', "count",
+                                       "def check(candidate):\n    assert candidate('\\ud83d\\ude00') == 2\n"
+                                       "    assert candidate('a\\udfffb') == 3\n", "    return len(s)\n"),
     "tests_calling_from_threads": _honest(
         'def sq(x):\n    """x * x"""\n', "sq",
         "import concurrent.futures\n\ndef check(candidate):\n"
@@ -571,6 +575,18 @@ async def test_honest_answers_of_every_shape_are_paid_in_full(pool, shape):
     task, completion = HONEST_SHAPES[shape]
     score, result = await run(pool, task, completion)
     assert score.reward == 1.0 and not score.tampered, (score.detail, result.tests)
+
+
+async def test_surrogates_returned_apart_are_not_the_character_they_would_pair_into(pool):
+    # Two surrogates returned where the tests expect the character they encode in UTF-16: wrong in one
+    # process (a string of two), once paid 1.0 after the escapes joined them on the way back.
+    task, _ = _honest('def unescape(s):\n    """s with its escapes decoded"""\n', "unescape",
+                      "def check(candidate):\n    assert candidate('\\\\ud83d\\\\ude00') == '\\U0001F600'\n", "")
+    score, result = await run(pool, task, "    return s.encode('ascii').decode('unicode_escape')\n")
+    assert score.reward == 0.0, (score.detail, result.tests)
+    score, result = await run(pool, task, "    return s.encode('ascii').decode('unicode_escape')"
+                                          ".encode('utf-16', 'surrogatepass').decode('utf-16')\n")
+    assert score.reward == 1.0, (score.detail, result.tests)
 
 
 async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):

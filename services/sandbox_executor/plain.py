@@ -29,11 +29,13 @@ import json.scanner
 import builtins as builtins_module
 import importlib
 import math
+import re
 import sys
 
 MAX_DEPTH = 64
 MAX_NODES = 1_000_000
 MAX_INT_BITS = 8192  # larger ints cross as hex text: decimal text past 4300 digits is refused by int()
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Dunders that decide how a value compares, hashes, tests true or converts: a type of the
 # candidate's that overrides any of them in a returned value is trying to steer a check. (How it
@@ -139,7 +141,13 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
     if _depth > MAX_DEPTH:
         raise NotPlain(f"nested deeper than {MAX_DEPTH}")
     t = _type(value)
-    if t is type(None) or t is bool or t is str:
+    if t is str:
+        # JSON text writes a surrogate as an escape, and reads two escapes in a row as one character:
+        # a string holding surrogates crosses as its code units, each kept as it is.
+        if value.isascii() or _SURROGATE.search(value) is None:
+            return value
+        return ["u", base64.b64encode(value.encode("utf-8", "surrogatepass")).decode("ascii")]
+    if t is type(None) or t is bool:
         return value
     if t is int:
         return value if value.bit_length() < MAX_INT_BITS else ["I", format(value, "x")]
@@ -320,6 +328,11 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
         if tag in ("b", "B"):
             raw = base64.b64decode(text.encode("ascii"), validate=True)
             return raw if tag == "b" else bytearray(raw)
+        if tag == "u":
+            try:
+                return base64.b64decode(text.encode("ascii"), validate=True).decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                raise ValueError("a string node that is not UTF-8") from None
     if tag in _STDLIB_VALUES and _takes(_STDLIB_VALUES[tag][3], len(items)):
         module_name, _, _, make = _STDLIB_VALUES[tag]
         parts = [from_tree(v, d, budget) for v in items]
