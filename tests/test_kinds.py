@@ -63,6 +63,16 @@ def test_task_problems_consult_the_registry():
         vacuous = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
                                 python_tests=task_pb2.PythonTests(entry_point="f", test_code=test_code))
         assert any("nothing in it would test the program" in p for p in task_problems(vacuous)), test_code
+    # tests that define the entry point themselves would judge their own definition: the program's never ran
+    for test_code in ("def f(x):\n    return 2 * x\n\ndef check(candidate):\n    assert candidate(1) == f(1)\n",
+                      "from math import sqrt as f\n\ndef test_f():\n    assert f(4) == 2\n",
+                      "if True:\n    f = abs\nassert f(-1) == 1\n"):
+        own = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
+                            python_tests=task_pb2.PythonTests(entry_point="f", test_code=test_code))
+        assert any("defines f itself" in p for p in task_problems(own)), test_code
+    calls_it = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1, python_tests=task_pb2.PythonTests(
+        entry_point="f", test_code="def check(candidate):\n    g = candidate\n    assert g(1) == f(1)\n"))
+    assert task_problems(calls_it) == []
     mbpp = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
                          python_tests=task_pb2.PythonTests(entry_point="f", test_code="assert f(1) == 2\n"))
     assert task_problems(mbpp) == []

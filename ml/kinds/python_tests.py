@@ -157,6 +157,29 @@ def _named_at_top_level(test_code: str, name: str) -> bool:
     return False
 
 
+def _binds_at_top_level(test_code: str, name: str) -> bool:
+    """Whether the tests' module-level code (outside functions and classes) binds `name`: a def, a class,
+    an assignment, an import, a for or with target."""
+    todo = list(ast.parse(test_code).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                return True
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
+                return True
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                todo.append(child)
+            elif any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
+                     for n in ast.walk(child)):
+                return True
+    return False
+
+
 def _not_in_the_sandbox(test_code: str) -> list[str]:
     """Modules the tests import that the sandbox cannot give them (it runs the standard library only)."""
     found = []
@@ -192,6 +215,11 @@ class PythonTestsKind(Kind):
                         f"python_tests.test_code has no check(candidate), no test_* function and no top-level "
                         f"statement that calls {tests.entry_point}: nothing in it would test the program "
                         "(unittest.TestCase classes and code under `if __name__ == '__main__':` are not run)")
+                if tests.entry_point and _binds_at_top_level(tests.test_code, tests.entry_point):
+                    problems.append(
+                        f"python_tests.test_code defines {tests.entry_point} itself: its tests would judge that "
+                        f"definition, not the program's (name a reference solution otherwise, e.g. "
+                        f"reference_{tests.entry_point})")
                 missing = _not_in_the_sandbox(tests.test_code)
                 if missing:
                     problems.append(f"python_tests.test_code imports {', '.join(missing)}: the sandbox has the "
