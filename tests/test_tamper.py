@@ -589,6 +589,20 @@ async def test_surrogates_returned_apart_are_not_the_character_they_would_pair_i
     assert score.reward == 1.0, (score.detail, result.tests)
 
 
+async def test_an_exception_class_that_only_names_a_standard_module_is_not_that_modules(pool):
+    # In one process `except statistics.StatisticsError` does not catch a class of the program's own that
+    # claims `__module__ = "statistics"`; it once crossed as the real one.
+    task, _ = _honest('def average(xs):\n    """statistics.mean(xs)"""\n', "average",
+                      "import statistics\ndef check(candidate):\n"
+                      + _expects("candidate([])", "statistics.StatisticsError"), "")
+    spoof = ("    class StatisticsError(ValueError):\n        pass\n"
+             "    StatisticsError.__module__ = 'statistics'\n    raise StatisticsError('no data')\n")
+    score, result = await run(pool, task, spoof)
+    assert score.reward == 0.0, (score.detail, result.tests)
+    score, result = await run(pool, task, "    import statistics\n    return statistics.mean(xs)\n")
+    assert score.reward == 1.0, (score.detail, result.tests)
+
+
 async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):
     probe = ("import os\nopen_fds = []\nfor fd in range(256):\n    try:\n        os.fstat(fd)\n"
              "        open_fds.append(fd)\n    except OSError:\n        pass\nprint('FDS', open_fds)\n"

@@ -520,12 +520,19 @@ def _class_name(exc: BaseException) -> str:
 
 
 def _module_name(exc: BaseException) -> str:
-    """The module its class says it is from (the harness takes it only for a class of the standard
-    library's that the tests have loaded: decimal.InvalidOperation)."""
+    """The module its class is from, where the class is that module's own (the harness takes it only for a
+    class of the standard library's that the tests have loaded: decimal.InvalidOperation); "" for a class
+    that only names a module (a program's own `JSONDecodeError` with `__module__ = "json"`: in one process
+    the tests' `except json.JSONDecodeError` would not catch it)."""
     try:
-        return str(type.__dict__["__module__"].__get__(type(exc)))[:200]
+        klass = type(exc)
+        module = type.__dict__["__module__"].__get__(klass)
+        name = type.__dict__["__name__"].__get__(klass)
+        if type(module) is str and type(name) is str and getattr(sys.modules.get(module), name, None) is klass:
+            return module[:200]
     except BaseException:
-        return ""
+        pass
+    return ""
 
 
 def _message(exc: BaseException) -> str:
