@@ -11,6 +11,7 @@ import pytest
 import pytest_asyncio
 
 from crucible.v1 import task_pb2
+from crucible.services.sandbox_executor import plain
 from crucible.services.sandbox_executor.handler import job_for_request, result_message
 from crucible.services.sandbox_executor.pool import SandboxPool
 from crucible.ml import kinds
@@ -601,6 +602,48 @@ async def test_an_exception_class_that_only_names_a_standard_module_is_not_that_
     assert score.reward == 0.0, (score.detail, result.tests)
     score, result = await run(pool, task, "    import statistics\n    return statistics.mean(xs)\n")
     assert score.reward == 1.0, (score.detail, result.tests)
+
+
+DEEP_COPY = ('def deep_copy(grid):\n    """a copy of the list of lists that later changes to grid leave alone"""\n', "deep_copy",
+             "def check(candidate):\n    grid = [[1, 2], [3, 4]]\n    copied = candidate(grid)\n"
+             "    assert copied == [[1, 2], [3, 4]]\n    grid[0][0] = 9\n    grid.append([5])\n"
+             "    assert copied == [[1, 2], [3, 4]]\n")
+FIRST_ROW = ('def first_row(grid):\n    """grid[0] itself: a change to the row is a change to grid"""\n', "first_row",
+             "def check(candidate):\n    grid = {'rows': [[1, 2], [3, 4]]}\n    row = candidate(grid)\n"
+             "    row.append(0)\n    assert grid['rows'][0] == [1, 2, 0]\n")
+
+
+@pytest.mark.parametrize("completion, paid", [
+    ("    return list(grid)\n", 0.0), ("    return grid[:]\n", 0.0), ("    return grid\n", 0.0),
+    ("    return [grid[0], grid[1][:]]\n", 0.0),
+    ("    return [row[:] for row in grid]\n", 1.0), ("    import copy\n    return copy.deepcopy(grid)\n", 1.0)])
+async def test_what_a_result_shares_with_its_arguments_it_shares_with_the_tests_objects(pool, completion, paid):
+    # Results once crossed as fresh copies whatever they shared with the arguments: a shallow copy was
+    # paid as a deep one.
+    score, result = await run(pool, _honest(*DEEP_COPY, "")[0], completion)
+    assert score.reward == paid, (completion, score.detail, result.tests)
+
+
+@pytest.mark.parametrize("completion, paid", [("    return grid['rows'][0]\n", 1.0),
+                                              ("    return list(grid['rows'][0])\n", 0.0)])
+async def test_a_returned_part_of_an_argument_is_the_tests_own(pool, completion, paid):
+    score, result = await run(pool, _honest(*FIRST_ROW, "")[0], completion)
+    assert score.reward == paid, (completion, score.detail, result.tests)
+
+
+def test_a_reference_crosses_only_to_a_container_of_the_arguments():
+    grid = {"rows": [[1, 2], [3, 4]], (1, "k"): [5]}
+    roots = {0: grid, "extra": ([grid["rows"][1]],)}
+    tree = plain.to_tree([grid["rows"][1], grid[(1, "k")], [3, 4]], places=plain.places(roots))
+    assert tree[1] == ["@", 0, "rows", 1] and tree[2] == ["@", 0, ["t", 1, "k"]] and tree[3] == ["l", 3, 4], tree
+    back = plain.from_tree(plain.loads(plain.dumps(tree)), resolve=plain.resolver(roots))
+    assert back[0] is grid["rows"][1] and back[1] is grid[(1, "k")] and back[2] == [3, 4]
+    resolve = plain.resolver({0: grid})
+    for forged in (["@", 1], ["@", 0, "rows", 7], ["@", 0, "rows", 0, 0], ["@", "nope"], ["@", True], ["@"]):
+        with pytest.raises(ValueError):
+            plain.from_tree(forged, resolve=resolve)
+    with pytest.raises(ValueError):  # where no arguments are held, a reference is no value at all
+        plain.from_tree(["@", 0])
 
 
 async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):

@@ -431,8 +431,12 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
                 watch.flag(pattern, f"{name}() left {detail} in its arguments")
         return reply
     flags: list = []
+    # What the result shares with the arguments (a row of a grid, the argument itself) crosses as a
+    # reference to that place in them: the tests' own object there, as in one process.
+    shared = plain.places({**dict(enumerate(args)), **kwargs}) \
+        if request.get("mutable") and type(result) not in _SCALARS else None
     try:
-        tree = plain.to_tree(result, flags)
+        tree = plain.to_tree(result, flags, places=shared)
     except plain.Raised as raised:  # a returned generator raised as its items were drawn
         # In one process the call returned and the raise came later, as the test drew: not replayed as a
         # raise of the call (a test that wants the call itself to raise would pass), never a value.
@@ -451,12 +455,7 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
         return {"error": "non_plain", "message": f"{name}() returned a value that could not be read"}
     reply = {"ok": tree}
     if request.get("mutable"):
-        # A returned argument (a sort that returns its list) is the test's own object there, not a copy.
-        given = (*args, *kwargs.values())
-        alias = next((i for i, value in enumerate(given) if value is result), None)
         reply = _arguments(reply, name, args, kwargs, flags, watch)
-        if alias is not None and "ok" in reply:
-            reply["alias"] = alias
     for pattern, detail in flags:
         watch.flag(pattern, f"{name}() returned {detail}")
     return reply
@@ -506,6 +505,7 @@ def _raised(exc: BaseException) -> dict:
 
 
 EXCEPTION_ARGS = 1000  # values of an exception's arguments that cross with it, at most
+_SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})  # results that hold no container
 
 
 def _builtin_class(exc: BaseException) -> type:

@@ -192,14 +192,13 @@ class Candidate:
             reply = self._receive(before_tests=False)
         if "ok" in reply or (mutable and "args" in reply):
             try:
-                value = plain.from_tree(reply["ok"]) if "ok" in reply else None
+                resolve = None
                 if mutable:
                     new_args, new_kwargs = plain.from_tree(reply["args"])
-                    given = (*args, *kwargs.values())
-                    _write_back(given, (*new_args, *(new_kwargs[k] for k in kwargs)))
-                    alias = reply.get("alias")
-                    if type(alias) is int and 0 <= alias < len(given) and _holds_mutable(given[alias]):
-                        value = given[alias]  # the call returned that argument: the test's object, as updated
+                    _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)))
+                    # What the value shares with the arguments is the test's own object there, as updated.
+                    resolve = plain.resolver({**dict(enumerate(args)), **kwargs})
+                value = plain.from_tree(reply["ok"], resolve=resolve) if "ok" in reply else None
             except (ValueError, KeyError, TypeError) as exc:
                 self.report.tamper("forged_reply", f"{name}() answered with a malformed value: {exc}")
                 raise CandidateGone(f"{name}() answered with a malformed value") from None

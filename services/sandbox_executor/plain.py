@@ -9,7 +9,9 @@ What the harness gets back is rebuilt from a JSON tree by `from_tree`, so it is
 always an exact builtin value: no subclass, no custom `__eq__`, `__hash__` or
 `__bool__`, no generator, nothing that can run the candidate's code inside the
 harness. That, not any list of known tricks, is why a returned object cannot
-claim to equal the expected value.
+claim to equal the expected value. The one thing a tree may name instead of holding is a container
+of the call's own arguments (a reference to its place in them, `places`/`resolver`): the tests' own
+object there, as a result that shares it would be in one process.
 
 `to_tree` runs on the candidate's side (in its process, so it is advisory):
 subclasses of plain types are converted through the base type's own C slots,
@@ -22,6 +24,7 @@ Stdlib only: this module is loaded into the sandbox worker, which has no site-pa
 from __future__ import annotations
 
 import base64
+import collections
 import itertools
 import json
 import json.encoder
@@ -131,9 +134,12 @@ def _steering_overrides(cls, base) -> list[str]:
     return found
 
 
-def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | None = None):
+def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | None = None,
+            places: dict | None = None):
     """The JSON tree for `value`; raises NotPlain. Converted subclasses that override steering
-    dunders are appended to `flags` as (pattern, detail)."""
+    dunders are appended to `flags` as (pattern, detail). `places`: containers the other side holds
+    already (id -> where, as `place` finds them: a call's arguments), which cross as a reference to
+    that place (["@", ...]) and are that very object there, as in one process."""
     budget = _budget if _budget is not None else [MAX_NODES]
     budget[0] -= 1
     if budget[0] < 0:
@@ -153,32 +159,36 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         return value if value.bit_length() < MAX_INT_BITS else ["I", format(value, "x")]
     if t is float:
         return value if math.isfinite(value) else ["F", _repr(value)]
+    if places is not None and t in SHARED_TYPES:
+        where = places.get(id(value))
+        if where is not None and where[0] is value:
+            return ["@", *where[1]]
     d = _depth + 1
     if t is list:
-        return ["l", *[to_tree(v, flags, d, budget) for v in value]]
+        return ["l", *[to_tree(v, flags, d, budget, places) for v in value]]
     if t is tuple:
-        return ["t", *[to_tree(v, flags, d, budget) for v in value]]
+        return ["t", *[to_tree(v, flags, d, budget, places) for v in value]]
     if t is dict:
         out = ["d"]
         for k, v in value.items():
-            out.append(to_tree(k, flags, d, budget))
-            out.append(to_tree(v, flags, d, budget))
+            out.append(to_tree(k, flags, d, budget, places))
+            out.append(to_tree(v, flags, d, budget, places))
         return out
     if t is set or t is frozenset:
-        return ["s" if t is set else "f", *[to_tree(v, flags, d, budget) for v in value]]
+        return ["s" if t is set else "f", *[to_tree(v, flags, d, budget, places) for v in value]]
     if t is bytes:
         return ["b", base64.b64encode(value).decode("ascii")]
     if t is bytearray:
         return ["B", base64.b64encode(bytes(value)).decode("ascii")]
     if t is complex:
-        return ["c", to_tree(value.real, flags, d, budget), to_tree(value.imag, flags, d, budget)]
+        return ["c", to_tree(value.real, flags, d, budget, places), to_tree(value.imag, flags, d, budget, places)]
     if t in ITERATOR_TYPES:
-        return ["i", *[to_tree(v, flags, d, budget) for v in _drawn(value, budget)]]
+        return ["i", *[to_tree(v, flags, d, budget, places) for v in _drawn(value, budget)]]
     stdlib_value = _stdlib_value(t)
     if stdlib_value is not None:
-        return [stdlib_value[0], *[to_tree(v, flags, d, budget) for v in stdlib_value[1](value)]]
+        return [stdlib_value[0], *[to_tree(v, flags, d, budget, places) for v in stdlib_value[1](value)]]
     if t in _VIEW_TAGS:  # a dict's keys, values or items, rebuilt as a view of a dict of their own
-        return [_VIEW_TAGS[t], *[to_tree(v, flags, d, budget) for v in value]]
+        return [_VIEW_TAGS[t], *[to_tree(v, flags, d, budget, places) for v in value]]
     for base, convert in _CONVERT:
         if convert is None:
             continue
@@ -190,11 +200,70 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         if overrides and flags is not None:
             flags.append(("non_plain_return", f"a {_type_name(t)} (subclass of {base.__name__}) overriding "
                                               f"{', '.join(overrides[:6])}"))
-        return to_tree(plain, flags, _depth, budget)
+        return to_tree(plain, flags, _depth, budget, places)
     name = _type_name(t)
     own_class = getattr(t, "__module__", "") not in ("builtins",) and not _is_stdlib_class(t)
     machinery = getattr(t, "__name__", "") in _MACHINERY_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
     raise NotPlain(f"a {name}", suspicious=own_class or machinery)
+
+
+# Containers whose identity a test can see (it changes one and looks at another): a value holding one of
+# a call's arguments' crosses as a reference to it (to_tree's `places`).
+SHARED_TYPES = frozenset({list, dict, set, bytearray, collections.deque})
+
+
+_HOLDERS = SHARED_TYPES | {tuple}  # what places looks into (a tuple holds places, and is none)
+
+
+def places(roots: dict) -> dict:
+    """Every container of SHARED_TYPES reachable from `roots` ({first step: value}) through lists,
+    tuples, deques and dict values: id -> (the container, its path: the first step, then an index or a
+    dict key as plain data each), the first path found for each (breadth first, so the shortest)."""
+    found: dict = {}
+    todo = collections.deque((value, [step]) for step, value in roots.items())
+    while todo:
+        value, path = todo.popleft()
+        t = _type(value)
+        if t in SHARED_TYPES:
+            if id(value) in found:
+                continue
+            found[id(value)] = (value, path)
+        if len(path) > MAX_DEPTH:
+            continue
+        if t is list or t is tuple or t is collections.deque:
+            todo.extend((v, path + [i]) for i, v in enumerate(value) if _type(v) in _HOLDERS)
+        elif t is dict:
+            for k, v in value.items():
+                if _type(v) not in _HOLDERS:
+                    continue
+                try:
+                    key = to_tree(k) if k == k else None  # (a NaN key finds nothing again)
+                except Exception:  # a key that is no plain data, or whose comparison raises
+                    continue
+                if key is not None:
+                    todo.append((v, path + [key]))
+    return found
+
+
+def resolver(roots: dict):
+    """What a reference node names (from_tree's `resolve`): the object at its path from `roots` (the
+    tests' own arguments), one of SHARED_TYPES; ValueError where the path leads nowhere."""
+    def resolve(path: list):
+        if not path or len(path) > MAX_DEPTH + 1 or type(path[0]) not in (int, str) or path[0] not in roots:
+            raise ValueError("a reference to no argument")
+        value = roots[path[0]]
+        for step in path[1:]:
+            key = from_tree(step)
+            if _type(value) not in (list, tuple, dict, collections.deque):
+                raise ValueError("a reference through a value that holds no place")
+            try:
+                value = value[key]
+            except (IndexError, KeyError, TypeError):
+                raise ValueError("a reference to a place that is not there") from None
+        if _type(value) not in SHARED_TYPES:
+            raise ValueError("a reference to a value that is not a container")
+        return value
+    return resolve
 
 
 # The standard library's value types that cross, by tag: (module, class name, its value's parts as plain
@@ -276,8 +345,9 @@ def _type_name(t) -> str:
 
 # --- harness side: tree -> value ---------------------------------------------------------------
 
-def from_tree(tree, _depth: int = 0, _budget: list | None = None):
-    """Rebuilds exact builtin values from a JSON tree; ValueError for anything else."""
+def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None):
+    """Rebuilds exact builtin values from a JSON tree; ValueError for anything else. `resolve`: what a
+    reference node (["@", ...], to_tree's `places`) stands for, where this side holds such places."""
     budget = _budget if _budget is not None else [MAX_NODES]
     budget[0] -= 1
     if budget[0] < 0:
@@ -291,16 +361,20 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
         raise ValueError(f"malformed value node of type {t.__name__}")
     tag, items = tree[0], tree[1:]
     d = _depth + 1
+    if tag == "@":
+        if resolve is None:
+            raise ValueError("a reference to a place where none can be")
+        return resolve(items)
     if tag == "l":
-        return [from_tree(v, d, budget) for v in items]
+        return [from_tree(v, d, budget, resolve) for v in items]
     if tag == "t":
-        return tuple(from_tree(v, d, budget) for v in items)
+        return tuple(from_tree(v, d, budget, resolve) for v in items)
     if tag == "i":
-        return iter([from_tree(v, d, budget) for v in items])
+        return iter([from_tree(v, d, budget, resolve) for v in items])
     if tag == "V":
-        return dict(enumerate(from_tree(v, d, budget) for v in items)).values()
+        return dict(enumerate(from_tree(v, d, budget, resolve) for v in items)).values()
     if tag in ("K", "E"):
-        values = [from_tree(v, d, budget) for v in items]
+        values = [from_tree(v, d, budget, resolve) for v in items]
         try:
             if tag == "K":
                 return dict.fromkeys(values).keys()
@@ -310,7 +384,7 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
         except TypeError as exc:
             raise ValueError(f"unhashable key: {exc}") from None
     if tag in ("s", "f", "d"):
-        values = [from_tree(v, d, budget) for v in items]
+        values = [from_tree(v, d, budget, resolve) for v in items]
         try:
             if tag == "d":
                 if len(values) % 2:
@@ -335,13 +409,13 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None):
                 raise ValueError("a string node that is not UTF-8") from None
     if tag in _STDLIB_VALUES and _takes(_STDLIB_VALUES[tag][3], len(items)):
         module_name, _, _, make = _STDLIB_VALUES[tag]
-        parts = [from_tree(v, d, budget) for v in items]
+        parts = [from_tree(v, d, budget, resolve) for v in items]
         try:  # each class checks its parts itself (a range of strings is a TypeError)
             return make(importlib.import_module(module_name), *parts)
         except (ValueError, TypeError, ArithmeticError) as exc:  # decimal's InvalidOperation, a zero denominator
             raise ValueError(f"a value node tagged {tag!r} that makes no value: {type(exc).__name__}") from None
     if tag == "c" and len(items) == 2:
-        re, im = (from_tree(v, d, budget) for v in items)
+        re, im = (from_tree(v, d, budget, resolve) for v in items)
         if type(re) is float and type(im) is float:
             return complex(re, im)
     raise ValueError(f"malformed value node tagged {tag!r}")
