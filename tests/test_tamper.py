@@ -447,6 +447,17 @@ HONEST_SHAPES = {
     "surrogates_passed_apart": _honest('def count(s):\n    """len(s)"""\n', "count",
                                        "def check(candidate):\n    assert candidate('\\ud83d\\ude00') == 2\n"
                                        "    assert candidate('a\\udfffb') == 3\n", "    return len(s)\n"),
+    # what the tests' arguments share (a row held twice, a list passed twice) is shared in the candidate's
+    # process too: in one process a change through one is a change through the other
+    "rows_held_twice": _honest('def mark(grid):\n    """sets grid[0][0] to 1"""\n', "mark",
+                               "def check(candidate):\n    row = [0, 0]\n    grid = [row, row]\n    candidate(grid)\n"
+                               "    assert grid == [[1, 0], [1, 0]]\n", "    grid[0][0] = 1\n"),
+    "a_list_passed_twice": _honest('def extend_into(dst, src):\n    """dst.extend(src)"""\n', "extend_into",
+                                   "def check(candidate):\n    a = [1]\n    candidate(a, a)\n    assert a == [1, 1]\n",
+                                   "    dst.extend(src)\n"),
+    "a_result_holding_one_row_twice": _honest('def pair():\n    """[row, row]: one list, twice"""\n', "pair",
+                                              "def check(candidate):\n    rows = candidate()\n    rows[0].append(1)\n"
+                                              "    assert rows == [[1], [1]]\n", "    row = []\n    return [row, row]\n"),
     "tests_calling_from_threads": _honest(
         'def sq(x):\n    """x * x"""\n', "sq",
         "import concurrent.futures\n\ndef check(candidate):\n"
@@ -644,6 +655,13 @@ def test_a_reference_crosses_only_to_a_container_of_the_arguments():
             plain.from_tree(forged, resolve=resolve)
     with pytest.raises(ValueError):  # where no arguments are held, a reference is no value at all
         plain.from_tree(["@", 0])
+    # a container met again in one tree is a reference to where it was first written: only to one before it
+    row = [1]
+    shared = plain.from_tree(plain.loads(plain.dumps(plain.to_tree([row, {"r": row}, (row,)]))))
+    assert shared[0] is shared[1]["r"] is shared[2][0]
+    for forged in (["#", 0], ["l", ["#", 0]], ["l", ["l"], ["#", 1]], ["l", ["l"], ["#", True]], ["l", ["l"], ["#", -1]]):
+        with pytest.raises(ValueError):
+            plain.from_tree(forged)
 
 
 async def test_the_candidate_holds_only_its_stdio_and_call_channel(pool):

@@ -11,7 +11,8 @@ always an exact builtin value: no subclass, no custom `__eq__`, `__hash__` or
 harness. That, not any list of known tricks, is why a returned object cannot
 claim to equal the expected value. The one thing a tree may name instead of holding is a container
 of the call's own arguments (a reference to its place in them, `places`/`resolver`): the tests' own
-object there, as a result that shares it would be in one process.
+object there, as a result that shares it would be in one process; and a container a tree holds twice
+is written once and referred to again ("#"), so sharing inside a value crosses too.
 
 `to_tree` runs on the candidate's side (in its process, so it is advisory):
 subclasses of plain types are converted through the base type's own C slots,
@@ -135,11 +136,16 @@ def _steering_overrides(cls, base) -> list[str]:
 
 
 def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | None = None,
-            places: dict | None = None):
+            places: dict | None = None, _done: dict | None = None):
     """The JSON tree for `value`; raises NotPlain. Converted subclasses that override steering
     dunders are appended to `flags` as (pattern, detail). `places`: containers the other side holds
     already (id -> where, as `place` finds them: a call's arguments), which cross as a reference to
-    that place (["@", ...]) and are that very object there, as in one process."""
+    that place (["@", ...]) and are that very object there, as in one process. A container met again
+    in the same tree crosses as a reference to where it was first written (["#", n]: the n-th
+    container written, counted as each is finished), so what a value shares inside itself (a row held
+    twice, an argument passed twice) is shared on the other side too."""
+    if _done is None:
+        _done = {}  # id -> (container, its number): the containers written so far (held: no id reused)
     budget = _budget if _budget is not None else [MAX_NODES]
     budget[0] -= 1
     if budget[0] < 0:
@@ -159,36 +165,41 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         return value if value.bit_length() < MAX_INT_BITS else ["I", format(value, "x")]
     if t is float:
         return value if math.isfinite(value) else ["F", _repr(value)]
-    if places is not None and t in SHARED_TYPES:
-        where = places.get(id(value))
+    if t in SHARED_TYPES:
+        where = places.get(id(value)) if places is not None else None
         if where is not None and where[0] is value:
             return ["@", *where[1]]
+        written = _done.get(id(value))
+        if written is not None and written[0] is value:
+            return ["#", written[1]]
     d = _depth + 1
     if t is list:
-        return ["l", *[to_tree(v, flags, d, budget, places) for v in value]]
+        return _written(value, ["l", *[to_tree(v, flags, d, budget, places, _done) for v in value]], _done)
     if t is tuple:
-        return ["t", *[to_tree(v, flags, d, budget, places) for v in value]]
+        return ["t", *[to_tree(v, flags, d, budget, places, _done) for v in value]]
     if t is dict:
         out = ["d"]
         for k, v in value.items():
-            out.append(to_tree(k, flags, d, budget, places))
-            out.append(to_tree(v, flags, d, budget, places))
-        return out
-    if t is set or t is frozenset:
-        return ["s" if t is set else "f", *[to_tree(v, flags, d, budget, places) for v in value]]
+            out.append(to_tree(k, flags, d, budget, places, _done))
+            out.append(to_tree(v, flags, d, budget, places, _done))
+        return _written(value, out, _done)
+    if t is set:
+        return _written(value, ["s", *[to_tree(v, flags, d, budget, places, _done) for v in value]], _done)
+    if t is frozenset:
+        return ["f", *[to_tree(v, flags, d, budget, places, _done) for v in value]]
     if t is bytes:
         return ["b", base64.b64encode(value).decode("ascii")]
     if t is bytearray:
-        return ["B", base64.b64encode(bytes(value)).decode("ascii")]
+        return _written(value, ["B", base64.b64encode(bytes(value)).decode("ascii")], _done)
     if t is complex:
-        return ["c", to_tree(value.real, flags, d, budget, places), to_tree(value.imag, flags, d, budget, places)]
+        return ["c", to_tree(value.real, flags, d, budget, places, _done), to_tree(value.imag, flags, d, budget, places, _done)]
     if t in ITERATOR_TYPES:
-        return ["i", *[to_tree(v, flags, d, budget, places) for v in _drawn(value, budget)]]
+        return ["i", *[to_tree(v, flags, d, budget, places, _done) for v in _drawn(value, budget)]]
     stdlib_value = _stdlib_value(t)
     if stdlib_value is not None:
-        return [stdlib_value[0], *[to_tree(v, flags, d, budget, places) for v in stdlib_value[1](value)]]
+        return [stdlib_value[0], *[to_tree(v, flags, d, budget, places, _done) for v in stdlib_value[1](value)]]
     if t in _VIEW_TAGS:  # a dict's keys, values or items, rebuilt as a view of a dict of their own
-        return [_VIEW_TAGS[t], *[to_tree(v, flags, d, budget, places) for v in value]]
+        return [_VIEW_TAGS[t], *[to_tree(v, flags, d, budget, places, _done) for v in value]]
     for base, convert in _CONVERT:
         if convert is None:
             continue
@@ -200,11 +211,17 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         if overrides and flags is not None:
             flags.append(("non_plain_return", f"a {_type_name(t)} (subclass of {base.__name__}) overriding "
                                               f"{', '.join(overrides[:6])}"))
-        return to_tree(plain, flags, _depth, budget, places)
+        return to_tree(plain, flags, _depth, budget, places, _done)
     name = _type_name(t)
     own_class = getattr(t, "__module__", "") not in ("builtins",) and not _is_stdlib_class(t)
     machinery = getattr(t, "__name__", "") in _MACHINERY_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
     raise NotPlain(f"a {name}", suspicious=own_class or machinery)
+
+
+def _written(container, tree: list, done: dict) -> list:
+    """`tree`, once `container` (a list, dict, set or bytearray) is numbered as written (to_tree's "#")."""
+    done[id(container)] = (container, len(done))
+    return tree
 
 
 # Containers whose identity a test can see (it changes one and looks at another): a value holding one of
@@ -345,9 +362,12 @@ def _type_name(t) -> str:
 
 # --- harness side: tree -> value ---------------------------------------------------------------
 
-def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None):
+def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None, _done: list | None = None):
     """Rebuilds exact builtin values from a JSON tree; ValueError for anything else. `resolve`: what a
-    reference node (["@", ...], to_tree's `places`) stands for, where this side holds such places."""
+    reference node (["@", ...], to_tree's `places`) stands for, where this side holds such places.
+    A "#" node is a container rebuilt earlier in the same tree (to_tree's numbering, kept in `_done`)."""
+    if _done is None:
+        _done = []
     budget = _budget if _budget is not None else [MAX_NODES]
     budget[0] -= 1
     if budget[0] < 0:
@@ -365,16 +385,20 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None):
         if resolve is None:
             raise ValueError("a reference to a place where none can be")
         return resolve(items)
+    if tag == "#":
+        if len(items) != 1 or type(items[0]) is not int or not 0 <= items[0] < len(_done):
+            raise ValueError("a reference to no container written before it")
+        return _done[items[0]]
     if tag == "l":
-        return [from_tree(v, d, budget, resolve) for v in items]
+        return _rebuilt([from_tree(v, d, budget, resolve, _done) for v in items], _done)
     if tag == "t":
-        return tuple(from_tree(v, d, budget, resolve) for v in items)
+        return tuple(from_tree(v, d, budget, resolve, _done) for v in items)
     if tag == "i":
-        return iter([from_tree(v, d, budget, resolve) for v in items])
+        return iter([from_tree(v, d, budget, resolve, _done) for v in items])
     if tag == "V":
-        return dict(enumerate(from_tree(v, d, budget, resolve) for v in items)).values()
+        return dict(enumerate(from_tree(v, d, budget, resolve, _done) for v in items)).values()
     if tag in ("K", "E"):
-        values = [from_tree(v, d, budget, resolve) for v in items]
+        values = [from_tree(v, d, budget, resolve, _done) for v in items]
         try:
             if tag == "K":
                 return dict.fromkeys(values).keys()
@@ -384,13 +408,13 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None):
         except TypeError as exc:
             raise ValueError(f"unhashable key: {exc}") from None
     if tag in ("s", "f", "d"):
-        values = [from_tree(v, d, budget, resolve) for v in items]
+        values = [from_tree(v, d, budget, resolve, _done) for v in items]
         try:
             if tag == "d":
                 if len(values) % 2:
                     raise ValueError("dict node with an odd number of items")
-                return dict(zip(values[0::2], values[1::2]))
-            return set(values) if tag == "s" else frozenset(values)
+                return _rebuilt(dict(zip(values[0::2], values[1::2])), _done)
+            return _rebuilt(set(values), _done) if tag == "s" else frozenset(values)
         except TypeError as exc:
             raise ValueError(f"unhashable key: {exc}") from None
     if len(items) == 1 and type(items[0]) is str:
@@ -401,7 +425,7 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None):
             return float(text)
         if tag in ("b", "B"):
             raw = base64.b64decode(text.encode("ascii"), validate=True)
-            return raw if tag == "b" else bytearray(raw)
+            return raw if tag == "b" else _rebuilt(bytearray(raw), _done)
         if tag == "u":
             try:
                 return base64.b64decode(text.encode("ascii"), validate=True).decode("utf-8", "surrogatepass")
@@ -409,16 +433,22 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None):
                 raise ValueError("a string node that is not UTF-8") from None
     if tag in _STDLIB_VALUES and _takes(_STDLIB_VALUES[tag][3], len(items)):
         module_name, _, _, make = _STDLIB_VALUES[tag]
-        parts = [from_tree(v, d, budget, resolve) for v in items]
+        parts = [from_tree(v, d, budget, resolve, _done) for v in items]
         try:  # each class checks its parts itself (a range of strings is a TypeError)
             return make(importlib.import_module(module_name), *parts)
         except (ValueError, TypeError, ArithmeticError) as exc:  # decimal's InvalidOperation, a zero denominator
             raise ValueError(f"a value node tagged {tag!r} that makes no value: {type(exc).__name__}") from None
     if tag == "c" and len(items) == 2:
-        re, im = (from_tree(v, d, budget, resolve) for v in items)
+        re, im = (from_tree(v, d, budget, resolve, _done) for v in items)
         if type(re) is float and type(im) is float:
             return complex(re, im)
     raise ValueError(f"malformed value node tagged {tag!r}")
+
+
+def _rebuilt(container, done: list):
+    """`container`, numbered as rebuilt (from_tree's "#": the order to_tree numbered them in)."""
+    done.append(container)
+    return container
 
 
 # Every call crosses the wall twice, each way as one message: json's C encoder and scanner are made once
