@@ -66,13 +66,18 @@ def test_task_problems_consult_the_registry():
     # tests that define the entry point themselves would judge their own definition: the program's never ran
     for test_code in ("def f(x):\n    return 2 * x\n\ndef check(candidate):\n    assert candidate(1) == f(1)\n",
                       "from math import sqrt as f\n\ndef test_f():\n    assert f(4) == 2\n",
-                      "if True:\n    f = abs\nassert f(-1) == 1\n"):
+                      "if True:\n    f = abs\nassert f(-1) == 1\n",
+                      "from math import *\n\ndef check(candidate):\n    assert candidate(4) == f(4)\n",
+                      "def _setup():\n    global f\n    f = abs\n\n_setup()\nassert f(-1) == 1\n"):
         own = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
                             python_tests=task_pb2.PythonTests(entry_point="f", test_code=test_code))
         assert any("defines f itself" in p for p in task_problems(own)), test_code
-    calls_it = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1, python_tests=task_pb2.PythonTests(
-        entry_point="f", test_code="def check(candidate):\n    g = candidate\n    assert g(1) == f(1)\n"))
-    assert task_problems(calls_it) == []
+    for test_code in ("def check(candidate):\n    g = candidate\n    assert g(1) == f(1)\n",
+                      "assert [f(x) for f in [f] for x in (1,)] == [1]\n",
+                      "if __name__ == '__main__':\n    def f(x):\n        return x\nassert f(1) == 1\n"):
+        calls_it = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
+                                 python_tests=task_pb2.PythonTests(entry_point="f", test_code=test_code))
+        assert task_problems(calls_it) == [], test_code
     mbpp = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
                          python_tests=task_pb2.PythonTests(entry_point="f", test_code="assert f(1) == 2\n"))
     assert task_problems(mbpp) == []

@@ -220,7 +220,13 @@ NATIVE = {
     "imported through importlib": ("import importlib\nct = importlib.import_module('ctypes')\n", True),
     "taken from multiprocessing and used": ("from multiprocessing import sharedctypes\n"
                                             "peek = sharedctypes.ctypes.string_at(id(0), 8)\n", True),
+    "taken from multiprocessing, called from C": ("from multiprocessing import sharedctypes\nct = sharedctypes.ctypes\n"
+                                                  "buf = ct.create_string_buffer(8)\nct.memmove(buf, id(0), 8)\n", True),
+    "through a standard-library trampoline": ("from multiprocessing import sharedctypes\nimport threading\n"
+                                              "threading.Thread(target=sharedctypes.ctypes.string_at,\n"
+                                              "                 args=(id(0), 8)).run()\n", True),
     "multiprocessing.Value": ("import multiprocessing as mp\nv = mp.Value('i', 1)\nv.value += 1\n", False),
+    "multiprocessing.Array": ("import multiprocessing as mp\na = mp.Array('d', [1.0, 2.0])\na[0] += a[1]\n", False),
 }
 
 
@@ -458,6 +464,14 @@ HONEST_SHAPES = {
     "a_result_holding_one_row_twice": _honest('def pair():\n    """[row, row]: one list, twice"""\n', "pair",
                                               "def check(candidate):\n    rows = candidate()\n    rows[0].append(1)\n"
                                               "    assert rows == [[1], [1]]\n", "    row = []\n    return [row, row]\n"),
+    # the tests' own dict subclasses and keys that do not equal themselves, returned or reached through
+    "returns_the_tests_defaultdict": _honest('def same(xs, d):\n    """d itself"""\n', "same",
+                                             "from collections import defaultdict\ndef check(candidate):\n"
+                                             "    d = defaultdict(int)\n    d['a'] = 1\n    assert candidate([1], d) is d\n",
+                                             "    return d\n"),
+    "a_row_under_a_nan_key": _honest('def first(d):\n    """the first value"""\n', "first",
+                                     "def check(candidate):\n    d = {(float('nan'), 1): [1]}\n"
+                                     "    assert candidate(d) == [1]\n", "    return next(iter(d.values()))\n"),
     "tests_calling_from_threads": _honest(
         'def sq(x):\n    """x * x"""\n', "sq",
         "import concurrent.futures\n\ndef check(candidate):\n"

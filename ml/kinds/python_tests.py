@@ -158,26 +158,63 @@ def _named_at_top_level(test_code: str, name: str) -> bool:
 
 
 def _binds_at_top_level(test_code: str, name: str) -> bool:
-    """Whether the tests' module-level code (outside functions and classes) binds `name`: a def, a class,
-    an assignment, an import, a for or with target."""
+    """Whether the tests' module-level code binds `name` as it loads: a def, a class, an assignment, an
+    import (a star import may: refused too), a for, with or except target, or a function declaring it
+    global. Code under `if __name__ == "__main__":` never runs there; comprehensions and lambdas have
+    scopes of their own."""
     todo = list(ast.parse(test_code).body)
     while todo:
         node = todo.pop()
+        if isinstance(node, ast.Global) and name in node.names:
+            return True
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             if node.name == name:
                 return True
+            todo += [n for n in ast.walk(node) if isinstance(n, ast.Global)]  # `global f` inside a helper
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
+            if any(alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
                 return True
             continue
+        if isinstance(node, ast.ExceptHandler) and node.name == name:
+            return True
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            todo += node.orelse
+            continue
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.stmt):
+            if isinstance(child, (ast.stmt, ast.ExceptHandler)):
                 todo.append(child)
-            elif any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
-                     for n in ast.walk(child)):
+            elif not isinstance(child, _OWN_SCOPES) and _stores(child, name):
                 return True
     return False
+
+
+_OWN_SCOPES = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda)
+
+
+def _stores(expression: ast.AST, name: str) -> bool:
+    """Whether `expression` binds `name` in the scope it runs in (not inside a comprehension or lambda of it)."""
+    todo = [expression]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        todo += [child for child in ast.iter_child_nodes(node) if not isinstance(child, _OWN_SCOPES)]
+    return False
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """`__name__ == "__main__"` (either way round)."""
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+            and {_constant_or_name(test.left), _constant_or_name(test.comparators[0])} == {"__name__", "'__main__'"})
+
+
+def _constant_or_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return repr(node.value)
+    return None
 
 
 def _not_in_the_sandbox(test_code: str) -> list[str]:
@@ -217,9 +254,9 @@ class PythonTestsKind(Kind):
                         "(unittest.TestCase classes and code under `if __name__ == '__main__':` are not run)")
                 if tests.entry_point and _binds_at_top_level(tests.test_code, tests.entry_point):
                     problems.append(
-                        f"python_tests.test_code defines {tests.entry_point} itself: its tests would judge that "
-                        f"definition, not the program's (name a reference solution otherwise, e.g. "
-                        f"reference_{tests.entry_point})")
+                        f"python_tests.test_code defines {tests.entry_point} itself, or may (a star import): its "
+                        f"tests would judge that definition, not the program's (name a reference solution "
+                        f"otherwise, e.g. reference_{tests.entry_point}, and import names one by one)")
                 missing = _not_in_the_sandbox(tests.test_code)
                 if missing:
                     problems.append(f"python_tests.test_code imports {', '.join(missing)}: the sandbox has the "

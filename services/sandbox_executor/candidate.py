@@ -52,12 +52,14 @@ _GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"
 # code; replacing it is code_patching.)
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
 _NATIVE_EVENTS = frozenset({"ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.addressof",
-                            "ctypes.string_at", "ctypes.wstring_at", "ctypes.PyObj_FromPtr"})
+                            "ctypes.string_at", "ctypes.wstring_at", "ctypes.PyObj_FromPtr", "ctypes.call_function",
+                            "ctypes.cdata/buffer", "ctypes.create_string_buffer"})
 _NATIVE_MODULES = ("ctypes", "_ctypes")
 _LOADED_NATIVE = ("ctypes", "ctypes._endian", "_ctypes")  # what the worker's own `import ctypes` loaded
 # Files whose ctypes events act for their caller (Watch._from_program): the import system's, and ctypes' own
 # (it imports _ctypes for whoever imported it, and its Python functions call into C for their callers).
 _CTYPES_ON_BEHALF = ("<frozen importlib.", "/importlib/", "/ctypes/")
+_CTYPES_USERS = ("/multiprocessing/",)  # the standard library's packages that use ctypes for a program
 _WATCHED = (_INTROSPECTION_EVENTS | _GC_EVENTS | _NATIVE_EVENTS
             | {"open", "object.__getattr__", "object.__setattr__",
                "object.__delattr__", "os.kill", "os.killpg", "signal.pthread_kill", "import"})
@@ -110,18 +112,20 @@ class Watch:
         finally:
             self._busy = False
 
-    def _from_program(self, acting_for: tuple[str, ...] = ()) -> bool:
-        """Whether the code that raised the event is the program's (not the standard library's).
-        `acting_for`: marks of the files of machinery that raises the event on its caller's behalf (the
-        import system, ctypes' own Python): the caller it acts for is judged, not the machinery."""
-        frame = self._getframe(1)
+    def _from_program(self) -> bool:
+        """Whether the code that raised the event is the program's (not the standard library's)."""
+        filename = self._caller()
+        return filename == self.program_file or (filename.startswith("<") and not filename.startswith("<frozen"))
+
+    def _caller(self, acting_for: tuple[str, ...] = ()) -> str:
+        """The file of the code that raised the event ("<none>" where no frame is left). `acting_for`:
+        marks of the files of machinery that raises events on its caller's behalf (the import system,
+        ctypes' own Python): the caller it acts for is named, not the machinery."""
+        frame = self._getframe(2)
         while frame is not None and (frame.f_code.co_filename == self._this_file
                                      or _any(mark in frame.f_code.co_filename for mark in acting_for)):
             frame = frame.f_back  # out of the hook's own frames (and the machinery's), to whoever asked
-        if frame is None:
-            return False
-        filename = frame.f_code.co_filename
-        return filename == self.program_file or (filename.startswith("<") and not filename.startswith("<frozen"))
+        return "<none>" if frame is None else frame.f_code.co_filename
 
     def _hook(self, event: str, args: tuple) -> None:
         if event not in _WATCHED or self._busy:
@@ -152,12 +156,13 @@ class Watch:
             if target in (0, -1, 1, os.getppid()) and target != os.getpid():  # not itself (pid 1 here)
                 self.flag("kills_harness", f"{event}({target}, {args[1]})")
         elif event in _NATIVE_EVENTS:
-            # The program's own use, not the standard library's (multiprocessing.Value keeps its number in
-            # ctypes memory): whoever called into ctypes.
-            if self._from_program(_CTYPES_ON_BEHALF):
+            # Whoever called into ctypes, unless it is the standard library's own user of it (multiprocessing.
+            # Value keeps its number in ctypes memory): any other caller, the program's or a trampoline's.
+            if not _any(mark in self._caller(_CTYPES_ON_BEHALF) for mark in _CTYPES_USERS):
                 self.flag("native_code", f"{event}: ctypes reaches memory the interpreter protects")
         elif event == "import":
-            if _str(args[0]).split(".")[0] in _NATIVE_MODULES and self._from_program(_CTYPES_ON_BEHALF):
+            if _str(args[0]).split(".")[0] in _NATIVE_MODULES and \
+                    not _any(mark in self._caller(_CTYPES_ON_BEHALF) for mark in _CTYPES_USERS):
                 self.flag("native_code", f"imports {args[0]}: ctypes reaches memory the interpreter protects")
 
     def _opened(self, path, flags: int) -> None:
@@ -433,8 +438,12 @@ def _call(namespace: dict, request: dict, watch: Watch) -> dict:
     flags: list = []
     # What the result shares with the arguments (a row of a grid, the argument itself) crosses as a
     # reference to that place in them: the tests' own object there, as in one process.
-    shared = plain.places({**dict(enumerate(args)), **kwargs}) \
-        if request.get("mutable") and type(result) not in _SCALARS else None
+    shared = None
+    if request.get("mutable") and type(result) not in _SCALARS:
+        try:
+            shared = plain.places(plain.roots(args, kwargs))
+        except Exception:  # whatever the program left in its arguments: the value then crosses as a copy
+            pass
     try:
         tree = plain.to_tree(result, flags, places=shared)
     except plain.Raised as raised:  # a returned generator raised as its items were drawn

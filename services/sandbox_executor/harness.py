@@ -197,7 +197,7 @@ class Candidate:
                     new_args, new_kwargs = plain.from_tree(reply["args"])
                     _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)))
                     # What the value shares with the arguments is the test's own object there, as updated.
-                    resolve = plain.resolver({**dict(enumerate(args)), **kwargs})
+                    resolve = plain.resolver(plain.roots(args, kwargs))
                 value = plain.from_tree(reply["ok"], resolve=resolve) if "ok" in reply else None
             except (ValueError, KeyError, TypeError) as exc:
                 self.report.tamper("forged_reply", f"{name}() answered with a malformed value: {exc}")
@@ -570,7 +570,7 @@ def _stub_names(prelude: str) -> set[str]:
     return stubs
 
 
-_MUTABLE = (list, dict, set, bytearray, collections.deque)
+_MUTABLE = plain.SHARED_TYPES
 _BUILTIN_NAMES = frozenset(dir(builtins))
 
 

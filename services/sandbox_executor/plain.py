@@ -139,7 +139,7 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
             places: dict | None = None, _done: dict | None = None):
     """The JSON tree for `value`; raises NotPlain. Converted subclasses that override steering
     dunders are appended to `flags` as (pattern, detail). `places`: containers the other side holds
-    already (id -> where, as `place` finds them: a call's arguments), which cross as a reference to
+    already (id -> where, as `places` finds them: a call's arguments), which cross as a reference to
     that place (["@", ...]) and are that very object there, as in one process. A container met again
     in the same tree crosses as a reference to where it was first written (["#", n]: the n-th
     container written, counted as each is finished), so what a value shares inside itself (a row held
@@ -225,62 +225,81 @@ def _written(container, tree: list, done: dict) -> list:
 
 
 # Containers whose identity a test can see (it changes one and looks at another): a value holding one of
-# a call's arguments' crosses as a reference to it (to_tree's `places`).
+# the containers of a call's arguments crosses as a reference to it (to_tree's `places`).
 SHARED_TYPES = frozenset({list, dict, set, bytearray, collections.deque})
-
-
 _HOLDERS = SHARED_TYPES | {tuple}  # what places looks into (a tuple holds places, and is none)
+
+
+def roots(args: tuple, kwargs: dict) -> dict:
+    """A call's arguments as places and resolver take them: {position or keyword: value}."""
+    return {**dict(enumerate(args)), **kwargs}
 
 
 def places(roots: dict) -> dict:
     """Every container of SHARED_TYPES reachable from `roots` ({first step: value}) through lists,
     tuples, deques and dict values: id -> (the container, its path: the first step, then an index or a
-    dict key as plain data each), the first path found for each (breadth first, so the shortest)."""
+    dict key as plain data each), the first path found for each (breadth first, so the shortest). Each
+    container is looked into once, and at most MAX_NODES items in all."""
     found: dict = {}
+    looked: set = set()  # ids of what was looked into (all held by `roots` meanwhile)
+    budget = MAX_NODES
     todo = collections.deque((value, [step]) for step, value in roots.items())
-    while todo:
+    while todo and budget > 0:
         value, path = todo.popleft()
+        if id(value) in looked:
+            continue
+        looked.add(id(value))
         t = _type(value)
         if t in SHARED_TYPES:
-            if id(value) in found:
-                continue
             found[id(value)] = (value, path)
-        if len(path) > MAX_DEPTH:
-            continue
-        if t is list or t is tuple or t is collections.deque:
-            todo.extend((v, path + [i]) for i, v in enumerate(value) if _type(v) in _HOLDERS)
-        elif t is dict:
+        if len(path) > MAX_DEPTH or t not in _HOLDERS or t is set or t is bytearray:
+            continue  # (an argument that holds nothing, or nothing with a place)
+        budget -= len(value)
+        if t is dict:
             for k, v in value.items():
-                if _type(v) not in _HOLDERS:
-                    continue
-                try:
-                    key = to_tree(k) if k == k else None  # (a NaN key finds nothing again)
-                except Exception:  # a key that is no plain data, or whose comparison raises
-                    continue
-                if key is not None:
-                    todo.append((v, path + [key]))
+                if _type(v) in _HOLDERS and _finds(value, k, v):
+                    todo.append((v, path + [to_tree(k)]))
+        else:
+            todo.extend((v, path + [i]) for i, v in enumerate(value) if _type(v) in _HOLDERS)
     return found
+
+
+def _finds(mapping: dict, key, value) -> bool:
+    """Whether `key`, crossed as plain data and rebuilt, finds `value` in `mapping` (a NaN in it does not)."""
+    try:
+        again = from_tree(loads(dumps(to_tree(key))))
+        return dict.__contains__(mapping, again) and dict.__getitem__(mapping, again) is value
+    except Exception:  # a key that is no plain data, or whose comparison raises
+        return False
 
 
 def resolver(roots: dict):
     """What a reference node names (from_tree's `resolve`): the object at its path from `roots` (the
-    tests' own arguments), one of SHARED_TYPES; ValueError where the path leads nowhere."""
+    tests' own arguments), a container of SHARED_TYPES (or a subclass: a test's defaultdict); ValueError
+    where the path leads nowhere. Each step is taken by the base type's own lookup, so no method of a
+    subclass runs (a defaultdict's __missing__ would add the key)."""
     def resolve(path: list):
         if not path or len(path) > MAX_DEPTH + 1 or type(path[0]) not in (int, str) or path[0] not in roots:
             raise ValueError("a reference to no argument")
         value = roots[path[0]]
         for step in path[1:]:
             key = from_tree(step)
-            if _type(value) not in (list, tuple, dict, collections.deque):
-                raise ValueError("a reference through a value that holds no place")
             try:
-                value = value[key]
+                base = next((b for b in _STEPPED if isinstance(value, b)), None)
+                if base is None or (base is not dict and type(key) is not int):
+                    raise ValueError("a reference through a value that holds no place")
+                if base is dict and not dict.__contains__(value, key):
+                    raise KeyError(key)
+                value = base.__getitem__(value, key)
             except (IndexError, KeyError, TypeError):
                 raise ValueError("a reference to a place that is not there") from None
-        if _type(value) not in SHARED_TYPES:
+        if not isinstance(value, tuple(SHARED_TYPES)):
             raise ValueError("a reference to a value that is not a container")
         return value
     return resolve
+
+
+_STEPPED = (dict, list, tuple, collections.deque)  # what a path steps into: by key, else by position
 
 
 # The standard library's value types that cross, by tag: (module, class name, its value's parts as plain
