@@ -649,6 +649,25 @@ async def test_what_a_result_shares_with_its_arguments_it_shares_with_the_tests_
     assert score.reward == paid, (completion, score.detail, result.tests)
 
 
+SNAPSHOT = ('def snapshot(xs, d):\n    """what xs and d hold now, unchanged by later changes to them"""\n', "snapshot",
+            "def check(candidate):\n    xs, d = [1, 2], {'a': 1}\n    items, keys = candidate(xs, d)\n"
+            "    xs.append(3)\n    d['z'] = 2\n    assert list(items) == [1, 2] and set(keys) == {'a'}\n")
+LIVE = ('def live(xs, d):\n    """an iterator over xs and a view of d\'s keys"""\n', "live",
+        "def check(candidate):\n    xs, d = [1, 2], {'a': 1}\n    items, keys = candidate(xs, d)\n"
+        "    xs.append(3)\n    d['z'] = 2\n    assert list(items) == [1, 2, 3] and set(keys) == {'a', 'z'}\n")
+
+
+@pytest.mark.parametrize("task, completion, paid", [
+    (SNAPSHOT, "    return iter(xs), d.keys()\n", 0.0), (SNAPSHOT, "    return iter(list(xs)), set(d)\n", 1.0),
+    (SNAPSHOT, "    return iter(xs[:]), dict(d).keys()\n", 1.0),
+    (LIVE, "    return iter(xs), d.keys()\n", 1.0), (LIVE, "    return iter(list(xs)), set(d)\n", 0.0)])
+async def test_an_iterator_or_view_over_an_argument_stays_live_over_the_tests_object(pool, task, completion, paid):
+    # A returned iterator or dict view once crossed as a snapshot of what it held at the return: a live
+    # one was paid where the tests wanted a snapshot, and an honest live one was not.
+    score, result = await run(pool, _honest(*task, "")[0], completion)
+    assert score.reward == paid, (completion, score.detail, result.tests)
+
+
 @pytest.mark.parametrize("completion, paid", [("    return grid['rows'][0]\n", 1.0),
                                               ("    return list(grid['rows'][0])\n", 0.0)])
 async def test_a_returned_part_of_an_argument_is_the_tests_own(pool, completion, paid):

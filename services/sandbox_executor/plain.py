@@ -193,6 +193,10 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
         return _written(value, ["B", base64.b64encode(bytes(value)).decode("ascii")], _done)
     if t is complex:
         return ["c", to_tree(value.real, flags, d, budget, places, _done), to_tree(value.imag, flags, d, budget, places, _done)]
+    if places is not None and (t is _LIST_ITERATOR or t in _VIEW_TAGS):
+        live = _live_over_arguments(value, t, places)
+        if live is not None:
+            return live
     if t in ITERATOR_TYPES:
         return ["i", *[to_tree(v, flags, d, budget, places, _done) for v in _drawn(value, budget)]]
     stdlib_value = _stdlib_value(t)
@@ -216,6 +220,35 @@ def to_tree(value, flags: list | None = None, _depth: int = 0, _budget: list | N
     own_class = getattr(t, "__module__", "") not in ("builtins",) and not _is_stdlib_class(t)
     machinery = getattr(t, "__name__", "") in _MACHINERY_TYPE_NAMES and getattr(t, "__module__", "") == "builtins"
     raise NotPlain(f"a {name}", suspicious=own_class or machinery)
+
+
+_LIST_ITERATOR = type(iter([]))
+
+
+def _live_over_arguments(value, t, places: dict) -> list | None:
+    """A list's iterator or a dict's view over a container of the arguments, as a reference the other
+    side makes live again over its own object (["@i", position, path...], ["@K"/"@V"/"@E", path...]):
+    what it yields or shows follows later changes there, as in one process. None for any other."""
+    if t is _LIST_ITERATOR:
+        reduced = value.__reduce__()  # (iter, (the list,), position) while it has items left
+        if len(reduced) == 3 and type(reduced[2]) is int:
+            where = places.get(id(reduced[1][0]))
+            if where is not None and where[0] is reduced[1][0]:
+                return ["@i", reduced[2], *where[1]]
+        return None
+    tag = _VIEW_TAGS[t]
+    probe = object()  # the arguments' dict whose view this is: the one where a key added shows in it
+    for container, path in list(places.values()):
+        if type(container) is not dict:
+            continue
+        container[probe] = probe
+        try:
+            shows = ((probe, probe) if tag == "E" else probe) in value
+        finally:
+            del container[probe]
+        if shows:
+            return ["@" + tag, *path]
+    return None
 
 
 def _written(container, tree: list, done: dict) -> list:
@@ -404,6 +437,22 @@ def from_tree(tree, _depth: int = 0, _budget: list | None = None, resolve=None, 
         if resolve is None:
             raise ValueError("a reference to a place where none can be")
         return resolve(items)
+    if tag in ("@i", "@K", "@V", "@E"):  # live over a container of the arguments (_live_over_arguments)
+        if resolve is None:
+            raise ValueError("a reference to a place where none can be")
+        if tag == "@i":
+            if not items or type(items[0]) is not int or items[0] < 0:
+                raise ValueError("an iterator node without a position")
+            seq = resolve(items[1:])
+            if not isinstance(seq, list):
+                raise ValueError("an iterator node over what is not a list")
+            iterator = list.__iter__(seq)
+            iterator.__setstate__(items[0])
+            return iterator
+        mapping = resolve(items)
+        if not isinstance(mapping, dict):
+            raise ValueError("a view node over what is not a dict")
+        return {"@K": dict.keys, "@V": dict.values, "@E": dict.items}[tag](mapping)
     if tag == "#":
         if len(items) != 1 or type(items[0]) is not int or not 0 <= items[0] < len(_done):
             raise ValueError("a reference to no container written before it")
