@@ -213,6 +213,42 @@ def test_reasoning_gym_reference_answer_scores_one_and_wrong_less(generator):
         assert wrong.reward < 1.0, (task.id, wrong.detail)
 
 
+@pytest.mark.parametrize("generator", ["products", "lcm", "chain_sum", "gsm_symbolic", "spell_backward"])
+def test_reasoning_gym_pays_the_answer_not_partial_credit_or_hedges(generator):
+    # reasoning-gym's scorers gave "26600" for 2660 0.8, "20 0 1 2 3" for 20 (first number) 1.0, and
+    # "I don't know" for a spelling 0.125: each was the reward.
+    task = builtin_sets.reasoning_gym(generator, 1, seed=3)[0]
+    reference = json.loads(task.generator.entry_json)["answer"]
+    assert score(task, f"<answer>{reference}</answer>").reward == 1.0
+    for wrong in (f"<answer>{reference}0</answer>", f"<answer>{reference} 0 1 2 3</answer>",
+                  f"<answer>{reference} or 5</answer>", "<answer>I don't know</answer>"):
+        paid = score(task, wrong)
+        assert paid.reward == 0.0 and paid.components["answer_correct"] == 0.0, (wrong, paid.detail)
+
+
+@pytest.mark.parametrize("expected, answer, paid", [
+    ("9", "\\boxed{7 \\approx 9}", 0.0), ("9", "\\boxed{7 + 0 \\cdot 9}", 0.0), ("1", "\\boxed{1e2}", 0.0),
+    ("5", "\\boxed{x=3, y=5}", 0.0),
+    ("0.0000004", "\\boxed{0.0000001}", 0.0), ("0.1", "\\boxed{0.1000004}", 0.0), ("0.1", "\\boxed{0.1}", 1.0),
+    ("0.0000004", "\\boxed{4 \\times 10^{-7}}", 1.0), ("2.5", "\\boxed{2.5000001}", 1.0), ("250.5", "\\boxed{250.50000001}", 1.0)])
+def test_math_pays_one_reading_of_the_answer_within_a_tolerance_relative_to_the_expected(expected, answer, paid):
+    # The LaTeX and the plain reading of an answer once both counted (7 \approx 9 read 7 and 9), and numbers
+    # compared to 6 decimal places whatever their size.
+    assert score(answer_task("math_answer", expected), answer).reward == paid, (expected, answer)
+
+
+def test_answers_are_read_after_the_thinking_and_from_plain_answer_lines():
+    task = answer_task("exact", "42")
+    assert score(task, "<think>maybe <answer>42</answer></think>\nAnswer: 41").reward == 0.0
+    assert score(task, "<think>Answer: 41? no.</think>\n<answer>42</answer>").reward == 1.0
+    assert score(task, "Six times seven.\nThe answer is 42.").reward == 1.0
+    assert score(task, "Six times seven.\nThe final answer is: 42").reward == 1.0
+    # a task no answer can fail: refused when it comes in
+    assert any("empty once normalized" in p for p in task_problems(answer_task("exact", "...")))
+    assert any("matches an empty answer" in p for p in task_problems(answer_task("regex", "a*")))
+    assert task_problems(answer_task("regex", "a+")) == []
+
+
 def test_reasoning_gym_instance_is_recreated_from_name_seed_and_config():
     spec = task_pb2.GeneratorSpec(name="chain_sum", seed=5, config_json=json.dumps({"min_terms": 4, "max_terms": 4}))
     _, entry = instance(spec)

@@ -23,8 +23,10 @@ class ExactKind(Kind):
 
     def problems(self, task: task_pb2.Task) -> list[str]:
         problems = super().problems(task)
-        if not problems and not task.answer.answer.strip():
-            problems.append("answer.answer is empty: give the expected answer")
+        if not problems and not normalize(task.answer.answer, task.answer.case_sensitive):
+            # ("..." is empty once normalized: an empty completion matched it)
+            problems.append("answer.answer is empty once normalized (whitespace, quotes, `$` and a final "
+                            "period dropped): give the expected answer")
         return problems
 
     def score(self, task: task_pb2.Task, completion: str,
@@ -45,9 +47,12 @@ class RegexKind(Kind):
         problems = super().problems(task)
         if not problems:
             try:
-                re.compile(task.answer.answer)
+                pattern = re.compile(task.answer.answer)
             except re.error as exc:
                 problems.append(f"answer.answer is not a valid regular expression: {exc}")
+            else:
+                if pattern.fullmatch("") is not None:
+                    problems.append("answer.answer matches an empty answer: an empty completion would be paid")
         return problems
 
     def score(self, task: task_pb2.Task, completion: str,

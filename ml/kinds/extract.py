@@ -17,7 +17,24 @@ from dataclasses import dataclass
 MAX_ANSWER_CHARS = 10_000  # what any scorer gets to see: keeps regexes and parsers on bounded input
 
 # Patterns run on model output, so none may backtrack: no two adjacent quantifiers over the same characters.
-_LINE = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer(?: is)?\**[ \t]*[:：](.*)$", re.IGNORECASE | re.MULTILINE)
+# ("Answer: 42", "Final answer: 42", "The answer is 42", "The final answer is: 42")
+_LINE = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer(?:\**[ \t]*[:：]| is\**[ \t]*[:：]?)(.*)$",
+                   re.IGNORECASE | re.MULTILINE)
+# A number as an answer writes it: digits with separators, a sign, a decimal part, an exponent.
+_NUMBER = re.compile(r"[-+−]?\d[\d,_]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def numbers(text: str) -> list[str]:
+    """The numbers written in `text` (a hedge writes several)."""
+    return _NUMBER.findall(text)
+
+
+def hedges(answer: str, expected: str) -> bool:
+    """Whether an answer to a question whose expected answer is one number writes several numbers: every
+    one of them a candidate ("20 or 5", "-61 0"), where a scorer that finds the first, the last or any
+    contained one would pay it."""
+    wanted = numbers(expected)
+    return len(wanted) == 1 and wanted[0] == expected.strip() and len(numbers(answer)) > 1
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,12 @@ class Extracted:
 
 
 def final_answer(completion: str) -> Extracted:
+    """The completion's final answer. What a closed <think>...</think> holds is reasoning, not the answer:
+    only the text after the last `</think>` is read (an answer tag inside the thinking, followed by
+    another answer outside it, once won by format rank)."""
+    end = completion.lower().rfind("</think>")
+    if end >= 0:
+        completion = completion[end + len("</think>"):]
     tagged = last_tagged(completion)
     if tagged is not None:
         return Extracted(_clip(tagged.strip()), True, "tag")

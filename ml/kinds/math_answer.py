@@ -2,11 +2,12 @@
 
 `1/2`, `0.5`, `\\frac{1}{2}` and `\\boxed{\\dfrac12}` are all the same answer;
 sets, intervals, equations and symbolic expressions compare as math-verify
-compares them. Both sides are parsed as LaTeX (wrapped in `$...$`) and as
-plain expressions; any pairing that math-verify calls equal counts.
+compares them. Each side is read once: as LaTeX (wrapped in `$...$`), or as a plain expression where
+that finds nothing. Numbers compare to a tolerance relative to the expected one.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 from crucible.v1 import execution_pb2, task_pb2
@@ -14,6 +15,7 @@ from crucible.ml.kinds.extract import MAX_ANSWER_CHARS, final_answer
 from crucible.ml.kinds.registry import Kind, Score, register
 
 TIMEOUT_S = 3  # math-verify's own (SIGALRM) limit per parse and comparison, where it can use one
+ROUNDING, MAX_ROUNDING = 6, 15  # decimal places compared: math-verify's default, and its numeric precision
 
 
 def _math_verify():
@@ -28,27 +30,39 @@ def _timeouts() -> int | None:
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def parsed(text: str) -> list:
-    """math-verify's readings of `text`: as LaTeX, then as a plain expression (empty when neither parses)."""
+def parsed(text: str, latex_first: bool = True) -> list:
+    """math-verify's reading of `text`: as LaTeX, else (where that finds nothing) as a plain expression;
+    empty when neither parses. One reading, never both: the two can differ (`7 \\approx 9` reads 7 as
+    LaTeX and 9 as plain text), and paying either pairing paid a hedge for both answers.
+    `latex_first=False`: prose, where math-verify finds the answer itself (the last boxed, "the answer
+    is", the last number)."""
     mv = _math_verify()
     timeout = _timeouts()
-    readings = []
-    for candidate in (f"${text}$", text):
+    for candidate in ((f"${text}$", text) if latex_first else (text,)):
         result = mv.parse(candidate, parsing_timeout=timeout)
         if result:
-            readings.append(result)
-    return readings
+            return result
+    return []
 
 
-def equivalent(expected: str, answer: str) -> bool:
+def equivalent(expected: str, answer: str, marked: bool = True) -> bool:
+    """Whether `answer` (a marked final answer, else the completion's prose) is the expected one."""
     mv = _math_verify()
     timeout = _timeouts()
-    golds = parsed(expected)
-    for gold in golds:
-        for pred in parsed(answer):
-            if mv.verify(gold, pred, timeout_seconds=timeout):
-                return True
-    return False
+    gold, pred = parsed(expected), parsed(answer, latex_first=marked)
+    return bool(gold and pred) and mv.verify(gold, pred, float_rounding=_rounding(gold), timeout_seconds=timeout)
+
+
+def _rounding(gold: list) -> int:
+    """The decimal places numbers are compared at: math-verify's 6, or more for a small expected number, so
+    the tolerance is relative to it (at 6, 0.0000001 was paid for 0.0000004, and 0.1000004 for 0.1)."""
+    try:
+        value = abs(float(gold[0]))
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return ROUNDING
+    if not math.isfinite(value) or value == 0:
+        return ROUNDING
+    return min(MAX_ROUNDING, max(ROUNDING, ROUNDING - math.floor(math.log10(value))))
 
 
 class MathAnswerKind(Kind):
@@ -67,7 +81,7 @@ class MathAnswerKind(Kind):
         found = final_answer(completion)
         # Without a marked answer, math-verify finds one itself (last boxed, "the answer is", last number).
         answer = found.text if found.marked else completion[-MAX_ANSWER_CHARS:]
-        correct = equivalent(task.answer.answer, answer)
+        correct = equivalent(task.answer.answer, answer, found.marked)
         return Score({"answer_correct": float(correct), "format_ok": float(found.marked)}, float(correct),
                      detail=f"answer {found.text[:80]!r} ({found.how})")
 

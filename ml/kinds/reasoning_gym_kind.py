@@ -1,5 +1,9 @@
 """`reasoning_gym`: any of reasoning-gym's seeded generators, scored by that generator's own scorer.
 
+The reward is 1 for an answer the scorer calls right (its value 1) and 0 otherwise: the scorers' partial
+credit is mostly for wrong answers that contain the right one. An answer that writes several numbers
+where the reference is one number is not paid (a hedge).
+
 A task's GeneratorSpec names the generator, a seed and an optional config
 (JSON); the instance is `create_dataset(name, seed=seed, size=1, **config)[0]`,
 re-created here rather than read back from `entry_json`, so the scorer sees
@@ -14,7 +18,7 @@ import json
 import math
 
 from crucible.v1 import execution_pb2, task_pb2
-from crucible.ml.kinds.extract import final_answer
+from crucible.ml.kinds.extract import final_answer, hedges
 from crucible.ml.kinds.registry import Kind, Score, register
 
 FORMAT_HINT = "Give only the final answer between <answer> and </answer>."
@@ -77,8 +81,15 @@ class ReasoningGymKind(Kind):
         raw = dataset.score_answer(found.text, entry)
         value = float(raw) if isinstance(raw, (int, float)) and math.isfinite(raw) else 0.0
         value = min(1.0, max(0.0, value))
-        return Score({"answer_correct": float(value >= 1.0), "score": value, "format_ok": float(found.marked)},
-                     value, detail=f"{task.generator.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}")
+        # Paid for a right answer only. reasoning-gym's default scorer gives an answer that contains the
+        # right one len(right)/len(answer) ("26600" for 2660: 0.8), and some scorers take the first number
+        # they find ("20 0 1 2 3" for 20: 1.0): neither is the answer. The scorer's value stays a component.
+        hedged = hedges(found.text, str(entry.get("answer", "")))
+        correct = value >= 1.0 and not hedged
+        return Score({"answer_correct": float(correct), "score": value, "format_ok": float(found.marked),
+                      "hedged": float(hedged)}, float(correct),
+                     detail=f"{task.generator.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}"
+                            + (" but writes several numbers where one is asked for" if hedged else ""))
 
 
 register(ReasoningGymKind())
