@@ -152,6 +152,7 @@ def test_exact_answers():
     task = answer_task("exact", "Paris")
     assert score(task, "It is...\nAnswer: paris.").reward == 1.0
     assert score(task, "Answer: Lyon").reward == 0.0
+    assert score(task, 'Answer: "Paris".').reward == 1.0 and score(task, "The answer is `Paris`.").reward == 1.0
     assert score(task, "Paris").components == {"answer_correct": 1.0, "format_ok": 0.0}
     assert score(answer_task("exact", "Paris", case_sensitive=True), "Answer: paris").reward == 0.0
 

@@ -12,7 +12,10 @@ ANSWER_HINT = "End your response with a final line of the form `Answer: <your an
 
 def normalize(text: str, case_sensitive: bool) -> str:
     """Whitespace collapsed, surrounding quotes, `$` and a final period dropped; case folded unless it matters."""
-    text = " ".join(text.split()).strip("`'\"$ ").rstrip(".").strip()
+    text = " ".join(text.split())
+    before = None
+    while before != text:  # `"42".`: the period, then the quotes it kept in
+        before, text = text, text.strip("`'\"$ ").rstrip(".").strip()
     return text if case_sensitive else text.casefold()
 
 
