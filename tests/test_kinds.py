@@ -137,7 +137,7 @@ def test_prompts_carry_the_answer_format():
     ("<answer>1</answer> then <answer>2</answer>", "2", "tag"),
     ("so \\boxed{\\frac{1}{2}} and finally \\boxed{\\frac{3}{\\sqrt{4}}}", "\\frac{3}{\\sqrt{4}}", "boxed"),
     ("work\n**Final Answer:** 7\n", "7", "line"),
-    ("steps\nAnswer: Paris.", "Paris.", "line"),
+    ("steps\nAnswer: Paris.", "Paris", "line"),  # (the sentence's period is not the answer's)
     ("just 12", "just 12", "whole"),
     ("unclosed \\boxed{12", "unclosed \\boxed{12", "whole"),
 ])
@@ -221,7 +221,7 @@ def test_reasoning_gym_pays_the_answer_not_partial_credit_or_hedges(generator):
     task = builtin_sets.reasoning_gym(generator, 1, seed=3)[0]
     reference = json.loads(task.generator.entry_json)["answer"]
     assert score(task, f"<answer>{reference}</answer>").reward == 1.0
-    for wrong in (f"<answer>{reference}0</answer>", f"<answer>{reference} 0 1 2 3</answer>",
+    for wrong in (f"<answer>{reference}0</answer>", f"<answer>{reference} 0 1 2 3</answer>", f"<answer>-{reference}</answer>",
                   f"<answer>{reference} or 5</answer>", "<answer>I don't know</answer>"):
         paid = score(task, wrong)
         assert paid.reward == 0.0 and paid.components["answer_correct"] == 0.0, (wrong, paid.detail)
@@ -230,7 +230,9 @@ def test_reasoning_gym_pays_the_answer_not_partial_credit_or_hedges(generator):
 @pytest.mark.parametrize("expected, answer, paid", [
     ("9", "\\boxed{7 \\approx 9}", 0.0), ("9", "\\boxed{7 + 0 \\cdot 9}", 0.0), ("1", "\\boxed{1e2}", 0.0),
     ("5", "\\boxed{x=3, y=5}", 0.0),
-    ("0.0000004", "\\boxed{0.0000001}", 0.0), ("0.1", "\\boxed{0.1000004}", 0.0), ("0.1", "\\boxed{0.1}", 1.0),
+    ("0.0000004", "\\boxed{0.0000001}", 0.0), ("0.1", "\\boxed{0.10001}", 0.0), ("0.1", "\\boxed{0.1}", 1.0),
+    ("\\{0.0000004\\}", "\\boxed{\\{0.0000001\\}}", 0.0), ("(0.0000004, 1)", "\\boxed{(0.0000001, 1)}", 0.0),
+    ("\\frac{1}{3}", "\\boxed{0.333333}", 1.0), ("3/4", "Answer: 3/4.", 1.0), ("3/4", "The answer is 3/4.", 1.0),
     ("0.0000004", "\\boxed{4 \\times 10^{-7}}", 1.0), ("2.5", "\\boxed{2.5000001}", 1.0), ("250.5", "\\boxed{250.50000001}", 1.0)])
 def test_math_pays_one_reading_of_the_answer_within_a_tolerance_relative_to_the_expected(expected, answer, paid):
     # The LaTeX and the plain reading of an answer once both counted (7 \approx 9 read 7 and 9), and numbers
@@ -244,6 +246,11 @@ def test_answers_are_read_after_the_thinking_and_from_plain_answer_lines():
     assert score(task, "<think>Answer: 41? no.</think>\n<answer>42</answer>").reward == 1.0
     assert score(task, "Six times seven.\nThe answer is 42.").reward == 1.0
     assert score(task, "Six times seven.\nThe final answer is: 42").reward == 1.0
+    # an "answer is" line is the answer only where no line says `Answer:`
+    assert score(task, "Answer: 42\nThe answer is consistent with the check above.").reward == 1.0
+    # positions found in the text itself ("İ".lower() is two characters)
+    assert score(answer_task("exact", "Istanbul"), "<think>İzmir? İ</think><answer>Istanbul</answer>").reward == 1.0
+    assert score(task, "<think>İİİ</think>\nAnswer: 42").reward == 1.0
     # a task no answer can fail: refused when it comes in
     assert any("empty once normalized" in p for p in task_problems(answer_task("exact", "...")))
     assert any("matches an empty answer" in p for p in task_problems(answer_task("regex", "a*")))

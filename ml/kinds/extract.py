@@ -17,9 +17,9 @@ from dataclasses import dataclass
 MAX_ANSWER_CHARS = 10_000  # what any scorer gets to see: keeps regexes and parsers on bounded input
 
 # Patterns run on model output, so none may backtrack: no two adjacent quantifiers over the same characters.
-# ("Answer: 42", "Final answer: 42", "The answer is 42", "The final answer is: 42")
-_LINE = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer(?:\**[ \t]*[:：]| is\**[ \t]*[:：]?)(.*)$",
-                   re.IGNORECASE | re.MULTILINE)
+# "Answer: 42", "Final answer: 42", "The final answer is: 42"; where no line reads so, "The answer is 42".
+_LINE = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer(?: is)?\**[ \t]*[:：](.*)$", re.IGNORECASE | re.MULTILINE)
+_LINE_IS = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer is\**[ \t]+(.*)$", re.IGNORECASE | re.MULTILINE)
 # A number as an answer writes it: digits with separators, a sign, a decimal part, an exponent.
 _NUMBER = re.compile(r"[-+−]?\d[\d,_]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
@@ -30,11 +30,25 @@ def numbers(text: str) -> list[str]:
 
 
 def hedges(answer: str, expected: str) -> bool:
-    """Whether an answer to a question whose expected answer is one number writes several numbers: every
-    one of them a candidate ("20 or 5", "-61 0"), where a scorer that finds the first, the last or any
-    contained one would pay it."""
+    """Whether an answer to a question whose expected answer is one number writes other than that one
+    number: several numbers, every one a candidate ("20 or 5", "-61 0", where a scorer that finds the
+    first, the last or any contained one would pay it), or one of another value ("-20" for 20, which a
+    scorer reading digits without the sign took for 20)."""
     wanted = numbers(expected)
-    return len(wanted) == 1 and wanted[0] == expected.strip() and len(numbers(answer)) > 1
+    if len(wanted) != 1 or wanted[0] != expected.strip():
+        return False
+    written = numbers(answer)
+    if len(written) != 1:
+        return True
+    try:
+        return value_of(written[0]) != value_of(wanted[0])
+    except ValueError:
+        return False
+
+
+def value_of(number: str) -> float:
+    """A number as `numbers` finds it, as a float (ValueError, OverflowError where it is none)."""
+    return float(number.replace(",", "").replace("_", "").replace("−", "-"))
 
 
 @dataclass(frozen=True)
@@ -48,33 +62,47 @@ def final_answer(completion: str) -> Extracted:
     """The completion's final answer. What a closed <think>...</think> holds is reasoning, not the answer:
     only the text after the last `</think>` is read (an answer tag inside the thinking, followed by
     another answer outside it, once won by format rank)."""
-    end = completion.lower().rfind("</think>")
-    if end >= 0:
-        completion = completion[end + len("</think>"):]
+    thinking = _last(_THINK_END, completion)
+    if thinking is not None:
+        completion = completion[thinking.end():]
     tagged = last_tagged(completion)
     if tagged is not None:
         return Extracted(_clip(tagged.strip()), True, "tag")
     boxed = last_boxed(completion)
     if boxed is not None:
         return Extracted(_clip(boxed.strip()), True, "boxed")
-    line = None
-    for line in _LINE.finditer(completion):
-        pass
-    if line is not None and line.group(1).strip().strip("*_").strip():
-        return Extracted(_clip(line.group(1).strip().strip("*_").strip()), True, "line")
+    for pattern in (_LINE, _LINE_IS):
+        line = _last(pattern, completion)
+        # (a final period is the sentence's, not the answer's: "The answer is 3/4.")
+        text = line.group(1).strip().strip("*_").strip().removesuffix(".").strip() if line is not None else ""
+        if text:
+            return Extracted(_clip(text), True, "line")
     return Extracted(_clip(completion.strip()), False, "whole")
 
 
+def _last(pattern: re.Pattern, text: str) -> re.Match | None:
+    match = None
+    for match in pattern.finditer(text):
+        pass
+    return match
+
+
+_THINK_END = re.compile(r"</think>", re.IGNORECASE)  # (found in the text itself: "İ".lower() is two characters)
+_TAGS: dict[str, tuple[re.Pattern, re.Pattern]] = {}
+
+
 def last_tagged(text: str, tag: str = "answer") -> str | None:
-    """The content of the last <answer>...</answer> (any case), found by scanning back, never by backtracking."""
-    lowered = text.lower()
-    end = lowered.rfind(f"</{tag}>")
-    if end < 0:
+    """The content of the last <answer>...</answer> (any case): the last closing tag, and the last opening
+    one before it (matched in the text itself, never in a lowered copy whose positions can differ)."""
+    opening, closing = _TAGS.get(tag) or _TAGS.setdefault(
+        tag, (re.compile(f"<{re.escape(tag)}>", re.IGNORECASE), re.compile(f"</{re.escape(tag)}>", re.IGNORECASE)))
+    end = _last(closing, text)
+    if end is None:
         return None
-    start = lowered.rfind(f"<{tag}>", 0, end)
-    if start < 0:
+    start = _last(opening, text[:end.start()])
+    if start is None:
         return None
-    return text[start + len(tag) + 2:end]
+    return text[start.end():end.start()]
 
 
 def last_boxed(text: str) -> str | None:

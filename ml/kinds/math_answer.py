@@ -11,7 +11,7 @@ import math
 import threading
 
 from crucible.v1 import execution_pb2, task_pb2
-from crucible.ml.kinds.extract import MAX_ANSWER_CHARS, final_answer
+from crucible.ml.kinds.extract import MAX_ANSWER_CHARS, final_answer, numbers, value_of
 from crucible.ml.kinds.registry import Kind, Score, register
 
 TIMEOUT_S = 3  # math-verify's own (SIGALRM) limit per parse and comparison, where it can use one
@@ -50,19 +50,24 @@ def equivalent(expected: str, answer: str, marked: bool = True) -> bool:
     mv = _math_verify()
     timeout = _timeouts()
     gold, pred = parsed(expected), parsed(answer, latex_first=marked)
-    return bool(gold and pred) and mv.verify(gold, pred, float_rounding=_rounding(gold), timeout_seconds=timeout)
+    return bool(gold and pred) and mv.verify(gold, pred, float_rounding=_rounding(expected), timeout_seconds=timeout)
 
 
-def _rounding(gold: list) -> int:
-    """The decimal places numbers are compared at: math-verify's 6, or more for a small expected number, so
-    the tolerance is relative to it (at 6, 0.0000001 was paid for 0.0000004, and 0.1000004 for 0.1)."""
-    try:
-        value = abs(float(gold[0]))
-    except (TypeError, ValueError, IndexError, OverflowError):
+def _rounding(expected: str) -> int:
+    """The decimal places numbers are compared at: math-verify's 6, or more where the expected answer writes
+    a smaller number, so that each is compared to 6 significant digits (at 6 places, 0.0000001 was paid
+    for 0.0000004, in a set or a tuple too)."""
+    sizes = []
+    for number in numbers(expected):
+        try:
+            size = abs(value_of(number))
+        except (ValueError, OverflowError):
+            continue
+        if math.isfinite(size) and size > 0:
+            sizes.append(size)
+    if not sizes:
         return ROUNDING
-    if not math.isfinite(value) or value == 0:
-        return ROUNDING
-    return min(MAX_ROUNDING, max(ROUNDING, ROUNDING - math.floor(math.log10(value))))
+    return min(MAX_ROUNDING, max(ROUNDING, ROUNDING - 1 - math.floor(math.log10(min(sizes)))))
 
 
 class MathAnswerKind(Kind):
