@@ -56,7 +56,7 @@ _NATIVE_EVENTS = frozenset({"ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ct
                             "ctypes.cdata/buffer", "ctypes.create_string_buffer"})
 _NATIVE_MODULES = ("ctypes", "_ctypes")
 _LOADED_NATIVE = ("ctypes", "ctypes._endian", "_ctypes")  # what the worker's own `import ctypes` loaded
-# Files whose ctypes events act for their caller (Watch._from_program): the import system's, and ctypes' own
+# Files whose ctypes events act for their caller (Watch._caller): the import system's, and ctypes' own
 # (it imports _ctypes for whoever imported it, and its Python functions call into C for their callers).
 _CTYPES_ON_BEHALF = ("<frozen importlib.", "/importlib/", "/ctypes/")
 _CTYPES_USERS = ("/multiprocessing/",)  # the standard library's packages that use ctypes for a program
@@ -117,6 +117,11 @@ class Watch:
         filename = self._caller()
         return filename == self.program_file or (filename.startswith("<") and not filename.startswith("<frozen"))
 
+    def _ctypes_for_program(self) -> bool:
+        """Whether a ctypes event (or import) is for anyone but the standard library's own user of ctypes
+        (multiprocessing.Value keeps its number in ctypes memory): the program's, or a trampoline's."""
+        return not _any(mark in self._caller(_CTYPES_ON_BEHALF) for mark in _CTYPES_USERS)
+
     def _caller(self, acting_for: tuple[str, ...] = ()) -> str:
         """The file of the code that raised the event ("<none>" where no frame is left). `acting_for`:
         marks of the files of machinery that raises events on its caller's behalf (the import system,
@@ -156,13 +161,10 @@ class Watch:
             if target in (0, -1, 1, os.getppid()) and target != os.getpid():  # not itself (pid 1 here)
                 self.flag("kills_harness", f"{event}({target}, {args[1]})")
         elif event in _NATIVE_EVENTS:
-            # Whoever called into ctypes, unless it is the standard library's own user of it (multiprocessing.
-            # Value keeps its number in ctypes memory): any other caller, the program's or a trampoline's.
-            if not _any(mark in self._caller(_CTYPES_ON_BEHALF) for mark in _CTYPES_USERS):
+            if self._ctypes_for_program():
                 self.flag("native_code", f"{event}: ctypes reaches memory the interpreter protects")
         elif event == "import":
-            if _str(args[0]).split(".")[0] in _NATIVE_MODULES and \
-                    not _any(mark in self._caller(_CTYPES_ON_BEHALF) for mark in _CTYPES_USERS):
+            if _str(args[0]).split(".")[0] in _NATIVE_MODULES and self._ctypes_for_program():
                 self.flag("native_code", f"imports {args[0]}: ctypes reaches memory the interpreter protects")
 
     def _opened(self, path, flags: int) -> None:

@@ -290,20 +290,25 @@ def places(roots: dict) -> dict:
         budget -= len(value)
         if t is dict:
             for k, v in value.items():
-                if _type(v) in _HOLDERS and _finds(value, k, v):
-                    todo.append((v, path + [to_tree(k)]))
+                key = _key_that_finds(value, k, v) if _type(v) in _HOLDERS else None
+                if key is not None:
+                    todo.append((v, path + [key]))
         else:
             todo.extend((v, path + [i]) for i, v in enumerate(value) if _type(v) in _HOLDERS)
     return found
 
 
-def _finds(mapping: dict, key, value) -> bool:
-    """Whether `key`, crossed as plain data and rebuilt, finds `value` in `mapping` (a NaN in it does not)."""
+def _key_that_finds(mapping: dict, key, value):
+    """`key` as plain data, where crossed and rebuilt it finds `value` in `mapping` (a NaN in it does
+    not); None otherwise."""
     try:
-        again = from_tree(loads(dumps(to_tree(key))))
-        return dict.__contains__(mapping, again) and dict.__getitem__(mapping, again) is value
+        tree = to_tree(key)
+        again = from_tree(loads(dumps(tree)))
+        if dict.__contains__(mapping, again) and dict.__getitem__(mapping, again) is value:
+            return tree
     except Exception:  # a key that is no plain data, or whose comparison raises
-        return False
+        pass
+    return None
 
 
 def resolver(roots: dict):
