@@ -553,9 +553,8 @@ class Reader:
         self._carried_count = sum(map(len, self._carried))
 
     async def _assign_and_seek(self) -> None:
-        await self._consumer.topics()  # loads cluster metadata, so partitions_for_topic can answer
-        tps = [TopicPartition(t, p) for t in self.topics
-               for p in sorted(self._consumer.partitions_for_topic(t) or {0})]
+        partitions = await _partitions(self._consumer)
+        tps = [TopicPartition(t, p) for t in self.topics for p in sorted(partitions(t) or {0})]
         self._consumer.assign(tps)
         for tp in tps:
             saved = self._start_offsets.get(tp.topic, {}).get(tp.partition)
@@ -1087,6 +1086,14 @@ async def delete_topics(prefixes: Sequence[str], *, settings: Settings | None = 
         await admin.close()
 
 
+async def _partitions(consumer: AIOKafkaConsumer):
+    """Every topic's partitions as the cluster has them now (topic -> set of partition ids, or None).
+    Asked of a fresh metadata answer: the consumer's own `partitions_for_topic` answers from the
+    metadata its client tracks, which need not hold a topic the consumer does not read (and did not, now
+    and then: a resumed run counted 0 tasks published before and fed them all again)."""
+    return (await consumer._client.fetch_all_metadata()).partitions_for_topic
+
+
 async def published(name: str, *, settings: Settings | None = None) -> int:
     """How many records were ever written to topic `name` (its end offsets, summed over partitions);
     0 for a topic that does not exist."""
@@ -1095,10 +1102,8 @@ async def published(name: str, *, settings: Settings | None = None) -> int:
     reader = AIOKafkaConsumer(**connection(settings), enable_auto_commit=False)
     await reader.start()
     try:
-        if full not in await reader.topics():  # also fetches every topic's partitions
-            return 0
-        partitions = reader.partitions_for_topic(full)
-        if not partitions:
+        partitions = (await _partitions(reader))(full)
+        if not partitions:  # no such topic
             return 0
         ends = await reader.end_offsets([TopicPartition(full, p) for p in partitions])
         return sum(ends.values())
