@@ -454,3 +454,100 @@ def test_answers_are_checked_as_exactly_as_their_task_states_them():
     capital = lookup.task("q", {"table": {"a": "Red"}, "key": "a"}, split="train", key="k", group_size=1)
     assert lookup.check_answer(capital, "Red", [])["answer_correct"] == 1.0
     assert lookup.check_answer(capital, "red ", [])["answer_correct"] == 1.0
+
+
+def fake_run(stdout: bytes = b"", exit_code: int = 0):
+    """A tool's sandbox result, made up (what scoring reads of an episode, not the sandbox, is under test)."""
+    async def run(request):
+        return execution_pb2.ExecutionResult(stdout=stdout, exit_code=exit_code)
+
+    return run
+
+
+async def test_the_answer_is_read_as_every_answer_kind_reads_it_not_from_the_reasoning():
+    """Every environment's answer: reasoning in a closed think block is not the answer, an `Answer:` line
+    or an <answer> tag marks it, and a sentence's final period is not part of it."""
+    lookup = envs.get("lookup")
+    table = lookup.task("q", {"table": {"a": "red", "b": "tan"}, "key": "b"}, split="train", key="t", group_size=1)
+    for answer, paid in [("<think>The tool said tan.</think>\ntan", 1.0), ("Answer: tan", 1.0), ("tan.", 1.0),
+                         ("<think>tan</think>I cannot tell.", 0.0), ("<answer>tan</answer>", 1.0)]:
+        episode = await ep.play(lookup, table, ["@lookup b", answer], fake_run())
+        assert lookup.score(table, episode).reward == paid, answer
+    python = envs.get("python")
+    primes = python.task("How many prime numbers are there below 1597?", {"answer": 250, "template": 1, "n": 1597,
+                                                                           "k": 2}, split="train", key="p", group_size=1)
+    for answer, paid in [("<think>maybe 250?</think>\nI am not sure.", 0.0), ("250", 1.0),
+                         ("There are 250 prime numbers below 1597.", 1.0),  # the question's own number restated
+                         ("**250** (primes below 1597)", 1.0), ("Either 256 or 250", 0.0), ("256, no: 250", 0.0),
+                         ("<think>256?</think>Answer: 250", 1.0), ("−250", 0.0)]:
+        episode = await ep.play(python, primes, ["@python print(250)", answer], fake_run(b"250\n"))
+        assert python.score(primes, episode).reward == paid, answer
+    logs = envs.get("logs")
+    incident = logs.task("q", {"components": ["api", "auth", "payments", "search"], "component": "payments",
+                               "cause": "disk full", "seed": 3}, split="train", key="l", group_size=1)
+    for answer, paid in [("payments: disk full (I searched every log; rapid 503s, I am certain)", 1.0),
+                         ("<think>payments: disk full</think>I cannot tell.", 0.0), ("auth: concert", 0.0),
+                         ("payments and search: disk full", 0.0)]:
+        episode = await ep.play(logs, incident, [answer], fake_run())
+        assert logs.score(incident, episode).reward == paid, answer
+    sql = envs.get("sql")
+    count = sql.task("q", {"schema": ["CREATE TABLE t (name)"], "rows": {"t": [["a"], ["b"]]},
+                           "reference": "SELECT count(*) FROM t"}, split="train", key="s", group_size=1)
+    for answer, paid in [("<think>one row a name, so 2</think>\n2", 1.0), ("Answer:\n2", 1.0), ("3", 0.0)]:
+        episode = await ep.play(sql, count, [answer], fake_run())
+        assert sql.score(count, episode).reward == paid, answer
+
+
+def test_sql_answers_copied_from_what_the_tool_shows_are_the_references_values():
+    sql = envs.get("sql")
+    task = sql.task("q", {"schema": ["CREATE TABLE t (name, manager, pay REAL)"],
+                          "rows": {"t": [["Ada", None, 90000.0], ["Ben", "Ada", 3.51e20]]},
+                          "reference": "SELECT name, manager, pay FROM t"}, split="train", key="v", group_size=1)
+    # the tool prints NULL and Python's str of each value (sql.RUNNER)
+    assert sql.check_answer(task, "Ada, NULL, 90000.0\nBen, Ada, 3.51e+20", [])["answer_correct"] == 1.0
+    assert sql.check_answer(task, "ada | none | 90000\nben | ada | 351000000000000000000", [])["answer_correct"] == 1.0
+    assert sql.check_answer(task, "Ada, NULL, 90000.5\nBen, Ada, 3.51e+20", [])["answer_correct"] == 0.0
+    assert sql.check_answer(task, "Ada, , 90000\nBen, Ada, 3.51e+20", [])["answer_correct"] == 0.0  # empty is not NULL
+    # a huge exponent is compared as written, never expanded
+    assert sql.check_answer(task, "1e999999999999999999", [])["answer_correct"] == 0.0
+    # numbers past float precision (written as text: SQLite's integers are 64-bit) stay exact
+    big = sql.task("q", {"schema": ["CREATE TABLE t (n)"], "rows": {"t": [["123456789012345678901234567890123"]]},
+                         "reference": "SELECT n FROM t"}, split="train", key="b", group_size=1)
+    assert sql.check_answer(big, "123456789012345678901234567890124", [])["answer_correct"] == 0.0
+    assert sql.check_answer(big, "123456789012345678901234567890123.0", [])["answer_correct"] == 1.0
+
+
+def test_a_sql_reference_that_fails_or_answers_nothing_is_refused_and_a_recursive_one_taken():
+    def task(reference):
+        return envs.get("sql").task("q", {"schema": ["CREATE TABLE t (name)"], "rows": {"t": [["a"]]},
+                                          "reference": reference}, split="train", key=reference, group_size=1)
+
+    assert task_problems(task("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3) "
+                              "SELECT count(*) FROM n")) == []
+    assert any("answers no rows" in p for p in task_problems(task("SELECT name FROM t WHERE name = 'z'")))
+    assert any("reference query fails" in p for p in task_problems(task("SELECT nothing FROM t")))
+    assert any("reference query fails" in p for p in task_problems(task("DELETE FROM t")))
+
+
+def test_a_python_cell_that_raised_is_part_of_the_state_and_one_that_ended_its_process_is_not():
+    python = envs.get("python")
+    task = next(python.generate("train", seed=1))
+    episode = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
+    for text, observation, failed in [("@python x = 5\nundefined_name", "stderr:\nTraceback (most recent call last):\n"
+                                                                        "  File \"<cell>\", line 2\nNameError", True),
+                                      ("@python while True: pass", "[the sandbox stopped the program: timeout]", True),
+                                      ("@python import os; os._exit(1)", "[exit code 1]", True),
+                                      ("@python import ctypes; ctypes.string_at(0)", "[exit code 139, signal 11]", True),
+                                      ("@python {\"nothing\": 1}", "error: tool 'python' takes the arguments code", True),
+                                      ("@python print(x)", "5", False)]:
+        ep.add_turn(episode, text, [2], [-0.1], "stop", 0)
+        episode.turns[-1].call.CopyFrom(calls.parse(text, "plain"))
+        resolved = calls.resolve(episode.turns[-1].call, python.tools)
+        if not isinstance(resolved, str):
+            episode.turns[-1].call.arguments_json = json.dumps(resolved.arguments)
+        episode.turns[-1].observation, episode.turns[-1].call_failed = observation, failed
+    # before the last cell: the one that raised, not the one stopped, nor the malformed call
+    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 5, python)] == ["x = 5\nundefined_name"]
+    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6, python)] == ["x = 5\nundefined_name", "print(x)"]
+    # an environment whose failed calls change nothing (events: a rejected event) replays none of them
+    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6)] == ["print(x)"]

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from crucible.ml.kinds import extract
 from crucible.ml.kinds.registry import Score
 from crucible.shared.text import is_unicode, valid_text
 from crucible.v1 import episode_pb2, execution_pb2, task_pb2
@@ -75,6 +76,7 @@ class Environment(ABC):
     description: str = ""
     tools: tuple[Tool, ...] = ()
     max_turns: int = 6
+    answer_lines: bool = False  # whether an answer may take several lines (sql: a row a line)
 
     # --- the task ---------------------------------------------------------------------------------
     def instance(self, task: task_pb2.Task) -> dict:
@@ -125,6 +127,11 @@ class Environment(ABC):
         """The sandbox job for a call of a sandboxed tool (earlier calls given to rebuild the state)."""
         raise NotImplementedError(f"environment {self.name!r} has no sandboxed tool {call.name!r}")
 
+    def keeps_failed(self, turn: episode_pb2.Turn) -> bool:
+        """Whether a call whose tool ran and failed is part of the state later calls are built on
+        (episode.earlier_calls); by default it changed nothing (a rejected event)."""
+        return False
+
     @abstractmethod
     def observe(self, task: task_pb2.Task, earlier: list[Call], call: Call,
                 result: execution_pb2.ExecutionResult | None = None) -> Observation:
@@ -150,7 +157,10 @@ class Environment(ABC):
             else:
                 calls.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
         answered = episode.end in (episode_pb2.EPISODE_END_ANSWER, episode_pb2.EPISODE_END_DONE)
-        answer = episode.turns[-1].text if answered and episode.turns else ""
+        # The answer as every answer kind reads it: reasoning in a closed <think> block is not the answer,
+        # and an <answer> tag or an `Answer:` line marks it (extract.py), in one place for every environment.
+        text = episode.turns[-1].text if answered and episode.turns else ""
+        answer = extract.answer_block(text) if self.answer_lines else extract.final_answer(text).text
         components = {"answer_correct": 0.0}
         if answered:
             components.update(self.check_answer(task, answer, calls))

@@ -104,12 +104,17 @@ def carried_out(turn: episode_pb2.Turn) -> bool:
     return turn.HasField("call") and bool(turn.observation or turn.call_failed)
 
 
-def earlier_calls(episode: episode_pb2.Episode, before: int) -> list[Call]:
-    """The calls of turns before `before` that the environment carried out (its state is built from them)."""
+def earlier_calls(episode: episode_pb2.Episode, before: int, env: Environment | None = None) -> list[Call]:
+    """The calls of turns before `before` that the environment carried out (its state is built from them):
+    those that succeeded, and those whose tool ran and failed where `env` keeps them (keeps_failed)."""
     out = []
     for turn in episode.turns[:before]:
-        if carried_out(turn) and not turn.call.error and not turn.call_failed:
-            out.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
+        if not carried_out(turn) or turn.call.error:
+            continue
+        if turn.call_failed and not (env is not None and env.keeps_failed(turn)
+                                     and isinstance(call_parser.resolve(turn.call, env.tools), Call)):
+            continue  # a rejected call changed nothing; a malformed one never reached the tool
+        out.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
     return out
 
 
@@ -124,7 +129,7 @@ async def act(env: Environment, episode: episode_pb2.Episode, execute: Execute) 
     else:
         # the arguments as the tool reads them (a plain call's one argument named)
         turn.call.arguments_json = json.dumps(resolved.arguments)
-        earlier = earlier_calls(episode, len(episode.turns) - 1)
+        earlier = earlier_calls(episode, len(episode.turns) - 1, env)
         tool = next(t for t in env.tools if t.name == resolved.name)
         result = await execute(env.job(episode.task, earlier, resolved)) if tool.sandboxed else None
         observation = env.observe(episode.task, earlier, resolved, result)

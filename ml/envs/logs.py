@@ -10,6 +10,7 @@ call and dropped afterwards; nothing the model sends is run as code.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 
 from crucible.ml import envs
@@ -108,8 +109,9 @@ class Logs(Environment):
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
         data = self.instance(task)
         text = answer.lower()
-        named = {c for c in data["components"] if c in text}
-        causes = {cause for cause, (words, _) in CAUSES.items() if any(w in text for w in words)}
+        # Whole words only: "searched" names no `search`, "rapid" no `api`, "concert" no certificate.
+        named = {c for c in data["components"] if _says(text, c)}
+        causes = {cause for cause, (words, _) in CAUSES.items() if any(_says(text, w) for w in words)}
         component_right = named == {data["component"]}
         cause_right = causes == {data["cause"]}
         return {"answer_correct": float(component_right and cause_right), "component_correct": float(component_right),
@@ -134,3 +136,8 @@ class Logs(Environment):
 
 
 envs.register(Logs())
+
+
+def _says(text: str, words: str) -> bool:
+    """Whether `text` (lowered) holds `words` as whole words."""
+    return re.search(rf"(?<!\w){re.escape(words.lower())}(?!\w)", text) is not None

@@ -40,7 +40,7 @@ class Lookup(Environment):
 
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
         data = self.instance(task)
-        return {"answer_correct": float(answer.strip().lower() == data["table"][data["key"]].strip().lower())}
+        return {"answer_correct": float(_said(answer) == _said(data["table"][data["key"]]))}
 
     def generate(self, split: str, *, seed: int, group_size: int = 8) -> Iterator:
         """An endless, seeded stream of one split's tasks. The value asked about is balanced: tasks come
@@ -89,3 +89,8 @@ class Lookup(Environment):
 
 
 envs.register(Lookup())
+
+
+def _said(value: str) -> str:
+    """A value as an answer states it: case, surrounding space and a sentence's final period aside."""
+    return value.strip().removesuffix(".").strip().lower()

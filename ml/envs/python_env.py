@@ -15,8 +15,10 @@ from decimal import Decimal
 
 from crucible.ml import envs
 from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool, program_output, split_of
+from crucible.ml.kinds import extract
 from crucible.v1 import execution_pb2
 
+TRACEBACK = "Traceback (most recent call last):"  # what Python writes for an exception nothing caught
 # The program the sandbox runs: fixed code; the cells arrive as data on its stdin.
 RUNNER = """\
 import contextlib, io, json, sys
@@ -55,15 +57,19 @@ def _fib(k: int) -> int:
     return a
 
 
-def numeric(text: str) -> Decimal | None:
-    """The last number in `text` (commas between thousands allowed), exactly as written, or None."""
-    import re
+def answer_number(answer: str, question: str) -> Decimal | None:
+    """The one number an answer gives, exactly as written: numbers the question itself states are
+    left out ("250 primes below 1597"); None where none remains, or several of different value (a
+    hedge: "256 or 250", every one a candidate for a scorer that takes the first or the last)."""
+    stated = {_decimal(n) for n in extract.numbers(question)}
+    written = [v for v in map(_decimal, extract.numbers(answer)) if v is not None]
+    own = set(v for v in written if v not in stated) or set(written)
+    return own.pop() if len(own) == 1 else None
 
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?", text[-10_000:])
-    if not found:
-        return None
+
+def _decimal(number: str) -> Decimal | None:
     try:
-        value = Decimal(found[-1].replace(",", ""))
+        value = Decimal(number.replace(",", "").replace("_", "").replace("\u2212", "-"))
     except ArithmeticError:
         return None
     return value if value.is_finite() else None
@@ -72,7 +78,8 @@ def numeric(text: str) -> Decimal | None:
 class PythonInterpreter(Environment):
     name = "python"
     description = "Answer a math or data question with the help of a Python interpreter."
-    tools = (Tool("python", "Runs Python code and shows what it prints (state is kept between calls).",
+    tools = (Tool("python", "Runs Python code and shows what it prints (state is kept between calls: earlier "
+                            "cells run again first).",
                   {"code": "the Python code"}, sandboxed=True),)
     max_turns = 5
 
@@ -88,8 +95,14 @@ class PythonInterpreter(Environment):
     def observe(self, task, earlier, call, result=None) -> Observation:
         return program_output(result)
 
+    def keeps_failed(self, turn) -> bool:
+        """A cell that raised ran up to the raise (what it set before is set, as in a notebook), and the
+        runner runs it again so. One that ended its process otherwise (a signal, a limit, os._exit) is
+        left out: run again first, it would end every later call the same way."""
+        return TRACEBACK in turn.observation and not turn.observation.startswith("[the sandbox stopped")
+
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
-        expected, given = self.instance(task)["answer"], numeric(answer)
+        expected, given = self.instance(task)["answer"], answer_number(answer, task.prompt)
         if given is None:
             right = False
         elif type(expected) is int:  # exactly: as a float, 1130577845 was close enough to 1130577844

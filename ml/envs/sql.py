@@ -13,6 +13,7 @@ import random
 import sqlite3
 from collections import Counter
 from collections.abc import Iterator
+from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
 from crucible.ml import envs
 from crucible.ml.envs.base import Call, Environment, InstanceError, Observation, Tool, program_output, split_of
@@ -59,9 +60,23 @@ SCHEMA = ["CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT, dept TEXT,
 
 
 def _value(v) -> str:
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    return str(v).strip().lower()
+    """A value as both sides compare it: the reference's (Python values) and the answer's (text). No
+    value is written `null` (the tool shows NULL; Python says None); a number is its value, however
+    written (90000, 90000.0, 9e4); anything else is its text, case and surrounding space aside."""
+    if v is None:
+        return "null"
+    text = str(v).strip().lower()
+    if text in ("null", "none"):
+        return "null"
+    if type(v) is not bool and text[:1] in "+-.0123456789":
+        try:
+            number = Decimal(text)
+            if number.is_finite():  # written in its shortest form (9E+4): never expanded, never rounded
+                exact = Context(prec=max(1, len(number.as_tuple().digits)), Emax=MAX_EMAX, Emin=MIN_EMIN)
+                return str(number.normalize(exact)) if number else "0"
+        except ArithmeticError:
+            pass
+    return text
 
 
 def answer_rows(answer: str) -> Counter:
@@ -81,6 +96,11 @@ REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, a
 
 
 def reference_rows(data: dict) -> list[tuple]:
+    """The reference query's result as answers are compared (_value)."""
+    return [tuple(_value(v) for v in row) for row in reference_result(data)]
+
+
+def reference_result(data: dict) -> list[tuple]:
     """The reference query's result, computed here on a fresh in-memory database that it may only read,
     within REFERENCE_SECONDS (sqlite3.OperationalError "interrupted" after that)."""
     import time
@@ -91,7 +111,7 @@ def reference_rows(data: dict) -> list[tuple]:
     db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, REFERENCE_VALUE_BYTES)
     deadline = time.monotonic() + REFERENCE_SECONDS
     db.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
-    reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
+    reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
     builds = reads | {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_CREATE_INDEX,
                       sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_TRANSACTION}  # what creating the tables and filling them needs; never ATTACH
     try:
@@ -105,7 +125,7 @@ def reference_rows(data: dict) -> list[tuple]:
         rows = db.execute(data["reference"]).fetchmany(REFERENCE_ROWS + 1)
         if len(rows) > REFERENCE_ROWS:
             raise sqlite3.DataError(f"the reference query answers more than {REFERENCE_ROWS} rows")
-        return [tuple(_value(v) for v in row) for row in rows]
+        return rows
     finally:
         db.close()
 
@@ -116,6 +136,19 @@ class SQL(Environment):
     tools = (Tool("sql", "Runs one SQLite statement and shows its result.", {"query": "the SQL statement"},
                   sandboxed=True),)
     max_turns = 6
+    answer_lines = True  # a row a line
+
+    def problems(self, task) -> list[str]:
+        """Also the reference query's: one that fails, or answers no rows (which an empty answer would
+        match), is refused when the task comes in, not found out episode by episode."""
+        found = super().problems(task)
+        if found:
+            return found
+        try:
+            rows = reference_rows(self.instance(task))
+        except (sqlite3.Error, OverflowError, MemoryError) as exc:
+            return [f"sql: the reference query fails: {exc}"]
+        return [] if rows else ["sql: the reference query answers no rows: no answer a model writes could be checked"]
 
     def check_instance(self, data: dict) -> None:
         schema, rows, reference = data.get("schema"), data.get("rows"), data.get("reference")
@@ -180,7 +213,8 @@ class SQL(Environment):
                  f"SELECT COUNT(*) FROM employees WHERE salary > {threshold}"),
                 (f"What is the total salary paid in {city}?",
                  f"SELECT COALESCE(SUM(salary), 0) FROM employees WHERE city = '{city}'"),
-                (f"Which employees work on floor {floor}? Answer with name and city, one employee per line.",
+                (f"Which employees work on floor {floor}? Answer with name and city separated by a comma, "
+                 "one employee per line.",
                  f"SELECT e.name, e.city FROM employees e JOIN departments d ON e.dept = d.name WHERE d.floor = {floor}"),
             ])
             data = {"schema": SCHEMA, "rows": {"employees": employees, "departments": departments},
@@ -193,7 +227,7 @@ class SQL(Environment):
 
     def reference(self, task) -> list[str]:
         data = self.instance(task)
-        answer = "\n".join(", ".join(row) for row in reference_rows(data))
+        answer = "\n".join(", ".join("NULL" if v is None else str(v) for v in row) for row in reference_result(data))
         return ["@sql " + json.dumps({"query": data["reference"]}), answer]
 
 

@@ -62,9 +62,7 @@ def final_answer(completion: str) -> Extracted:
     """The completion's final answer. What a closed <think>...</think> holds is reasoning, not the answer:
     only the text after the last `</think>` is read (an answer tag inside the thinking, followed by
     another answer outside it, once won by format rank)."""
-    thinking = _last(_THINK_END, completion)
-    if thinking is not None:
-        completion = completion[thinking.end():]
+    completion = after_thinking(completion)
     tagged = last_tagged(completion)
     if tagged is not None:
         return Extracted(_clip(tagged.strip()), True, "tag")
@@ -78,6 +76,24 @@ def final_answer(completion: str) -> Extracted:
         if text:
             return Extracted(_clip(text), True, "line")
     return Extracted(_clip(completion.strip()), False, "whole")
+
+
+def after_thinking(completion: str) -> str:
+    """The text after the last `</think>` (all of it where there is none)."""
+    thinking = _last(_THINK_END, completion)
+    return completion if thinking is None else completion[thinking.end():]
+
+
+def answer_block(completion: str) -> str:
+    """A final answer that may take several lines (a row a line): after the thinking, the last
+    `<answer>` tag's content, else everything from the last `Answer:` label on (its own line's rest and
+    the lines after it), else the whole text."""
+    completion = after_thinking(completion)
+    tagged = last_tagged(completion)
+    if tagged is not None:
+        return _clip(tagged.strip())
+    label = _last(_LINE, completion)
+    return _clip(completion[label.start(1):].strip() if label is not None else completion.strip())
 
 
 def _last(pattern: re.Pattern, text: str) -> re.Match | None:
