@@ -12,7 +12,7 @@ from pathlib import Path
 
 from crucible.cli import models as models_cmd
 from crucible.shared.procs import stop_processes
-from crucible.shared.settings import Settings, get_settings
+from crucible.shared.settings import Settings, get_settings, shown_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: cli/ sits at its top
 
@@ -87,10 +87,10 @@ def cmd_up(args, settings: Settings) -> int:
         took = kafka(settings).start(echo=echo)
         echo(f"Kafka on {settings.kafka_bootstrap} ({took:.1f}s)")
     if answers(settings.clickhouse_url):
-        echo(f"store answers on {settings.clickhouse_url}")
+        echo(f"store answers on {shown_url(settings.clickhouse_url)}")
     else:
         took = store(settings).start(echo=echo)
-        echo(f"store on {settings.clickhouse_url} ({took:.1f}s)")
+        echo(f"store on {shown_url(settings.clickhouse_url)} ({took:.1f}s)")
     names = SERVICES if args.services is None else tuple(n for n in args.services.split(",") if n)
     unknown = [n for n in names if n not in SERVICES]
     if unknown:
@@ -146,7 +146,7 @@ def cmd_demo(args, settings: Settings) -> int:
     """Starts the stack and the control service, submits a task, and shows it consumed and stored."""
     total = 6
     step(1, total, f"Apache Kafka {settings.kafka_version} (KRaft) on {settings.kafka_bootstrap} and "
-                   f"the chDB store on {settings.clickhouse_url}")
+                   f"the chDB store on {shown_url(settings.clickhouse_url)}")
     started_here = ensure_stack(settings)
     step(2, total, "stack ready")
 
@@ -223,7 +223,7 @@ async def _demo_job(settings: Settings, control: subprocess.Popen, total: int) -
 
     step(6, total, f"the bad task was rejected, nothing published: {rejected}")
     total_rows = client.query("SELECT count() FROM tasks FINAL").result_rows[0][0]
-    echo(f"done: {total_rows} task(s) stored so far at {settings.clickhouse_url}")
+    echo(f"done: {total_rows} task(s) stored so far at {shown_url(settings.clickhouse_url)}")
     return 0
 
 
@@ -381,7 +381,7 @@ def cmd_query(args, settings: Settings) -> int:
         if isinstance(exc, DatabaseError):  # it answered: no such table yet (nothing ran), or a query error
             echo(f"crucible query {args.name}: the store answered: {queries.shown(str(exc)[:400])}")
         else:
-            echo(f"crucible query: the store at {settings.clickhouse_url} did not answer ({type(exc).__name__}); "
+            echo(f"crucible query: the store at {shown_url(settings.clickhouse_url)} did not answer ({type(exc).__name__}); "
                  "is it running? `crucible up`")
         return 1
     if not rows and args.name == "trace":
@@ -468,7 +468,7 @@ def cmd_dashboard(args, settings: Settings) -> int:
             echo(f"crucible dashboard: {exc}")
             return 2
         host, port = server.server_address[:2]
-        echo(f"dashboard on http://{host}:{port}/ (store {settings.clickhouse_url}; refreshes every {args.refresh:g}s); "
+        echo(f"dashboard on http://{host}:{port}/ (store {shown_url(settings.clickhouse_url)}; refreshes every {args.refresh:g}s); "
              "Ctrl-C stops it")
         while True:
             time.sleep(3600)

@@ -7,7 +7,7 @@ import asyncio
 from collections import defaultdict
 
 from crucible.shared import bus, store
-from crucible.shared.settings import Settings
+from crucible.shared.settings import Settings, shown_url
 from crucible.shared.text import shown
 
 
@@ -122,7 +122,7 @@ def report(settings: Settings, echo=print) -> int:
         echo(f"Kafka  {settings.kafka_bootstrap}: not answering ({type(exc).__name__}); `crucible up` starts the local one")
     try:
         runs, alerts = store_view(settings)
-        echo(f"store  {settings.clickhouse_url} (database {settings.clickhouse_database}): up")
+        echo(f"store  {shown_url(settings.clickhouse_url)} (database {settings.clickhouse_database}): up")
         for run_id, version, at in runs:
             echo(f"  run {shown(run_id)}: policy version {version} at {at}")
         if not runs:
@@ -132,6 +132,6 @@ def report(settings: Settings, echo=print) -> int:
             echo(f"    {ts}  {shown(severity):8s} {shown(kind)}: {shown(message)}")
     except Exception as exc:
         healthy = False
-        echo(f"store  {settings.clickhouse_url}: not answering or not migrated ({type(exc).__name__}: "
+        echo(f"store  {shown_url(settings.clickhouse_url)}: not answering or not migrated ({type(exc).__name__}: "
              f"{shown(str(exc)[:120])}); `crucible up` starts the local one")
     return 0 if healthy else 1

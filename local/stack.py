@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 from crucible.local.kafka import LocalKafka
 from crucible.local.store.launcher import wait_ready
 from crucible.shared.procs import read_pid, terminate
-from crucible.shared.settings import Settings, get_settings
+from crucible.shared.settings import Settings, get_settings, shown_url
 
 
 class StackError(RuntimeError):
@@ -34,7 +34,7 @@ class LocalStore:
         settings = settings or get_settings()
         url = urlparse(settings.clickhouse_url)
         if url.hostname not in ("127.0.0.1", "localhost"):
-            raise StackError(f"CRUCIBLE_CLICKHOUSE_URL={settings.clickhouse_url} is not local: "
+            raise StackError(f"CRUCIBLE_CLICKHOUSE_URL={shown_url(settings.clickhouse_url)} is not local: "
                              "the embedded store only serves on 127.0.0.1")
         password = settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else ""
         return cls(settings.home / "store", "127.0.0.1", url.port or 8123, settings.clickhouse_user, password)

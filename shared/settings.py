@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -10,6 +11,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a run id names folders, topics and consumer groups
+
+
+def shown_url(url: str) -> str:
+    """`url` as a log line, a message or the terminal may show it: the password of credentials written in
+    it (http://user:password@host, which the store takes) masked."""
+    return _URL_PASSWORD.sub(r"\1***@", url)
+
+
+_URL_PASSWORD = re.compile(r"(//[^/@]*?:)[^/]*@")  # to the authority's last @: a password may hold one
 
 
 def run_id_problem(run_id: str) -> str | None:

@@ -95,6 +95,64 @@ def test_routing_is_by_kind():
         handler.requests_for(execution_pb2.Execution(id="e", group=group("g", ADD, "x", "y"), results=[outcome(True)]))
 
 
+async def test_an_unsigned_record_costs_a_signature_check_not_the_checks_of_its_task(monkeypatch):
+    """Anyone who can write to a topic can send a task whose checks (a compile, walks of its tests) are
+    slow; the signature is checked first, so what no trusted service wrote never reaches them."""
+    from types import SimpleNamespace
+
+    from crucible.ml import kinds
+
+    checked = []
+    monkeypatch.setattr(kinds, "problems_of", lambda kind, task: checked.append(task.id) or [])
+    async def nothing_to_score(requests):
+        assert requests == []
+        return []
+
+    handle = verdict_handler(SimpleNamespace(secret=KEY, verify_group=nothing_to_score))
+    other_key = bytes(32)
+
+    def forged(record):
+        return integrity.sign(record, other_key)
+
+    unsigned = rollout_pb2.RolloutGroup()
+    unsigned.CopyFrom(group("u", CAPITAL, "Paris"))
+    unsigned.ClearField("signature")
+    for record in (execution_pb2.Execution(id="e", group=forged(group("g", ADD, "x")), results=[outcome(True)]),
+                   forged(group("h", CAPITAL, "Paris")), unsigned):
+        with pytest.raises(bus.Reject):
+            await handle(bus.Incoming("t", 0, 0, None, record))
+    assert checked == []
+    assert await handle(bus.Incoming("t", 0, 0, None, group("a", ADD, "x"))) == []  # the sandbox's: run first
+    assert checked == ["add"]
+
+
+def test_code_fences_are_found_in_time_linear_in_the_completion():
+    """A completion of a fence and a long run of spaces (no newline) once cost time quadratic in the run,
+    on the event loops of the services that make rollouts into jobs: 2 s for 64k spaces. Run in a process
+    of its own: a regex holds the interpreter until it is done, so only a kill can stop a slow one."""
+    import subprocess
+    import sys
+
+    probe = ("from crucible.ml.kinds import python_tests\n"
+             "from crucible.v1 import task_pb2\n"
+             "completion = '```' + ' ' * 2_000_000 + 'py' + ' ' * 2_000_000\n"
+             "assert python_tests.code_of(task_pb2.Task(), completion) == completion\n"
+             "print('ok')\n")
+    try:  # linear: well under a second here; quadratic: hours
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("finding the code fences of 4 MB of spaces took over a minute")
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert python_tests_code("text\n```python  \ndef add(a, b):\n    return a + b\n```\n") == \
+        "def add(a, b):\n    return a + b\n"
+
+
+def python_tests_code(completion: str) -> str:
+    from crucible.ml.kinds import python_tests
+
+    return python_tests.code_of(ADD, completion)
+
+
 def test_verdict_is_a_flat_sample_with_components():
     verdict = handler.verify(request("r", CAPITAL, "Answer: Paris"))
     assert verdict.reward == 1.0 and verdict.components["answer_correct"] == 1.0

@@ -52,9 +52,11 @@ def verdict_handler(scorer: ScorerPool):
             observe([verdict])
             return [bus.Outgoing("verdicts", verdict_pb2.VerdictGroup(verdicts=[verdict]), key=episode.group_id)]
         try:
-            requests = handler.requests_for(incoming.message)
-            if requests:  # (a group to be run first is the sandbox's to refuse, once)
+            # Signatures first: what no trusted service wrote costs an HMAC, never the task's checks (a
+            # compile and walks of its tests). A group to be run first is the sandbox's to refuse, once.
+            if handler.scored_here(incoming.message):
                 integrity.check_sampled(handler.group_of(incoming.message), scorer.secret)
+            requests = handler.requests_for(incoming.message)
             verdicts = await scorer.verify_group(requests)
         except integrity.IntegrityError as exc:
             raise bus.Reject(str(exc)) from exc

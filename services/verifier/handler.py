@@ -52,6 +52,18 @@ def requests_for(message: rollout_pb2.RolloutGroup | execution_pb2.Execution) ->
     return [verdict_pb2.VerifyRequest(task=group.task, rollout=r) for r in group.rollouts]
 
 
+def scored_here(message: rollout_pb2.RolloutGroup | execution_pb2.Execution) -> bool:
+    """Whether a consumed record is the verifier's to score (requests_for's test, without its checks of
+    the task: a kind lookup): an execution, or a rollout group whose kind is scored from the answer
+    alone (or is unknown, which requests_for then names)."""
+    if isinstance(message, execution_pb2.Execution):
+        return True
+    try:
+        return not kinds.get(message.task.kind).needs_execution
+    except kinds.UnknownKind:
+        return True
+
+
 def check_trust(request: verdict_pb2.VerifyRequest, secret: bytes) -> None:
     """Unverifiable unless what the reward will be computed from is trusted (shared/integrity.py): the
     task as a trusted submitter signed it, and an execution result sealed by a sandbox for exactly the

@@ -14,7 +14,7 @@ from clickhouse_connect.driver import options
 from clickhouse_connect.driver.binding import quote_identifier
 from clickhouse_connect.driver.client import Client
 
-from crucible.shared.settings import Settings, get_settings
+from crucible.shared.settings import Settings, get_settings, shown_url
 
 _DEFAULT_PORTS = {"http": 8123, "https": 8443}
 
@@ -24,13 +24,13 @@ def _endpoint(url: str) -> dict[str, Any]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS:
-        raise ValueError(f"ClickHouse URL {url!r} must start with http:// or https://")
+        raise ValueError(f"ClickHouse URL {shown_url(url)!r} must start with http:// or https://")
     if not parts.hostname:
-        raise ValueError(f"ClickHouse URL {url!r} has no host")
+        raise ValueError(f"ClickHouse URL {shown_url(url)!r} has no host")
     try:
         port = parts.port or _DEFAULT_PORTS[scheme]
     except ValueError:
-        raise ValueError(f"ClickHouse URL {url!r} has an invalid port") from None
+        raise ValueError(f"ClickHouse URL {shown_url(url)!r} has an invalid port") from None
     endpoint: dict[str, Any] = {"host": parts.hostname, "port": port, "interface": scheme}
     if parts.username is not None:
         endpoint["username"] = unquote(parts.username)
