@@ -20,6 +20,7 @@ import json
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import faust
@@ -87,6 +88,10 @@ class Emission:
 
 GROUPS = metrics.counter("crucible.aggregator.groups", "groups emitted, by kind and whether complete", "{group}")
 REWARD = metrics.histogram("crucible.aggregator.reward", "rewards after weighting, by kind (mean and spread)")
+LATE = metrics.counter("crucible.aggregator.verdicts_of_finished_groups",
+                       "verdicts of a group this process emitted already (complete, or timed out): not joined again",
+                       "{verdict}")
+FINISHED_GROUPS_KEPT = 1 << 16  # the groups last emitted, kept to know a verdict of one (~6 MB)
 
 def _frozen(entry: dict) -> bytes:
     """An open group's entry as the table keeps it (JSON, each verdict as base64 protobuf)."""
@@ -130,6 +135,13 @@ class Aggregator:
         self.failed = asyncio.Event()
         self.tracer = telemetry.tracer("crucible.aggregator")
         self._open: dict[bytes, tuple[dict | None, object]] = {}  # the joining batch's groups: entry (None: done), last event
+        # Groups this process emitted (the newest FINISHED_GROUPS_KEPT): a verdict of one is not joined
+        # again. A completed group leaves the table, so a genuine record published again (or a straggler
+        # of a group that timed out) once opened it anew and emitted its trajectories a second time: a
+        # sample trained on twice once the learner's memory of ids had moved on. A process that starts
+        # anew knows none: a crash replays its uncommitted batches against the table as it was.
+        self.finished: OrderedDict[bytes, None] = OrderedDict()
+        self.late_verdicts = 0
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
         datadir.parent.mkdir(parents=True, exist_ok=True)
@@ -239,18 +251,28 @@ class Aggregator:
         first = record.verdicts[0].sample
         group_id = first.group_id
         key = group_id.encode()
+        if key in self.finished:
+            self.late_verdicts += len(record.verdicts)
+            LATE.add(len(record.verdicts), {"kind": record.verdicts[0].task_kind})
+            log.info("%d verdicts of group %s, emitted already, at %s@%d: not joined again", len(record.verdicts),
+                     group_id, m.topic, m.offset)
+            return None
         entry = self._entry(key) or {
             "first_seen": time.time(), "group_size": first.group_size, "verdicts": {},
             "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
         for verdict in record.verdicts:
-            await self._raise_alerts(verdict)
             # The first verdict of a slot stands: a replay (the same verdict again, or a verdict of another
             # run of the same sample: a second throw of the dice for a program that passes now and then)
-            # never replaces it. The join is idempotent per sample index.
-            entry["verdicts"].setdefault(str(verdict.sample.sample_index), verdict)
+            # never replaces it, nor reaches the detectors (copies of a clean verdict would dilute what
+            # they watch). The join is idempotent per sample index.
+            slot = str(verdict.sample.sample_index)
+            if slot not in entry["verdicts"]:
+                entry["verdicts"][slot] = verdict
+                await self._raise_alerts(verdict)
         log.debug("%d verdicts joined group %s at %s@%d", len(record.verdicts), group_id, m.topic, m.offset)
         if len(entry["verdicts"]) >= entry["group_size"]:
             self._open[key] = (None, event)
+            self._finished(key)
             return self._emission(group_id, entry, complete=True)
         self._open[key] = (entry, event)
         return None
@@ -266,6 +288,7 @@ class Aggregator:
                     emission = self._emission(key.decode(), entry, complete=False)
                 await self._write([emission])
                 self.groups.pop(key, None)
+                self._finished(key)
 
     async def _sweep(self):
         now = time.time()
@@ -273,6 +296,11 @@ class Aggregator:
             entry = self._entry(key)
             if entry and now - entry["first_seen"] >= self.settings.group_timeout_s:
                 await self.expire_topic.send(key=key, value=b"")
+
+    def _finished(self, key: bytes) -> None:
+        self.finished[key] = None
+        if len(self.finished) > FINISHED_GROUPS_KEPT:
+            self.finished.popitem(last=False)
 
     def _entry(self, key: bytes) -> dict | None:
         """A group's entry as the batch being joined has left it, else as the table holds it; None once
