@@ -124,7 +124,8 @@ async def starting_pass_rate(run: "Run", init: Path, tasks) -> float:
     STARTING_EVALUATION_S (a service that keeps dying stops the run meanwhile)."""
     s = run.settings
     started = said = time.monotonic()
-    async with bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False) as reader:
+    async with bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False,
+                          trusted=True) as reader:
         while (waited := time.monotonic() - started) < STARTING_EVALUATION_S:
             run.check_services()
             for incoming in await reader.fetch(timeout_ms=500):
@@ -476,13 +477,15 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     recipe, s, echo = run.recipe, run.settings, run.echo
     budget = recipe.budget
     # Every version from the start of the run's policy topic; an observer: it dead-letters nothing.
-    follower = bus.Reader(["policy"], None, settings=s, offsets={"policy": {}}, dead_letters=False)
+    follower = bus.Reader(["policy"], None, settings=s, offsets={"policy": {}}, dead_letters=False, trusted=True)
     await follower.start()
-    evaluations = bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False)
+    evaluations = bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False,
+                             trusted=True)
     await evaluations.start()
     alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False)
     await alerts.start()
-    trajectories = bus.Reader(["trajectories"], None, settings=s, offsets={"trajectories": {}}, dead_letters=False)
+    trajectories = bus.Reader(["trajectories"], None, settings=s, offsets={"trajectories": {}}, dead_letters=False,
+                              trusted=True)
     await trajectories.start()
     started, began = time.monotonic(), time.time()
     feed = TaskFeed(s.groups_per_step, s.max_policy_lag, published=run.published)

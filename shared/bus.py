@@ -440,6 +440,10 @@ class Reader:
     act on one topic (crucible.rollouts: the sandbox runs code, the verifier scores answers), one of
     them dead-letters what does not decode and the other passes `undecodable_owned=False`: it skips
     those and still dead-letters what it rejects itself.
+
+    `trusted=True`: a record of a signed type (integrity.SIGNED) that no service holding this
+    deployment's key signed is refused as one that does not decode (for readers that act on what they
+    read without a check of their own: the run's driver, the learner's watch of evaluations).
     """
 
     def __init__(
@@ -453,11 +457,13 @@ class Reader:
         offsets: dict[str, dict[int, int]] | None = None,
         dead_letters: bool = True,
         undecodable_owned: bool = True,
+        trusted: bool = False,
         **consumer_options,
     ):
         self.settings = settings or get_settings()
         self.dead_letters = dead_letters
         self.undecodable_owned = undecodable_owned
+        self._secret = integrity.key(self.settings) if trusted else None
         self.topics = [self.settings.topic(t) for t in topics]
         self.group_id = group_id
         self.schemas = schemas_for(self.settings, topics, schemas)
@@ -683,6 +689,10 @@ class Reader:
                 return f"undecodable: {exc}"
             except Exception as exc:  # whatever a decoder raises on some input: that record, never the partition
                 return f"undecodable: {type(exc).__name__}: {str(exc)[:300]}"
+        if (self._secret is not None and isinstance(message, integrity.SIGNED)
+                and not integrity.signed_correctly(message, self._secret)):
+            return (f"rejected: a {type(message).__name__} no service of this deployment signed (integrity key): "
+                    "refused unread")
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
                         tuple(record.headers or ()), context or otel_context.get_current())
 

@@ -282,6 +282,12 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     ep.add_turn(odd_format, "@lookup a", [6], [-0.1], "stop", 0)
     odd_format.call_format = "xml"
     assert "unknown call format" in episode_problem(odd_format)
+    # a call no sandbox answered (a record of crucible.actions, signed alike, copied to crucible.observations)
+    not_carried_out = copy(odd_format)
+    not_carried_out.call_format = "plain"
+    assert "never carried out" in episode_problem(not_carried_out)
+    not_carried_out.turns[-1].observation = "red"
+    assert episode_problem(not_carried_out) is None
 
     secret = bytes(32)
     handle = action_handler(pool=None, consumer_ref=[], secret=secret)

@@ -381,3 +381,36 @@ def test_a_password_written_in_the_store_url_is_never_shown():
         _endpoint("http://admin:pw-77c2@db:99999")
     assert "pw-77c2" not in str(refused.value) and "invalid port" in str(refused.value)
     assert _endpoint("http://admin:pw-77c2@db:8123")["password"] == "pw-77c2"  # what connects still has it
+
+
+async def test_a_trusted_reader_refuses_what_no_service_of_the_deployment_signed(settings):
+    """The run's driver and the learner's health monitor act on what they read (a policy version ends a
+    run; an evaluation silences reward_without_heldout): they read trusted, and a record of a signed type
+    published by anyone without the key (a forged evaluation, a forged version) never reaches them."""
+    from crucible.shared import bus
+    from crucible.v1 import evaluation_pb2, policy_pb2
+    from tests.bus_helpers import publish_unsigned
+
+    await bus.ensure_topics(["evaluations", "policy"], settings=settings)
+    genuine = evaluation_pb2.Evaluation(run_id="r", policy_version=1, tasks=4, passed=1, pass_rate=0.25)
+    forged = evaluation_pb2.Evaluation(run_id="r", policy_version=2, tasks=4, passed=4, pass_rate=1.0)
+    await publish_unsigned(settings, "evaluations", forged, b"r")
+    await publish_unsigned(settings, "policy", policy_pb2.PolicyVersion(version=150), b"p")
+    async with bus.Producer(settings) as producer:
+        await producer.send_and_wait("evaluations", genuine, key="r")
+        await producer.send_and_wait("policy", policy_pb2.PolicyVersion(version=1), key="p")
+
+    async def versions(topic: str, trusted: bool) -> list[int]:
+        got = []
+        async with bus.Reader([topic], None, settings=settings, offsets={topic: {}}, dead_letters=False,
+                              trusted=trusted) as reader:
+            for _ in range(20):
+                got += [(m.message.policy_version if topic == "evaluations" else m.message.version)
+                        for m in await reader.fetch(timeout_ms=200)]
+                if reader.skipped + len(got) >= 2:
+                    break
+            return got, reader.skipped
+
+    assert await versions("evaluations", trusted=False) == ([2, 1], 0)
+    assert await versions("evaluations", trusted=True) == ([1], 1)
+    assert await versions("policy", trusted=True) == ([1], 1)

@@ -133,7 +133,7 @@ async def act(env: Environment, episode: episode_pb2.Episode, execute: Execute) 
         tool = next(t for t in env.tools if t.name == resolved.name)
         result = await execute(env.job(episode.task, earlier, resolved)) if tool.sandboxed else None
         observation = env.observe(episode.task, earlier, resolved, result)
-    turn.observation = cut(observation.text)
+    turn.observation = cut(observation.text) or "(nothing)"  # never empty: an empty one is a call not carried out
     turn.call_failed = observation.failed
     turn.execution_ms = (time.perf_counter() - started) * 1000
     if observation.done:

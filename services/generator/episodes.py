@@ -55,6 +55,8 @@ def episode_problem(episode: episode_pb2.Episode) -> str | None:
         return f"episode {episode.id!r}: its last turn made no call to observe"
     if episode.call_format not in calls.FORMATS:
         return f"episode {episode.id!r}: unknown call format {episode.call_format!r}"
+    if not ep.carried_out(episode.turns[-1]):  # (a record of crucible.actions, copied here: signed alike)
+        return f"episode {episode.id!r}: its last call was never carried out (no observation): nothing to continue"
     return None
 
 

@@ -165,7 +165,8 @@ class Learner:
         self.restored: set[str] = set(meta.get("trained_ids_past_offsets", []))
         # Held-out pass rates from the evaluator, for the health monitor (reward rising, held-out not).
         self.evaluations = bus.Reader(["evaluations"], None, settings=settings, producer=producer,
-                                      offsets={"evaluations": {}}, dead_letters=False)
+                                      offsets={"evaluations": {}}, dead_letters=False,
+                                      trusted=True)
         self.buffer = GroupBuffer()
         self.training: set[str] = set()  # the ids of the samples the step under way trains on
         self.ahead = ReferenceAhead(trainer)  # whole groups read through the reference as they arrive

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rucible/v1/evaluation.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe4\x02\n\nEvaluation\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05tasks\x18\x03 \x01(\r\x12\x0e\n\x06passed\x18\x04 \x01(\r\x12\x11\n\tpass_rate\x18\x05 \x01(\x01\x12\x34\n\x07\x62y_kind\x18\x06 \x03(\x0b\x32#.crucible.v1.Evaluation.ByKindEntry\x12\x14\n\x0c\x65valuator_id\x18\x07 \x01(\t\x12\x0f\n\x07\x65val_ms\x18\x08 \x01(\x01\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07samples\x18\n \x01(\r\x12\x16\n\x0esamples_passed\x18\x0b \x01(\r\x1a\x46\n\x0b\x42yKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.crucible.v1.KindResult:\x02\x38\x01\"T\n\nKindResult\x12\r\n\x05tasks\x18\x01 \x01(\r\x12\x0e\n\x06passed\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x16\n\x0esamples_passed\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rucible/v1/evaluation.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf7\x02\n\nEvaluation\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\r\n\x05tasks\x18\x03 \x01(\r\x12\x0e\n\x06passed\x18\x04 \x01(\r\x12\x11\n\tpass_rate\x18\x05 \x01(\x01\x12\x34\n\x07\x62y_kind\x18\x06 \x03(\x0b\x32#.crucible.v1.Evaluation.ByKindEntry\x12\x14\n\x0c\x65valuator_id\x18\x07 \x01(\t\x12\x0f\n\x07\x65val_ms\x18\x08 \x01(\x01\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07samples\x18\n \x01(\r\x12\x16\n\x0esamples_passed\x18\x0b \x01(\r\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x1a\x46\n\x0b\x42yKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.crucible.v1.KindResult:\x02\x38\x01\"T\n\nKindResult\x12\r\n\x05tasks\x18\x01 \x01(\r\x12\x0e\n\x06passed\x18\x02 \x01(\r\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x16\n\x0esamples_passed\x18\x04 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVALUATION_BYKINDENTRY']._loaded_options = None
   _globals['_EVALUATION_BYKINDENTRY']._serialized_options = b'8\001'
   _globals['_EVALUATION']._serialized_start=79
-  _globals['_EVALUATION']._serialized_end=435
-  _globals['_EVALUATION_BYKINDENTRY']._serialized_start=365
-  _globals['_EVALUATION_BYKINDENTRY']._serialized_end=435
-  _globals['_KINDRESULT']._serialized_start=437
-  _globals['_KINDRESULT']._serialized_end=521
+  _globals['_EVALUATION']._serialized_end=454
+  _globals['_EVALUATION_BYKINDENTRY']._serialized_start=384
+  _globals['_EVALUATION_BYKINDENTRY']._serialized_end=454
+  _globals['_KINDRESULT']._serialized_start=456
+  _globals['_KINDRESULT']._serialized_end=540
 # @@protoc_insertion_point(module_scope)

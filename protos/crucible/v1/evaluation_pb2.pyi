@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Evaluation(_message.Message):
-    __slots__ = ("run_id", "policy_version", "tasks", "passed", "pass_rate", "by_kind", "evaluator_id", "eval_ms", "created_at", "samples", "samples_passed")
+    __slots__ = ("run_id", "policy_version", "tasks", "passed", "pass_rate", "by_kind", "evaluator_id", "eval_ms", "created_at", "samples", "samples_passed", "signature")
     class ByKindEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Evaluation(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PASSED_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     tasks: int
@@ -40,7 +41,8 @@ class Evaluation(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     samples: int
     samples_passed: int
-    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., passed: _Optional[int] = ..., pass_rate: _Optional[float] = ..., by_kind: _Optional[_Mapping[str, KindResult]] = ..., evaluator_id: _Optional[str] = ..., eval_ms: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ..., samples_passed: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., tasks: _Optional[int] = ..., passed: _Optional[int] = ..., pass_rate: _Optional[float] = ..., by_kind: _Optional[_Mapping[str, KindResult]] = ..., evaluator_id: _Optional[str] = ..., eval_ms: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., samples: _Optional[int] = ..., samples_passed: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class KindResult(_message.Message):
     __slots__ = ("tasks", "passed", "samples", "samples_passed")
