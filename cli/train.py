@@ -150,8 +150,28 @@ def service_env(settings: Settings, run_settings: dict[str, str]) -> dict[str, s
         **({"CRUCIBLE_OTEL_ENDPOINT": settings.otel_endpoint} if settings.otel_endpoint else {}),
         **({"CRUCIBLE_OTEL_SPAN_FILE": str(settings.otel_span_file)} if settings.otel_span_file else {}),
         "CRUCIBLE_OTEL_TRACE_RATIO": str(settings.otel_trace_ratio),
+        **_connection_env(settings),
         **run_settings,
     })
+    return env
+
+
+# What a run's services need to reach what the driver reaches and to trust what it trusts: the same key
+# (the driver reads trusted: a service signing with another key would publish nothing it can read), the
+# same credentials. Passed where set, as the settings hold them.
+_PASSED_SETTINGS = ("integrity_key", "rpc_token", "clickhouse_user", "clickhouse_password", "kafka_security_protocol",
+                    "kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password", "kafka_ssl_cafile",
+                    "rpc_tls_cert", "rpc_tls_key", "rpc_tls_ca")
+
+
+def _connection_env(settings: Settings) -> dict[str, str]:
+    env = {}
+    for name in _PASSED_SETTINGS:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        value = value.get_secret_value() if hasattr(value, "get_secret_value") else str(value)
+        env[f"CRUCIBLE_{name.upper()}"] = value
     return env
 
 

@@ -27,6 +27,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from crucible.shared import telemetry
+from crucible.shared.settings import shown_url
 
 log = logging.getLogger(__name__)
 
@@ -309,9 +310,9 @@ class RpcServer:
                     if not await _answers(address):
                         down[name] = address
                 except Exception as exc:  # the probe must not die and freeze readiness where it was
-                    log.warning("readiness probe of %s at %s failed: %s", name, address, exc)
+                    log.warning("readiness probe of %s at %s failed: %s", name, shown_url(address), exc)
             if down and not self.unreachable:
-                log.warning("not ready: %s not answering", ", ".join(f"{n} at {a}" for n, a in down.items()))
+                log.warning("not ready: %s not answering", ", ".join(f"{n} at {shown_url(a)}" for n, a in down.items()))
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             elif self.unreachable and not down:
                 log.info("ready again: %s answering", ", ".join(self.unreachable))

@@ -9,7 +9,7 @@ import signal
 from collections.abc import Awaitable
 
 from crucible.shared import metrics, telemetry
-from crucible.shared.settings import Settings, get_settings, shown_url
+from crucible.shared.settings import Settings, get_settings
 
 
 # Allocations of container objects between two collections of the youngest generation (CPython's
@@ -66,4 +66,4 @@ async def run_until(stop: asyncio.Event, *work: Awaitable) -> None:
 def dependencies(settings: Settings, *, store: bool = False) -> list[tuple[str, str]]:
     """What a service cannot work without, for its readiness (rpc.RpcServer `depends_on`): the broker,
     and the store for those that write to it."""
-    return [("kafka", settings.kafka_bootstrap)] + ([("store", shown_url(settings.clickhouse_url))] if store else [])
+    return [("kafka", settings.kafka_bootstrap)] + ([("store", settings.clickhouse_url)] if store else [])

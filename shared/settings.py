@@ -14,12 +14,13 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a run id names folders
 
 
 def shown_url(url: str) -> str:
-    """`url` as a log line, a message or the terminal may show it: the password of credentials written in
-    it (http://user:password@host, which the store takes) masked."""
-    return _URL_PASSWORD.sub(r"\1***@", url)
+    """`url` as a log line, a message or the terminal may show it (never to connect to): the password of
+    credentials written in it (http://user:password@host, which the store takes) masked, up to the
+    string's last @, however malformed the URL (a password with an unescaped / or @, no scheme)."""
+    return _URL_PASSWORD.sub(r"\1\2:***@", url)
 
 
-_URL_PASSWORD = re.compile(r"(//[^/@]*?:)[^/]*@")  # to the authority's last @: a password may hold one
+_URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?([^:/@]*):(?!//).*@", re.DOTALL)
 
 
 def run_id_problem(run_id: str) -> str | None:

@@ -183,19 +183,21 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
         assert await rows_within(client, query, expected, 10) == expected
         assert client.query("SELECT kind, details['patterns'] FROM alerts FINAL").result_rows == [
             ("tamper", "exit_before_tests")]
-        # A copy of a finished group's verdicts (anyone re-publishing a genuine record), and a straggler of
-        # the group that timed out, are not joined again: neither group is emitted a second time (its
-        # samples would be trained on twice once the learner forgot their ids). Then a new group, after them
-        # in the same partition: once it is out, they have been read.
+        # A copy of a finished group's verdicts (anyone re-publishing a genuine record), and of a sample of
+        # the group that timed out, are not joined again: no sample is emitted a second time (it would be
+        # trained on twice once the learner forgot its id). B's straggler, never emitted, is, once its
+        # group times out again. Then a new group, after them in the same partition: once it is out, they
+        # have been read.
         later = [verdict("F", i, 2, r) for i, r in enumerate([1.0, 0.0])]
         async with bus.Producer(settings) as producer:
-            for vs in ([complete, [verdict("B", 2, 3, 1.0)], later]):
+            for vs in ([complete, [straggling[0]], [verdict("B", 2, 3, 1.0)], later]):
                 await producer.send_and_wait("verdicts", verdict_pb2.VerdictGroup(verdicts=vs), key="A")
-        records = await read_raw(settings, "trajectories", 8, timeout=60)
-        assert {r.key for r in records[6:]} == {b"F"}
+        records = await read_raw(settings, "trajectories", 9, timeout=60)
+        trajectories = [messages.decode(r.value, trajectory_pb2.Trajectory) for r in records[6:]]
+        assert sorted((t.group_id, t.sample_index) for t in trajectories) == [("B", 2), ("F", 0), ("F", 1)]
         with pytest.raises(asyncio.TimeoutError):
-            await read_raw(settings, "trajectories", 9, timeout=3)
-        expected = [("A", 4, 2.0), ("B", 2, 1.0), ("F", 2, 1.0)]
+            await read_raw(settings, "trajectories", 10, timeout=3)
+        expected = [("A", 4, 2.0), ("B", 3, 2.0), ("F", 2, 1.0)]
         assert await rows_within(client, query, expected, 10) == expected
     finally:
         stop.set()

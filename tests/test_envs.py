@@ -10,6 +10,7 @@ import pytest_asyncio
 from crucible.ml import envs
 from crucible.ml.envs import calls
 from crucible.ml.envs import episode as ep
+from crucible.ml.kinds import extract
 from crucible.ml.tasks import task_problems
 from crucible.services.sandbox_executor.handler import job_for_request, result_message
 from crucible.services.sandbox_executor.pool import SandboxPool
@@ -476,7 +477,8 @@ async def test_the_answer_is_read_as_every_answer_kind_reads_it_not_from_the_rea
     lookup = envs.get("lookup")
     table = lookup.task("q", {"table": {"a": "red", "b": "tan"}, "key": "b"}, split="train", key="t", group_size=1)
     for answer, paid in [("<think>The tool said tan.</think>\ntan", 1.0), ("Answer: tan", 1.0), ("tan.", 1.0),
-                         ("<think>tan</think>I cannot tell.", 0.0), ("<answer>tan</answer>", 1.0)]:
+                         ("<think>tan</think>I cannot tell.", 0.0), ("<answer>tan</answer>", 1.0),
+                         ("**Answer:**\ntan", 1.0)]:
         episode = await ep.play(lookup, table, ["@lookup b", answer], fake_run())
         assert lookup.score(table, episode).reward == paid, answer
     python = envs.get("python")
@@ -488,10 +490,23 @@ async def test_the_answer_is_read_as_every_answer_kind_reads_it_not_from_the_rea
                          ("<think>256?</think>Answer: 250", 1.0), ("−250", 0.0)]:
         episode = await ep.play(python, primes, ["@python print(250)", answer], fake_run(b"250\n"))
         assert python.score(primes, episode).reward == paid, answer
+    # an answer that writes only numbers the question states: the last of them
+    fib = python.task("What is the 3th Fibonacci number (F1 = F2 = 1)?", {"answer": 2, "template": 2, "n": 1, "k": 3},
+                      split="train", key="f", group_size=1)
+    for answer, paid in [("The 3rd Fibonacci number is 2.", 1.0), ("Answer: F3 = 2", 1.0), ("2", 1.0), ("3", 0.0)]:
+        assert python.check_answer(fib, extract.final_answer(answer).text, [])["answer_correct"] == paid, answer
+    for cause, answer in [("out of memory", "inventory: the worker was OOMKilled"),
+                          ("deadlock", "payments: transactions deadlocked"),
+                          ("certificate expired", "The api's certificates expired")]:
+        component = answer.split(":")[0].split("'")[0].split()[-1]
+        named = envs.get("logs").task("q", {"components": ["api", "inventory", "payments"], "component": component,
+                                            "cause": cause, "seed": 3}, split="train", key=cause, group_size=1)
+        assert envs.get("logs").check_answer(named, answer, [])["answer_correct"] == 1.0, answer
     logs = envs.get("logs")
     incident = logs.task("q", {"components": ["api", "auth", "payments", "search"], "component": "payments",
                                "cause": "disk full", "seed": 3}, split="train", key="l", group_size=1)
     for answer, paid in [("payments: disk full (I searched every log; rapid 503s, I am certain)", 1.0),
+                         ("payments_service: disk full", 1.0), ("payments: disk full, no room left", 1.0),
                          ("<think>payments: disk full</think>I cannot tell.", 0.0), ("auth: concert", 0.0),
                          ("payments and search: disk full", 0.0)]:
         episode = await ep.play(logs, incident, [answer], fake_run())
@@ -499,7 +514,8 @@ async def test_the_answer_is_read_as_every_answer_kind_reads_it_not_from_the_rea
     sql = envs.get("sql")
     count = sql.task("q", {"schema": ["CREATE TABLE t (name)"], "rows": {"t": [["a"], ["b"]]},
                            "reference": "SELECT count(*) FROM t"}, split="train", key="s", group_size=1)
-    for answer, paid in [("<think>one row a name, so 2</think>\n2", 1.0), ("Answer:\n2", 1.0), ("3", 0.0)]:
+    for answer, paid in [("<think>one row a name, so 2</think>\n2", 1.0), ("Answer:\n2", 1.0), ("3", 0.0),
+                         ("\\boxed{2}", 1.0), ("The answer is 2", 1.0), ("**Answer:**\n2", 1.0)]:
         episode = await ep.play(sql, count, [answer], fake_run())
         assert sql.score(count, episode).reward == paid, answer
 
@@ -514,8 +530,12 @@ def test_sql_answers_copied_from_what_the_tool_shows_are_the_references_values()
     assert sql.check_answer(task, "ada | none | 90000\nben | ada | 351000000000000000000", [])["answer_correct"] == 1.0
     assert sql.check_answer(task, "Ada, NULL, 90000.5\nBen, Ada, 3.51e+20", [])["answer_correct"] == 0.0
     assert sql.check_answer(task, "Ada, , 90000\nBen, Ada, 3.51e+20", [])["answer_correct"] == 0.0  # empty is not NULL
-    # a huge exponent is compared as written, never expanded
+    # a huge exponent is compared as written, never expanded; nor does a tiny one round to 0
     assert sql.check_answer(task, "1e999999999999999999", [])["answer_correct"] == 0.0
+    empty = sql.task("q", {"schema": ["CREATE TABLE t (n)"], "rows": {"t": [[1]]},
+                           "reference": "SELECT count(*) FROM t WHERE n > 5"}, split="train", key="e", group_size=1)
+    assert sql.check_answer(empty, "1e-1000000000000000010", [])["answer_correct"] == 0.0
+    assert sql.check_answer(empty, "0", [])["answer_correct"] == 1.0
     # numbers past float precision (written as text: SQLite's integers are 64-bit) stay exact
     big = sql.task("q", {"schema": ["CREATE TABLE t (n)"], "rows": {"t": [["123456789012345678901234567890123"]]},
                          "reference": "SELECT n FROM t"}, split="train", key="b", group_size=1)

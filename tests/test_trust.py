@@ -363,20 +363,19 @@ async def test_a_service_with_secrets_guards_its_port_seals_results_and_never_sh
 
 def test_a_password_written_in_the_store_url_is_never_shown():
     """The store takes credentials in its URL (http://user:password@host); every place that shows the URL
-    (readiness logs, errors, the CLI) shows it masked, and it still reaches the same host and port."""
-    from crucible.shared import service
-    from crucible.shared.procs import host_port
+    (readiness logs, errors, the CLI) shows it masked."""
     from crucible.shared.settings import shown_url
     from crucible.shared.store.client import _endpoint
 
     for url, masked in [("http://admin:pw-77c2@db:8123", "http://admin:***@db:8123"),
                         ("https://a:p@ss@[::1]:8443/proxy", "https://a:***@[::1]:8443/proxy"),
                         ("http://a:@h", "http://a:***@h"), ("http://user@h:1", "http://user@h:1"),
-                        ("http://127.0.0.1:8123/x:y@z", "http://127.0.0.1:8123/x:y@z")]:
+                        # however malformed: a password with an unescaped /, no scheme; and on the safe side
+                        ("http://default:s3cr/t+Q==@db:8123", "http://default:***@db:8123"),
+                        ("default:s3cret@db:8123", "default:***@db:8123"),
+                        ("http://127.0.0.1:8123/x:y@z", "http://127.0.0.1:***@z"),
+                        ("http://127.0.0.1:8123/proxy", "http://127.0.0.1:8123/proxy")]:
         assert shown_url(url) == masked, url
-    settings = Settings(clickhouse_url="http://admin:pw-77c2@127.0.0.1:8125")
-    (_, kafka), (_, store) = service.dependencies(settings, store=True)
-    assert "pw-77c2" not in store and host_port(store) == ("127.0.0.1", 8125)
     with pytest.raises(ValueError) as refused:
         _endpoint("http://admin:pw-77c2@db:99999")
     assert "pw-77c2" not in str(refused.value) and "invalid port" in str(refused.value)

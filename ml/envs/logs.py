@@ -22,7 +22,7 @@ CAUSES = {
     "disk full": (("disk full", "no space", "disk space", "out of disk"),
                   ["ERROR write failed: [Errno 28] No space left on device: '/var/lib/{c}/journal'",
                    "ERROR could not flush segment: No space left on device"]),
-    "out of memory": (("out of memory", "oom", "memory"),
+    "out of memory": (("out of memory", "oom", "oomkilled", "memory", "memoryerror"),
                       ["ERROR worker 3 killed: OOMKilled (memory limit 512Mi)",
                        "ERROR MemoryError while allocating response buffer"]),
     "connection pool exhausted": (("connection pool", "pool exhausted", "too many connections"),
@@ -111,7 +111,7 @@ class Logs(Environment):
         text = answer.lower()
         # Whole words only: "searched" names no `search`, "rapid" no `api`, "concert" no certificate.
         named = {c for c in data["components"] if _says(text, c)}
-        causes = {cause for cause, (words, _) in CAUSES.items() if any(_says(text, w) for w in words)}
+        causes = {cause for cause, (words, _) in CAUSES.items() if any(_says(text, w, forms=True) for w in words)}
         component_right = named == {data["component"]}
         cause_right = causes == {data["cause"]}
         return {"answer_correct": float(component_right and cause_right), "component_correct": float(component_right),
@@ -138,6 +138,9 @@ class Logs(Environment):
 envs.register(Logs())
 
 
-def _says(text: str, words: str) -> bool:
-    """Whether `text` (lowered) holds `words` as whole words."""
-    return re.search(rf"(?<!\w){re.escape(words.lower())}(?!\w)", text) is not None
+def _says(text: str, words: str, forms: bool = False) -> bool:
+    """Whether `text` (lowered) holds `words` as whole words, `_` a word's edge ("auth_service" names auth);
+    `forms`: a plural or past form too ("certificates", "deadlocked"; a component's name takes none:
+    "searched" names no search)."""
+    suffix = "(?:s|es|d|ed)?" if forms else ""
+    return re.search(rf"(?<![a-z0-9]){re.escape(words.lower())}{suffix}(?![a-z0-9])", text) is not None

@@ -58,21 +58,16 @@ def _fib(k: int) -> int:
 
 
 def answer_number(answer: str, question: str) -> Decimal | None:
-    """The one number an answer gives, exactly as written: numbers the question itself states are
-    left out ("250 primes below 1597"); None where none remains, or several of different value (a
-    hedge: "256 or 250", every one a candidate for a scorer that takes the first or the last)."""
-    stated = {_decimal(n) for n in extract.numbers(question)}
-    written = [v for v in map(_decimal, extract.numbers(answer)) if v is not None]
-    own = set(v for v in written if v not in stated) or set(written)
-    return own.pop() if len(own) == 1 else None
-
-
-def _decimal(number: str) -> Decimal | None:
-    try:
-        value = Decimal(number.replace(",", "").replace("_", "").replace("\u2212", "-"))
-    except ArithmeticError:
-        return None
-    return value if value.is_finite() else None
+    """The one number an answer gives, exactly as written; None where there is none, or where it writes
+    several of its own (a hedge: "256 or 250", every one a candidate for a scorer that takes the first or
+    the last). Numbers the question states are a restatement ("250 primes below 1597"), unless the answer
+    writes only those: then the last of them ("The 3rd Fibonacci number is 2", where F1 = F2 = 1)."""
+    stated = {extract.decimal_of(n) for n in extract.numbers(question)}
+    written = [v for v in map(extract.decimal_of, extract.numbers(answer)) if v is not None]
+    own = set(v for v in written if v not in stated)
+    if own:
+        return own.pop() if len(own) == 1 else None
+    return written[-1] if written else None
 
 
 class PythonInterpreter(Environment):

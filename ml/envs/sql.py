@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
@@ -71,7 +71,8 @@ def _value(v) -> str:
     if type(v) is not bool and text[:1] in "+-.0123456789":
         try:
             number = Decimal(text)
-            if number.is_finite():  # written in its shortest form (9E+4): never expanded, never rounded
+            if number.is_finite() and MIN_EMIN < number.adjusted() < MAX_EMAX:
+                # written in its shortest form (9E+4): never expanded, never rounded
                 exact = Context(prec=max(1, len(number.as_tuple().digits)), Emax=MAX_EMAX, Emin=MIN_EMIN)
                 return str(number.normalize(exact)) if number else "0"
         except ArithmeticError:
@@ -79,15 +80,10 @@ def _value(v) -> str:
     return text
 
 
-def answer_rows(answer: str) -> Counter:
-    """The model's answer as a multiset of rows (a line a row, commas or | between values)."""
-    rows = []
-    for line in answer.strip().splitlines():
-        if not line.strip():
-            continue
-        cells = [c for c in line.replace("|", ",").split(",")]
-        rows.append(tuple(_value(c) for c in cells))
-    return Counter(rows)
+def answer_rows(answer: str) -> list[tuple]:
+    """The model's answer as rows, in order (a line a row, commas or | between values)."""
+    return [tuple(_value(c) for c in line.replace("|", ",").split(",")) for line in answer.strip().splitlines()
+            if line.strip()]
 
 
 REFERENCE_SECONDS = 5.0  # a reference query (the task's own, trusted) that runs longer is an error, not a hang
@@ -96,8 +92,26 @@ REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, a
 
 
 def reference_rows(data: dict) -> list[tuple]:
-    """The reference query's result as answers are compared (_value)."""
-    return [tuple(_value(v) for v in row) for row in reference_result(data)]
+    """The reference query's result as answers are compared (_value). Kept for the instances last asked
+    about (their failures too): a task is checked where it comes in and where each episode is scored, and
+    a reference may take up to REFERENCE_SECONDS."""
+    key = json.dumps([data.get("schema"), data.get("rows"), data.get("reference")], sort_keys=True)
+    kept = _REFERENCES.get(key)
+    if kept is None:
+        try:
+            kept = [tuple(_value(v) for v in row) for row in reference_result(data)]
+        except (sqlite3.Error, OverflowError, MemoryError) as exc:
+            kept = exc
+        _REFERENCES[key] = kept
+        if len(_REFERENCES) > REFERENCES_KEPT:
+            _REFERENCES.popitem(last=False)
+    if isinstance(kept, BaseException):
+        raise kept
+    return kept
+
+
+REFERENCES_KEPT = 256
+_REFERENCES: "OrderedDict[str, list[tuple] | BaseException]" = OrderedDict()
 
 
 def reference_result(data: dict) -> list[tuple]:
@@ -183,12 +197,9 @@ class SQL(Environment):
             expected = reference_rows(data)
         except (sqlite3.Error, OverflowError, MemoryError) as exc:
             raise InstanceError(f"the task's reference query fails: {exc}") from None
-        given = answer_rows(answer)
-        if data.get("ordered"):
-            right = [r for r in (tuple(_value(c) for c in line.replace("|", ",").split(","))
-                                 for line in answer.strip().splitlines() if line.strip())] == expected
-        else:
-            right = given == Counter(expected)
+        rows = answer_rows(answer)
+        given = Counter(rows)
+        right = rows == expected if data.get("ordered") else given == Counter(expected)
         # Rows both right and asked for, against all rows given and all expected (F1): naming every row
         # of the table covers the expected ones, and is mostly wrong.
         common = sum((given & Counter(expected)).values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 MAX_ANSWER_CHARS = 10_000  # what any scorer gets to see: keeps regexes and parsers on bounded input
 
@@ -48,7 +49,20 @@ def hedges(answer: str, expected: str) -> bool:
 
 def value_of(number: str) -> float:
     """A number as `numbers` finds it, as a float (ValueError, OverflowError where it is none)."""
-    return float(number.replace(",", "").replace("_", "").replace("−", "-"))
+    return float(_plain_number(number))
+
+
+def decimal_of(number: str) -> Decimal | None:
+    """A number as `numbers` finds it, exactly (a Decimal), or None where it is none (an exponent past any)."""
+    try:
+        value = Decimal(_plain_number(number))
+    except ArithmeticError:
+        return None
+    return value if value.is_finite() else None
+
+
+def _plain_number(number: str) -> str:
+    return number.replace(",", "").replace("_", "").replace("−", "-")
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,16 @@ def final_answer(completion: str) -> Extracted:
     """The completion's final answer. What a closed <think>...</think> holds is reasoning, not the answer:
     only the text after the last `</think>` is read (an answer tag inside the thinking, followed by
     another answer outside it, once won by format rank)."""
+    return _marked(completion, lines=False)
+
+
+def answer_block(completion: str) -> str:
+    """A final answer that may take several lines (a row a line), found as final_answer finds one, except
+    that an `Answer:` label's answer is the rest of its line and every line after it."""
+    return _marked(completion, lines=True).text
+
+
+def _marked(completion: str, lines: bool) -> Extracted:
     completion = after_thinking(completion)
     tagged = last_tagged(completion)
     if tagged is not None:
@@ -70,9 +94,14 @@ def final_answer(completion: str) -> Extracted:
     if boxed is not None:
         return Extracted(_clip(boxed.strip()), True, "boxed")
     for pattern in (_LINE, _LINE_IS):
-        line = _last(pattern, completion)
+        label = _last(pattern, completion)
+        if label is None:
+            continue
+        text = completion[label.start(1):] if lines else label.group(1)
+        if not lines and not text.strip().strip("*_").strip():  # "**Answer:**" alone: the answer is on the next line
+            text = next(iter(completion[label.end():].strip().splitlines()), "")
         # (a final period is the sentence's, not the answer's: "The answer is 3/4.")
-        text = line.group(1).strip().strip("*_").strip().removesuffix(".").strip() if line is not None else ""
+        text = text.strip().strip("*_").strip().removesuffix(".").strip()
         if text:
             return Extracted(_clip(text), True, "line")
     return Extracted(_clip(completion.strip()), False, "whole")
@@ -82,18 +111,6 @@ def after_thinking(completion: str) -> str:
     """The text after the last `</think>` (all of it where there is none)."""
     thinking = _last(_THINK_END, completion)
     return completion if thinking is None else completion[thinking.end():]
-
-
-def answer_block(completion: str) -> str:
-    """A final answer that may take several lines (a row a line): after the thinking, the last
-    `<answer>` tag's content, else everything from the last `Answer:` label on (its own line's rest and
-    the lines after it), else the whole text."""
-    completion = after_thinking(completion)
-    tagged = last_tagged(completion)
-    if tagged is not None:
-        return _clip(tagged.strip())
-    label = _last(_LINE, completion)
-    return _clip(completion[label.start(1):].strip() if label is not None else completion.strip())
 
 
 def _last(pattern: re.Pattern, text: str) -> re.Match | None:

@@ -88,10 +88,10 @@ class Emission:
 
 GROUPS = metrics.counter("crucible.aggregator.groups", "groups emitted, by kind and whether complete", "{group}")
 REWARD = metrics.histogram("crucible.aggregator.reward", "rewards after weighting, by kind (mean and spread)")
-LATE = metrics.counter("crucible.aggregator.verdicts_of_finished_groups",
-                       "verdicts of a group this process emitted already (complete, or timed out): not joined again",
-                       "{verdict}")
-FINISHED_GROUPS_KEPT = 1 << 16  # the groups last emitted, kept to know a verdict of one (~6 MB)
+COPIES = metrics.counter("crucible.aggregator.verdicts_emitted_already",
+                         "verdicts of a sample this process emitted already (its group complete, or timed out): "
+                         "not joined again", "{verdict}")
+FINISHED_GROUPS_KEPT = 1 << 16  # the groups last emitted, kept with their samples' indices (~10 MB)
 
 def _frozen(entry: dict) -> bytes:
     """An open group's entry as the table keeps it (JSON, each verdict as base64 protobuf)."""
@@ -135,13 +135,14 @@ class Aggregator:
         self.failed = asyncio.Event()
         self.tracer = telemetry.tracer("crucible.aggregator")
         self._open: dict[bytes, tuple[dict | None, object]] = {}  # the joining batch's groups: entry (None: done), last event
-        # Groups this process emitted (the newest FINISHED_GROUPS_KEPT): a verdict of one is not joined
-        # again. A completed group leaves the table, so a genuine record published again (or a straggler
-        # of a group that timed out) once opened it anew and emitted its trajectories a second time: a
-        # sample trained on twice once the learner's memory of ids had moved on. A process that starts
+        # Groups this process emitted (the newest FINISHED_GROUPS_KEPT), each with the sample indices it
+        # emitted: a verdict of one of those is not joined again. A completed group leaves the table, so a
+        # genuine record published again once opened it anew and emitted its trajectories a second time: a
+        # sample trained on twice once the learner's memory of ids had moved on. A straggler of a group
+        # that timed out (a sample not emitted) still joins, and is emitted once. A process that starts
         # anew knows none: a crash replays its uncommitted batches against the table as it was.
-        self.finished: OrderedDict[bytes, None] = OrderedDict()
-        self.late_verdicts = 0
+        self.finished: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self.copies_skipped = 0
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
         datadir.parent.mkdir(parents=True, exist_ok=True)
@@ -251,16 +252,22 @@ class Aggregator:
         first = record.verdicts[0].sample
         group_id = first.group_id
         key = group_id.encode()
-        if key in self.finished:
-            self.late_verdicts += len(record.verdicts)
-            LATE.add(len(record.verdicts), {"kind": record.verdicts[0].task_kind})
-            log.info("%d verdicts of group %s, emitted already, at %s@%d: not joined again", len(record.verdicts),
-                     group_id, m.topic, m.offset)
-            return None
+        verdicts = list(record.verdicts)
+        emitted = self.finished.get(key)
+        if emitted is not None:
+            verdicts = [v for v in verdicts if v.sample.sample_index not in emitted]
+            copies = len(record.verdicts) - len(verdicts)
+            if copies:
+                self.copies_skipped += copies
+                COPIES.add(copies, {"kind": record.verdicts[0].task_kind})
+                log.info("%d verdicts of group %s at %s@%d: emitted already, not joined again", copies, group_id,
+                         m.topic, m.offset)
+            if not verdicts:
+                return None
         entry = self._entry(key) or {
             "first_seen": time.time(), "group_size": first.group_size, "verdicts": {},
             "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
-        for verdict in record.verdicts:
+        for verdict in verdicts:
             # The first verdict of a slot stands: a replay (the same verdict again, or a verdict of another
             # run of the same sample: a second throw of the dice for a program that passes now and then)
             # never replaces it, nor reaches the detectors (copies of a clean verdict would dilute what
@@ -272,7 +279,7 @@ class Aggregator:
         log.debug("%d verdicts joined group %s at %s@%d", len(record.verdicts), group_id, m.topic, m.offset)
         if len(entry["verdicts"]) >= entry["group_size"]:
             self._open[key] = (None, event)
-            self._finished(key)
+            self._finished(key, entry)
             return self._emission(group_id, entry, complete=True)
         self._open[key] = (entry, event)
         return None
@@ -288,7 +295,7 @@ class Aggregator:
                     emission = self._emission(key.decode(), entry, complete=False)
                 await self._write([emission])
                 self.groups.pop(key, None)
-                self._finished(key)
+                self._finished(key, entry)
 
     async def _sweep(self):
         now = time.time()
@@ -297,8 +304,9 @@ class Aggregator:
             if entry and now - entry["first_seen"] >= self.settings.group_timeout_s:
                 await self.expire_topic.send(key=key, value=b"")
 
-    def _finished(self, key: bytes) -> None:
-        self.finished[key] = None
+    def _finished(self, key: bytes, entry: dict) -> None:
+        """The group's samples in `entry` are emitted: remembered with any it emitted before."""
+        self.finished[key] = tuple(sorted({*self.finished.pop(key, ()), *map(int, entry["verdicts"])}))
         if len(self.finished) > FINISHED_GROUPS_KEPT:
             self.finished.popitem(last=False)
 

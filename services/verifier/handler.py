@@ -45,10 +45,11 @@ def requests_for(message: rollout_pb2.RolloutGroup | execution_pb2.Execution) ->
         return [verdict_pb2.VerifyRequest(task=group.task, rollout=r, execution=x)
                 for r, x in zip(group.rollouts, message.results)]
     group = message
+    if not scored_here(group):
+        return []  # the sandbox's to run (and to refuse): no check of its task here
     if not group.group_id or not group.rollouts:
         raise Unverifiable(f"rollout group {group.group_id!r} has no group id or no rollouts")
-    if kind_for(group.task, f"rollout group {group.group_id!r}").needs_execution:
-        return []
+    kind_for(group.task, f"rollout group {group.group_id!r}")
     return [verdict_pb2.VerifyRequest(task=group.task, rollout=r) for r in group.rollouts]
 
 
