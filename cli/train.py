@@ -502,7 +502,7 @@ async def _feed_and_follow(run: Run, report: TrainReport) -> None:
     evaluations = bus.Reader(["evaluations"], None, settings=s, offsets={"evaluations": {}}, dead_letters=False,
                              trusted=True)
     await evaluations.start()
-    alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False)
+    alerts = bus.Reader(["alerts"], None, settings=s, offsets={"alerts": {}}, dead_letters=False, trusted=True)
     await alerts.start()
     trajectories = bus.Reader(["trajectories"], None, settings=s, offsets={"trajectories": {}}, dead_letters=False,
                               trusted=True)

@@ -35,8 +35,8 @@ import secrets
 from pathlib import Path
 
 from crucible.shared import messages
-from crucible.v1 import (episode_pb2, evaluation_pb2, execution_pb2, policy_pb2, rollout_pb2, task_pb2, trajectory_pb2,
-                         verdict_pb2)
+from crucible.v1 import (alert_pb2, episode_pb2, evaluation_pb2, execution_pb2, policy_pb2, rollout_pb2, task_pb2,
+                         trajectory_pb2, verdict_pb2)
 
 KEY_BYTES = 32
 
@@ -97,7 +97,7 @@ def _keyed(secret: bytes) -> hmac.HMAC:
 
 # Messages with a `signature` field, signed by whoever publishes them (bus.Producer, as it sends).
 SIGNED = (task_pb2.Task, policy_pb2.PolicyVersion, rollout_pb2.RolloutGroup, episode_pb2.Episode,
-          verdict_pb2.VerdictGroup, trajectory_pb2.Trajectory, evaluation_pb2.Evaluation)
+          verdict_pb2.VerdictGroup, trajectory_pb2.Trajectory, evaluation_pb2.Evaluation, alert_pb2.Alert)
 
 
 def _body(message) -> bytes:

@@ -387,7 +387,8 @@ async def test_a_trusted_reader_refuses_what_no_service_of_the_deployment_signed
     run; an evaluation silences reward_without_heldout): they read trusted, and a record of a signed type
     published by anyone without the key (a forged evaluation, a forged version) never reaches them."""
     from crucible.shared import bus
-    from crucible.v1 import evaluation_pb2, policy_pb2
+    from crucible.shared import integrity
+    from crucible.v1 import alert_pb2, evaluation_pb2, policy_pb2
     from tests.bus_helpers import publish_unsigned
 
     await bus.ensure_topics(["evaluations", "policy"], settings=settings)
@@ -413,3 +414,4 @@ async def test_a_trusted_reader_refuses_what_no_service_of_the_deployment_signed
     assert await versions("evaluations", trusted=False) == ([2, 1], 0)
     assert await versions("evaluations", trusted=True) == ([1], 1)
     assert await versions("policy", trusted=True) == ([1], 1)
+    assert alert_pb2.Alert in integrity.SIGNED  # the run's report lists the alerts its services raised, no others

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63rucible/v1/alert.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xfd\x01\n\x05\x41lert\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\'\n\x08severity\x18\x03 \x01(\x0e\x32\x15.crucible.v1.Severity\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x30\n\x07\x64\x65tails\x18\x05 \x03(\x0b\x32\x1f.crucible.v1.Alert.DetailsEntry\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*d\n\x08Severity\x12\x18\n\x14SEVERITY_UNSPECIFIED\x10\x00\x12\x11\n\rSEVERITY_INFO\x10\x01\x12\x14\n\x10SEVERITY_WARNING\x10\x02\x12\x15\n\x11SEVERITY_CRITICAL\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63rucible/v1/alert.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x90\x02\n\x05\x41lert\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\'\n\x08severity\x18\x03 \x01(\x0e\x32\x15.crucible.v1.Severity\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x30\n\x07\x64\x65tails\x18\x05 \x03(\x0b\x32\x1f.crucible.v1.Alert.DetailsEntry\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tsignature\x18\x08 \x01(\x0c\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*d\n\x08Severity\x12\x18\n\x14SEVERITY_UNSPECIFIED\x10\x00\x12\x11\n\rSEVERITY_INFO\x10\x01\x12\x14\n\x10SEVERITY_WARNING\x10\x02\x12\x15\n\x11SEVERITY_CRITICAL\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ALERT_DETAILSENTRY']._loaded_options = None
   _globals['_ALERT_DETAILSENTRY']._serialized_options = b'8\001'
-  _globals['_SEVERITY']._serialized_start=329
-  _globals['_SEVERITY']._serialized_end=429
+  _globals['_SEVERITY']._serialized_start=348
+  _globals['_SEVERITY']._serialized_end=448
   _globals['_ALERT']._serialized_start=74
-  _globals['_ALERT']._serialized_end=327
-  _globals['_ALERT_DETAILSENTRY']._serialized_start=281
-  _globals['_ALERT_DETAILSENTRY']._serialized_end=327
+  _globals['_ALERT']._serialized_end=346
+  _globals['_ALERT_DETAILSENTRY']._serialized_start=300
+  _globals['_ALERT_DETAILSENTRY']._serialized_end=346
 # @@protoc_insertion_point(module_scope)

@@ -22,7 +22,7 @@ SEVERITY_WARNING: Severity
 SEVERITY_CRITICAL: Severity
 
 class Alert(_message.Message):
-    __slots__ = ("id", "kind", "severity", "message", "details", "run_id", "created_at")
+    __slots__ = ("id", "kind", "severity", "message", "details", "run_id", "created_at", "signature")
     class DetailsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Alert(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     severity: Severity
@@ -44,4 +45,5 @@ class Alert(_message.Message):
     details: _containers.ScalarMap[str, str]
     run_id: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., severity: _Optional[_Union[Severity, str]] = ..., message: _Optional[str] = ..., details: _Optional[_Mapping[str, str]] = ..., run_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., severity: _Optional[_Union[Severity, str]] = ..., message: _Optional[str] = ..., details: _Optional[_Mapping[str, str]] = ..., run_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
