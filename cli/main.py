@@ -81,6 +81,11 @@ def cmd_up(args, settings: Settings) -> int:
     from crucible.shared import bus
     from crucible.shared.procs import answers
 
+    names = SERVICES if args.services is None else tuple(n for n in args.services.split(",") if n)
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown:  # (before anything is started for them)
+        echo(f"unknown service(s) {', '.join(unknown)}: the services are {', '.join(SERVICES)}")
+        return 2
     if answers(settings.kafka_bootstrap):
         echo(f"Kafka answers on {settings.kafka_bootstrap}")
     else:
@@ -91,11 +96,6 @@ def cmd_up(args, settings: Settings) -> int:
     else:
         took = store(settings).start(echo=echo)
         echo(f"store on {shown_url(settings.clickhouse_url)} ({took:.1f}s)")
-    names = SERVICES if args.services is None else tuple(n for n in args.services.split(",") if n)
-    unknown = [n for n in names if n not in SERVICES]
-    if unknown:
-        echo(f"unknown service(s) {', '.join(unknown)}: the services are {', '.join(SERVICES)}")
-        return 2
     if not names:
         return 0
     folder = settings.home / "up"
@@ -246,25 +246,29 @@ def cmd_train(args, settings: Settings) -> int:
     from crucible.cli.train import ResumeError, resumable
     from crucible.local.services import ServiceFailed
 
-    if args.resume and args.recipe:
+    resuming = args.resume is not None  # (`--resume ""` is a run id, and not one: refused, never a new run)
+    if resuming and args.recipe:
         echo("give a recipe or --resume RUN, not both: a resumed run keeps its own recipe")
         return 2
     try:
-        recipe = resumable(settings, args.resume) if args.resume else \
+        recipe = resumable(settings, args.resume) if resuming else \
             recipes.load(args.recipe) if args.recipe else recipes.builtin()
     except (recipes.RecipeError, ResumeError) as exc:
         echo(str(exc))
         return 2
-    # Flags given on the command line win over the recipe (they have no defaults of their own).
-    if args.steps is not None:
-        recipe.budget.steps = args.steps
-    if args.minutes is not None:
-        recipe.budget.minutes = args.minutes
-    if args.seed is not None:
-        if args.resume:
-            echo("--seed cannot change on --resume: the run's tasks and samples follow its own seed")
-            return 2
-        recipe.algorithm.seed = args.seed
+    # Flags given on the command line win over the recipe (they have no defaults of their own), held to the
+    # recipe's own bounds.
+    if args.seed is not None and resuming:
+        echo("--seed cannot change on --resume: the run's tasks and samples follow its own seed")
+        return 2
+    try:
+        for section, field, value in [("budget", "steps", args.steps), ("budget", "minutes", args.minutes),
+                                      ("algorithm", "seed", args.seed)]:
+            if value is not None:
+                recipes.with_flag(recipe, section, field, value)
+    except recipes.RecipeError as exc:
+        echo(f"cannot run this recipe: {exc}")
+        return 2
     if recipe.sampling.group_size > settings.max_group_size:  # every task would be refused: a run that never steps
         echo(f"cannot run this recipe: sampling.group_size {recipe.sampling.group_size} is above the limit of "
              f"{settings.max_group_size} samples a task (CRUCIBLE_MAX_GROUP_SIZE)")
@@ -397,7 +401,7 @@ def cmd_submit(args, settings: Settings) -> int:
     """Publishes a JSONL file of tasks (or stdin) to crucible.tasks, signed: all of them, or none
     when any line is bad (each bad line named)."""
     from crucible.ml.task_sources import parse_jsonl
-    from crucible.ml.tasks import is_heldout
+    from crucible.ml.tasks import training_submission_problems
     from crucible.shared import bus, files
 
     source = "stdin" if args.file == "-" else args.file
@@ -407,9 +411,7 @@ def cmd_submit(args, settings: Settings) -> int:
         echo(f"crucible submit: cannot read {source}: {exc}")
         return 2
     tasks, problems = parse_jsonl(text.splitlines(), source, settings=settings)
-    problems += [f"{source}: task {t.id!r} has split {t.split!r}: crucible.tasks is sampled for training, which "
-                 "never takes a held-out task (give held-out tasks to a recipe's [heldout] file)"
-                 for t in tasks if is_heldout(t)]
+    problems += [f"{source}: {problem}" for problem in training_submission_problems(tasks)]
     if problems:
         for problem in problems[:50]:
             echo(problem)

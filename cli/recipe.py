@@ -107,7 +107,7 @@ AlgorithmSection = _section("algorithm")
 
 class TasksSection(BaseModel):
     model_config = STRICT
-    sources: list[TaskSource] = Field(default_factory=lambda: [TaskSource(family="digits")])
+    sources: list[TaskSource] = Field(default_factory=lambda: [TaskSource(family="digits")], min_length=1)
 
 
 class HeldoutSection(BaseModel):
@@ -115,7 +115,7 @@ class HeldoutSection(BaseModel):
     file: str | None = Field(default=None, description="Held-out tasks from their own JSONL file.")
     fraction: float = Field(default=0.2, ge=0.0, lt=1.0, description="Otherwise: this share of the tasks, "
                             "chosen by a stable hash of the task id (the same tasks every run).")
-    size: int = Field(default=200, ge=0, description="At most this many held-out tasks are scored.")
+    size: int = Field(default=200, ge=1, description="At most this many held-out tasks are scored.")
 
 
 class BudgetSection(BaseModel):
@@ -182,6 +182,19 @@ def parse(text: str, path: Path) -> Recipe:
         raise RecipeError("recipe is not valid:\n  " + "\n  ".join(problems)) from None
     recipe.source = path.resolve()
     return recipe
+
+
+def with_flag(recipe: "Recipe", section: str, field: str, value) -> None:
+    """Sets a command-line flag's value (`--steps`: budget.steps) in the recipe, held to the checks a
+    recipe's own value gets; RecipeError says why not."""
+    current = getattr(recipe, section)
+    try:
+        updated = type(current).model_validate({**current.model_dump(), field: value})
+    except ValidationError as exc:
+        raise RecipeError(f"--{field} {value}: {exc.errors()[0]['msg']}") from None
+    for _, why in _outsized({field: getattr(updated, field)}):
+        raise RecipeError(f"--{field} {value}: {why}")
+    setattr(recipe, section, updated)
 
 
 def _outsized(value, loc: tuple = ()):

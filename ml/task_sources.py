@@ -85,6 +85,8 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
     """(an endless stream of training tasks, the held-out tasks): sources interleaved in turn."""
     trains: list[Iterator[task_pb2.Task]] = []
     heldout: list[task_pb2.Task] = []
+    trained: list[task_pb2.Task] = []  # the finite sources' training tasks (generators split their own apart)
+    finite_ids: dict[str, int] = {}  # task id -> the source (1-based) it came from
     for i, source in enumerate(sources):
         if source.environment is not None:
             from crucible.ml import envs
@@ -111,22 +113,49 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
                 heldout += list(itertools.islice(stream, heldout_size))
             continue
         tasks = finite_tasks(source, seed=seed + i, group_size=group_size, base=base)
-        train = [t for t in tasks if heldout_file is not None or not in_heldout(t.id, heldout_fraction)]
-        if heldout_file is None:
-            for t in tasks:
-                if in_heldout(t.id, heldout_fraction):
-                    t.split = HELDOUT_SPLIT
-                    heldout.append(t)
+        for t in tasks:
+            if t.id in finite_ids:
+                raise ValueError(f"task source {i + 1}: task id {t.id!r} is also in task source {finite_ids[t.id]}: "
+                                 "ids must be unique across the sources (a task listed twice is trained twice)")
+            finite_ids[t.id] = i + 1
+        # A task its file marks held out is never trained on: held out here, or, with a held-out file
+        # naming them, refused (which set would it be in?).
+        marked = [t for t in tasks if t.split == HELDOUT_SPLIT]
+        if marked and heldout_file is not None:
+            raise ValueError(f"task source {i + 1}: task {marked[0].id!r} is marked split \"heldout\" while the "
+                             "[heldout] file names the held-out tasks: move it there, or drop its split")
+        held = [t for t in tasks if t.split == HELDOUT_SPLIT
+                or (heldout_file is None and in_heldout(t.id, heldout_fraction))]
+        train = [t for t in tasks if all(t is not h for h in held)]
+        for t in held:
+            t.split = HELDOUT_SPLIT
+        heldout += held
         if not train:
             raise ValueError(f"task source {i + 1} left no training tasks once held-out ones were set aside")
         for t in train:
             t.split = "train"
+        trained += train
         trains.append(_cycle(train))
     if heldout_file is not None:
         heldout = read_jsonl(heldout_file, 1)
         for t in heldout:
             t.split = HELDOUT_SPLIT
+    _check_apart(trained, heldout)
     return _interleave(trains), heldout[:heldout_size]
+
+
+def _check_apart(trained: list[task_pb2.Task], heldout: list[task_pb2.Task]) -> None:
+    """ValueError unless there are held-out tasks and none of them is a training task (by id, or by the
+    same prompt of the same kind): a pass rate on tasks trained on measures nothing held out."""
+    if not heldout:
+        raise ValueError("no held-out tasks: the run's progress is measured on them (a [heldout] file, or a "
+                         "fraction and size that leave some)")
+    ids = {t.id for t in trained}
+    prompts = {(t.kind, t.prompt) for t in trained}
+    for t in heldout:
+        if t.id in ids or (t.kind, t.prompt) in prompts:
+            raise ValueError(f"held-out task {t.id!r} is also a training task (same "
+                             f"{'id' if t.id in ids else 'prompt'}): held-out tasks must be ones nothing trains on")
 
 
 def _cycle(tasks: list[task_pb2.Task]) -> Iterator[task_pb2.Task]:

@@ -16,6 +16,20 @@ def is_heldout(task: task_pb2.Task) -> bool:
     return task.split == HELDOUT_SPLIT
 
 
+def training_submission_problems(tasks) -> list[str]:
+    """What makes tasks submitted together to crucible.tasks (sampled for training) unfit, beyond each
+    one's task_problems: a held-out task, and an id two of them share (the task log keeps one row an id)."""
+    problems, seen = [], set()
+    for task in tasks:
+        if is_heldout(task):
+            problems.append(f"task {task.id!r} has split {task.split!r}: crucible.tasks is sampled for training, "
+                            "which never takes a held-out task (give held-out tasks to a recipe's [heldout] file)")
+        if task.id in seen:
+            problems.append(f"task id {task.id!r} is given twice")
+        seen.add(task.id)
+    return problems
+
+
 # What google.protobuf.Timestamp can hold (0001-01-01 to 9999-12-31): a task stamped outside it was taken,
 # and then every writer of its row (control's task log) failed on it.
 _TIMESTAMP_MIN_S, _TIMESTAMP_MAX_S = -62_135_596_800, 253_402_300_799
@@ -49,6 +63,9 @@ def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list
     elif task.group_size > settings.max_group_size:
         problems.append(f"group_size {task.group_size} is above the limit of {settings.max_group_size} "
                         "(CRUCIBLE_MAX_GROUP_SIZE)")
+    if task.WhichOneof("payload") == "python_tests" and task.python_tests.timeout_s > settings.sandbox_wall_s:
+        problems.append(f"python_tests.timeout_s {task.python_tests.timeout_s} is above the sandbox's wall clock "
+                        f"of {settings.sandbox_wall_s}s (CRUCIBLE_SANDBOX_WALL_S): every run would be refused")
     if envs.is_environment(task):
         problems += kinds.problems_of(envs.get(task.kind), task)
         return problems

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import tomllib
 from pathlib import Path
 
@@ -139,6 +140,60 @@ def test_held_out_tasks_are_a_stable_split_and_never_in_the_training_stream():
     seen = [next(train) for _ in range(200)]
     assert all(t.split == "train" and t.id.split("#")[0] not in held_ids for t in seen)
     assert all(t.group_size == 4 for t in seen)
+
+
+def test_held_out_tasks_are_never_training_tasks_whatever_the_sources_say(tmp_path):
+    """A held-out file repeating training tasks, a task listed in two sources, a task its file marks held
+    out, a split that leaves nothing held out: each refused (or honoured), never a run that trains on
+    what it measures."""
+    def jsonl(name, ids, **fields):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"id": i, "kind": "exact", "prompt": f"{i}?", "answer": {"answer": "1"},
+                                            **fields.get(i, {})}) + "\n" for i in ids))
+        return path
+
+    def run(sources, heldout_file=None, fraction=0.5):
+        return task_sources.streams([recipes.TaskSource(jsonl=str(s)) for s in sources], seed=0, group_size=2,
+                                    heldout_fraction=fraction, heldout_file=heldout_file, heldout_size=100,
+                                    base=tmp_path)
+
+    ids = [f"q{i}" for i in range(20)]
+    train = jsonl("train.jsonl", ids)
+    with pytest.raises(ValueError, match="held-out task 'q3' is also a training task"):
+        run([train], heldout_file=jsonl("held.jsonl", ["q3"]))
+    renamed = tmp_path / "renamed.jsonl"  # the same question under another id
+    renamed.write_text(json.dumps({"id": "other", "kind": "exact", "prompt": "q3?", "answer": {"answer": "1"}}) + "\n")
+    with pytest.raises(ValueError, match="same prompt"):
+        run([train], heldout_file=renamed)
+    with pytest.raises(ValueError, match="task id 'q0' is also in task source 1"):
+        run([train, jsonl("again.jsonl", ["q0"])])
+    with pytest.raises(ValueError, match="no held-out tasks"):
+        run([train], fraction=0.0)
+    marked = jsonl("marked.jsonl", ids, q1={"split": "heldout"})
+    stream, heldout = run([marked], fraction=0.0)
+    assert [t.id for t in heldout] == ["q1"]
+    assert "q1" not in {next(stream).id.split("#")[0] for _ in range(60)}
+    with pytest.raises(ValueError, match="marked split"):
+        run([marked], heldout_file=jsonl("held2.jsonl", ["z"]))
+
+
+def test_command_line_flags_are_held_to_the_recipes_own_bounds(tmp_path, monkeypatch, capsys):
+    from crucible.cli import main
+
+    def started(settings):
+        raise AssertionError("the stack was started for flags that cannot run")
+
+    monkeypatch.setattr(main, "ensure_stack", started)
+    for flags, says in [(["--steps", "0"], "--steps 0: Input should be greater than or equal to 1"),
+                        (["--minutes", "nan"], "--minutes nan: Input should be a finite number"),
+                        (["--seed", str(2 ** 70)], "larger than any run can use"),
+                        (["--resume", ""], "is not a run id")]:
+        assert main.main(["train", *flags]) == 2, flags
+        assert says in capsys.readouterr().out, flags
+    path = tmp_path / "r.toml"
+    path.write_text("[tasks]\nsources = []\n")
+    assert main.main(["train", str(path)]) == 2
+    assert "tasks.sources: List should have at least 1 item" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("ops", [("parity",), ("parity", "size")])

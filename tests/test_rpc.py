@@ -68,6 +68,20 @@ async def test_submit_tasks_validates_and_publishes(settings):
                 (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="d", kind="regex", prompt="p", group_size=1,
                                                                      answer=task_pb2.ExpectedAnswer(answer="a{4294967296}"))]),
                  "cannot be checked: OverflowError"),
+                # what crucible submit refuses: a held-out task (the generator would dead-letter it), an id
+                # given twice (the task log keeps one row an id); a timeout the sandbox refuses every run of
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="h", kind="exact", prompt="p", group_size=1,
+                                                                     split="heldout",
+                                                                     answer=task_pb2.ExpectedAnswer(answer="1"))]),
+                 "never takes a held-out task"),
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="s", kind="exact", prompt=p, group_size=1,
+                                                                     answer=task_pb2.ExpectedAnswer(answer="1"))
+                                                       for p in ("p", "q")]), "task id 's' is given twice"),
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(
+                    id="t", kind="python_tests", prompt="def f():\n    pass\n", group_size=1,
+                    python_tests=task_pb2.PythonTests(entry_point="f", timeout_s=float("nan"),
+                                                      test_code="def check(c):\n    assert c() is None\n"))]),
+                 "timeout_s nan"),
                 # a message too long for the trailers is cut, not RESOURCE_EXHAUSTED
                 (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="e" * 20_000, kind="haiku", prompt="p",
                                                                      group_size=1)] * 5), "characters in all)"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 import re
 import sys
 
@@ -265,8 +266,8 @@ class PythonTestsKind(Kind):
                                     "standard library only (plain asserts work: a failed one fails the test)")
             if not tests.entry_point and "def test_" not in tests.test_code:
                 problems.append("python_tests.entry_point is empty: check(candidate) needs the function to test")
-        if tests.timeout_s < 0:
-            problems.append("python_tests.timeout_s must be >= 0 (0: the sandbox's default)")
+        if not (math.isfinite(tests.timeout_s) and tests.timeout_s >= 0):
+            problems.append(f"python_tests.timeout_s {tests.timeout_s} must be a number >= 0 (0: the sandbox's default)")
         return problems
 
     def render_prompt(self, task: task_pb2.Task) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import grpc
 
 from crucible.v1 import control_pb2, control_pb2_grpc
+from crucible.ml.tasks import training_submission_problems
 from crucible.services.control.handler import prepare_submission
 from crucible.shared import bus, rpc
 from crucible.shared.settings import Settings, run_id_problem
@@ -26,6 +27,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 prepared.append(prepare_submission(task, self.settings))
             except ValueError as exc:
                 problems.append(f"tasks[{i}]: {exc}")
+        problems += training_submission_problems(prepared)
         if problems:
             # All or nothing: a caller fixing one task should not have to work out which others went through.
             await rpc.abort_invalid(context, "; ".join(problems))
