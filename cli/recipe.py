@@ -237,7 +237,9 @@ def find_line(text: str, loc: list[str]) -> int | None:
 
 def shipped(name: str) -> Recipe:
     """A recipe shipped with the package (recipes/<name>.toml), wherever Crucible is installed."""
-    return parse(resources.files("crucible.recipes").joinpath(f"{name}.toml").read_text(), Path(f"recipes/{name}.toml"))
+    found = resources.files("crucible.recipes").joinpath(f"{name}.toml")
+    # named by where it is (its task files are found beside it), never by a path taken from the current folder
+    return parse(found.read_text(), Path(str(found)))
 
 
 def builtin() -> Recipe:

@@ -51,7 +51,9 @@ class RunConfig(BaseModel):
 
     # how a task becomes the text the model continues
     chat_template: bool = Field(default=False, description="Wrap each prompt in the model's chat template.")
-    system_prompt: str = Field(default="", description="The system message, when the chat template is used.")
+    system_prompt: str = Field(default="", max_length=16_384, pattern=r"^[^\x00]*$",
+                               description="The system message, when the chat template is used (no NUL: it "
+                               "travels to each service in its environment).")
 
     # sampling
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
@@ -83,8 +85,9 @@ class RunConfig(BaseModel):
 
     # rewards and advantages
     estimator: str = Field(default="grpo", pattern="^(grpo|rloo|reinforce)$")
-    reward_weights: dict[str, float] = Field(default_factory=dict, description="Component weights (JSON); "
-                                             "empty: the verifier's default scalar reward.")
+    reward_weights: dict[str, float] = Field(default_factory=dict, max_length=64,
+                                             description="Component weights (JSON); empty: the verifier's default "
+                                             "scalar reward.")
     length_penalty: float = Field(default=0.0, ge=0.0, description="Reward lost per completion token beyond "
                                   "length_target.")
     length_target: int = Field(default=0, ge=0)

@@ -325,3 +325,23 @@ def test_a_query_parameter_that_is_not_utf8_is_named_not_blamed_on_the_store(cap
 
     assert main.main(["query", "task", "--task", "rt-\udcff\udcfe"]) == 2  # argv's bytes 0xff 0xfe
     assert "--task is not UTF-8 text" in capsys.readouterr().out
+
+
+def test_a_shipped_recipe_is_found_where_it_is_installed_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where recipes/ is nothing of Crucible's
+    assert recipes.builtin().source.is_file()
+    recipe = recipes.shipped("my-tasks")
+    train, heldout = task_sources.streams(recipe.tasks.sources, seed=0, group_size=2, heldout_fraction=0.2,
+                                          heldout_file=None, heldout_size=10, base=recipe.source.parent)
+    assert heldout and next(train).id
+
+
+def test_recipe_values_that_could_not_reach_the_services_are_refused_in_the_recipe(tmp_path):
+    path = tmp_path / "r.toml"
+    for text, says in [('[model]\nsystem_prompt = "a\\u0000b"\n', "system_prompt"),
+                       ("[model]\nsystem_prompt = \"" + "x" * 20_000 + "\"\n", "at most 16384"),
+                       ("[algorithm]\nreward_weights = {" + ", ".join(f"c{i} = 1.0" for i in range(100)) + "}\n",
+                        "reward_weights")]:
+        path.write_text(text)
+        with pytest.raises(recipes.RecipeError, match=says):
+            recipes.load(path)
