@@ -42,7 +42,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 SET_BY_THE_JOB = ("run_id", "init_checkpoint")
 
-STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 # No count, size, seed or limit of a recipe means anything past this, and a seed past int64 failed inside
 # the services after the stack had started ("Overflow when unpacking long long").
 MAX_INTEGER = 2 ** 53

@@ -61,8 +61,10 @@ def test_the_builtin_recipe_is_the_shipped_digits_file():
     ('[algorithm]\nlr = 2.0\n', 2, "algorithm.lr", "less than or equal to 1"),
     ('[algorithm]\nseed = 99999999999999999999\n', 2, "algorithm.seed", "at most 2**53"),
     ('[[tasks.sources]]\nset = "math"\ncount = 9223372036854775807\n', 3, "tasks.sources.0.count", "at most 2**53"),
-    ('[algorithm]\nseed = "100000000000000000000"\n', 2, "algorithm.seed", "at most 2**53"),  # read as an int
-    ('[algorithm]\nseed = 1e18\n', 2, "algorithm.seed", "at most 2**53"),
+    # a value of another type is not read as this one: a quoted number, a float for an integer, a boolean
+    ('[algorithm]\nseed = "100000000000000000000"\n', 2, "algorithm.seed", "valid integer"),
+    ('[algorithm]\nseed = 1e18\n', 2, "algorithm.seed", "valid integer"),
+    ('[budget]\nsteps = true\n', 2, "budget.steps", "valid integer"),
     ('[[tasks.sources]]\nreasoning_gym = "chain_sum"\nconfig = {size = inf}\n', 3, "tasks.sources.0.config.size",
      "finite number"),
 ])
