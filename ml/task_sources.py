@@ -126,7 +126,10 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
                              "[heldout] file names the held-out tasks: move it there, or drop its split")
         held = [t for t in tasks if t.split == HELDOUT_SPLIT
                 or (heldout_file is None and in_heldout(t.id, heldout_fraction))]
-        train = [t for t in tasks if all(t is not h for h in held)]
+        # A question a set holds twice (MATH does, under other ids) goes where its first held-out copy goes.
+        held_questions = {(t.kind, t.prompt) for t in held}
+        held = [t for t in tasks if (t.kind, t.prompt) in held_questions]
+        train = [t for t in tasks if (t.kind, t.prompt) not in held_questions]
         for t in held:
             t.split = HELDOUT_SPLIT
         heldout += held

@@ -177,6 +177,11 @@ def test_held_out_tasks_are_never_training_tasks_whatever_the_sources_say(tmp_pa
     assert "q1" not in {next(stream).id.split("#")[0] for _ in range(60)}
     with pytest.raises(ValueError, match="marked split"):
         run([marked], heldout_file=jsonl("held2.jsonl", ["z"]))
+    # a question a file holds twice under two ids is held out whole, where either copy is
+    marked_twice = jsonl("marked_twice.jsonl", ids + ["dup"], q1={"split": "heldout"}, dup={"prompt": "q1?"})
+    stream, heldout = run([marked_twice], fraction=0.0)
+    assert sorted(t.id for t in heldout) == ["dup", "q1"]
+    assert {"q1", "dup"}.isdisjoint({next(stream).id.split("#")[0] for _ in range(60)})
 
 
 def test_command_line_flags_are_held_to_the_recipes_own_bounds(tmp_path, monkeypatch, capsys):
