@@ -86,7 +86,7 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
     trains: list[Iterator[task_pb2.Task]] = []
     heldout: list[task_pb2.Task] = []
     trained: list[task_pb2.Task] = []  # the finite sources' training tasks (generators split their own apart)
-    finite_ids: dict[str, int] = {}  # task id -> the source (1-based) it came from
+    finite_questions: dict[tuple, int] = {}  # question -> the source that gave it first
     for i, source in enumerate(sources):
         if source.environment is not None:
             from crucible.ml import envs
@@ -112,12 +112,10 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
                 stream = family(HELDOUT_SPLIT, seed=seed + 1000 + i, ops=ops, group_size=1)
                 heldout += list(itertools.islice(stream, heldout_size))
             continue
-        tasks = finite_tasks(source, seed=seed + i, group_size=group_size, base=base)
-        for t in tasks:
-            if t.id in finite_ids:
-                raise ValueError(f"task source {i + 1}: task id {t.id!r} is also in task source {finite_ids[t.id]}: "
-                                 "ids must be unique across the sources (a task listed twice is trained twice)")
-            finite_ids[t.id] = i + 1
+        # A task an earlier source holds already (a generator's mix and the generator alone draw some alike)
+        # is that source's: taken once, never trained on twice nor held out from one and trained from another.
+        tasks = [t for t in finite_tasks(source, seed=seed + i, group_size=group_size, base=base)
+                 if finite_questions.setdefault(question(t), i) == i]
         # A task its file marks held out is never trained on: held out here, or, with a held-out file
         # naming them, refused (which set would it be in?).
         marked = [t for t in tasks if t.split == HELDOUT_SPLIT]
@@ -126,10 +124,10 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
                              "[heldout] file names the held-out tasks: move it there, or drop its split")
         held = [t for t in tasks if t.split == HELDOUT_SPLIT
                 or (heldout_file is None and in_heldout(t.id, heldout_fraction))]
-        # A question a set holds twice (MATH does, under other ids) goes where its first held-out copy goes.
-        held_questions = {(t.kind, t.prompt) for t in held}
-        held = [t for t in tasks if (t.kind, t.prompt) in held_questions]
-        train = [t for t in tasks if (t.kind, t.prompt) not in held_questions]
+        # A task a set holds twice (MATH does, under other ids) goes where its held-out copy goes.
+        held_questions = {question(t) for t in held}
+        held = [t for t in tasks if question(t) in held_questions]
+        train = [t for t in tasks if question(t) not in held_questions]
         for t in held:
             t.split = HELDOUT_SPLIT
         heldout += held
@@ -143,22 +141,30 @@ def streams(sources, *, seed: int, group_size: int, heldout_fraction: float, hel
         heldout = read_jsonl(heldout_file, 1)
         for t in heldout:
             t.split = HELDOUT_SPLIT
+    heldout = heldout[:heldout_size]
     _check_apart(trained, heldout)
-    return _interleave(trains), heldout[:heldout_size]
+    return _interleave(trains), heldout
+
+
+def question(task: task_pb2.Task) -> tuple:
+    """What a task asks, whatever its id: its kind, prompt and payload (an environment's prompt alone
+    names no task: its table, database or logs are in the payload)."""
+    payload = task.WhichOneof("payload")
+    return (task.kind, task.prompt, payload,
+            getattr(task, payload).SerializeToString(deterministic=True) if payload else b"")
 
 
 def _check_apart(trained: list[task_pb2.Task], heldout: list[task_pb2.Task]) -> None:
-    """ValueError unless there are held-out tasks and none of them is a training task (by id, or by the
-    same prompt of the same kind): a pass rate on tasks trained on measures nothing held out."""
+    """ValueError unless there are held-out tasks and none of them is a training task (the same question,
+    whatever its id): a pass rate on tasks trained on measures nothing held out."""
     if not heldout:
         raise ValueError("no held-out tasks: the run's progress is measured on them (a [heldout] file, or a "
                          "fraction and size that leave some)")
-    ids = {t.id for t in trained}
-    prompts = {(t.kind, t.prompt) for t in trained}
+    asked = {question(t): t.id for t in trained}
     for t in heldout:
-        if t.id in ids or (t.kind, t.prompt) in prompts:
-            raise ValueError(f"held-out task {t.id!r} is also a training task (same "
-                             f"{'id' if t.id in ids else 'prompt'}): held-out tasks must be ones nothing trains on")
+        if question(t) in asked:
+            raise ValueError(f"held-out task {t.id!r} is training task {asked[question(t)]!r}: held-out tasks must "
+                             "be ones nothing trains on")
 
 
 def _cycle(tasks: list[task_pb2.Task]) -> Iterator[task_pb2.Task]:

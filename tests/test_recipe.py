@@ -7,9 +7,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
 
 from crucible.cli import recipe as recipes
-from crucible.ml import task_sources
+from crucible.ml import envs, task_sources
 from crucible.shared.settings import RunConfig
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -161,14 +162,34 @@ def test_held_out_tasks_are_never_training_tasks_whatever_the_sources_say(tmp_pa
 
     ids = [f"q{i}" for i in range(20)]
     train = jsonl("train.jsonl", ids)
-    with pytest.raises(ValueError, match="held-out task 'q3' is also a training task"):
+    with pytest.raises(ValueError, match="held-out task 'q3' is training task 'q3'"):
         run([train], heldout_file=jsonl("held.jsonl", ["q3"]))
     renamed = tmp_path / "renamed.jsonl"  # the same question under another id
     renamed.write_text(json.dumps({"id": "other", "kind": "exact", "prompt": "q3?", "answer": {"answer": "1"}}) + "\n")
-    with pytest.raises(ValueError, match="same prompt"):
+    with pytest.raises(ValueError, match="held-out task 'other' is training task 'q3'"):
         run([train], heldout_file=renamed)
-    with pytest.raises(ValueError, match="task id 'q0' is also in task source 1"):
-        run([train, jsonl("again.jsonl", ["q0"])])
+    # a task two sources hold is the first's: trained once, and never held out from one, trained from another
+    first = jsonl("first.jsonl", ids, q1={"split": "heldout"})
+    stream, heldout = run([first, jsonl("again.jsonl", ["q0", "n0"])], fraction=0.0)
+    drawn = [next(stream).id.split("#")[0] for _ in range(200)]
+    assert [t.id for t in heldout] == ["q1"] and "n0" in drawn and "q1" not in drawn
+    assert drawn.count("q0") == drawn.count("q2")  # from the first source only
+    # the same id for another question is another task (generated sources number their own)
+    other, trained_id = tmp_path / "other.jsonl", next(i for i in ids if not task_sources.in_heldout(i, 0.5))
+    other.write_text(json.dumps({"id": trained_id, "kind": "exact", "prompt": "another?", "answer": {"answer": "2"}})
+                     + "\n")
+    assert run([train, other])[1]
+    # an environment's prompt names no task: its instance does (lookup asks "color of b?" of many tables)
+    lookup = envs.get("lookup")
+    tables = [t for _, t in zip(range(40), lookup.generate("train", seed=3, group_size=1))]
+    assert len({t.prompt for t in tables}) < len(tables)
+    env_file = tmp_path / "lookup.jsonl"
+    env_file.write_text("".join(json_format.MessageToJson(t, indent=None) + "\n" for t in tables))
+    held_file = tmp_path / "lookup_held.jsonl"
+    held_file.write_text("".join(json_format.MessageToJson(t, indent=None) + "\n"
+                                 for _, t in zip(range(10), lookup.generate("heldout", seed=4, group_size=1))))
+    assert len(run([env_file], heldout_file=held_file)[1]) == 10
+    assert 2 <= len(run([env_file], fraction=0.2)[1]) <= 20
     with pytest.raises(ValueError, match="no held-out tasks"):
         run([train], fraction=0.0)
     marked = jsonl("marked.jsonl", ids, q1={"split": "heldout"})
