@@ -58,6 +58,11 @@ def _section(section: str, **own: Any) -> type[BaseModel]:
     return create_model(f"{section.title()}Section", __config__=STRICT, **fields, **own)
 
 
+# The fields of a task source beyond its kind, and the kinds of source each applies to.
+_SOURCE_FIELDS = {"ops": ("family",), "grader": ("family",), "canaries": ("family",),
+                  "config": ("reasoning_gym",), "count": ("set", "reasoning_gym")}
+
+
 class TaskSource(BaseModel):
     """One source of training tasks; exactly one of family, environment, jsonl, set, reasoning_gym."""
 
@@ -84,8 +89,14 @@ class TaskSource(BaseModel):
         if len(chosen) != 1:
             raise ValueError("give exactly one of family, environment, jsonl, set, reasoning_gym"
                              + (f" (got {', '.join(chosen)})" if chosen else ""))
-        if self.family is None and (self.grader is not None or self.canaries):
-            raise ValueError("grader and canaries apply to a family source only")
+        # Each field applies to the kinds of source it names; given to another, it would do nothing.
+        kind = chosen[0]
+        misplaced = [field for field, kinds_ in _SOURCE_FIELDS.items()
+                     if kind not in kinds_ and field in self.model_fields_set]
+        if misplaced:
+            raise ValueError(f"{', '.join(misplaced)} cannot apply to {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
+                             "source (it would do nothing): "
+                             + "; ".join(f"{f} is for {' and '.join(_SOURCE_FIELDS[f])} sources" for f in misplaced))
         if self.grader is not None:
             from crucible.ml import kinds
 

@@ -68,6 +68,11 @@ def test_the_builtin_recipe_is_the_shipped_digits_file():
     ('[budget]\nsteps = true\n', 2, "budget.steps", "valid integer"),
     ('[[tasks.sources]]\nreasoning_gym = "chain_sum"\nconfig = {size = inf}\n', 3, "tasks.sources.0.config.size",
      "finite number"),
+    # a field given to a source it does not apply to would do nothing
+    ('[[tasks.sources]]\nenvironment = "lookup"\nops = ["parity"]\n', 1, "tasks.sources.0",
+     "ops cannot apply to an environment source"),
+    ('[[tasks.sources]]\nfamily = "digits"\ncount = 5\n', 1, "tasks.sources.0", "count is for set and reasoning_gym"),
+    ('[[tasks.sources]]\nset = "math"\nconfig = {a = 1}\n', 1, "tasks.sources.0", "config is for reasoning_gym"),
 ])
 def test_a_mistake_names_the_file_the_line_and_the_field(text, line, field, what, tmp_path):
     path = tmp_path / "bad.toml"
