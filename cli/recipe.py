@@ -91,8 +91,9 @@ class TaskSource(BaseModel):
                              + (f" (got {', '.join(chosen)})" if chosen else ""))
         # Each field applies to the kinds of source it names; given to another, it would do nothing.
         kind = chosen[0]
-        misplaced = [field for field, kinds_ in _SOURCE_FIELDS.items()
-                     if kind not in kinds_ and field in self.model_fields_set]
+        # (a field at its default does nothing anywhere: a saved run's recipe writes every one)
+        misplaced = [field for field, kinds_ in _SOURCE_FIELDS.items() if kind not in kinds_
+                     and getattr(self, field) != type(self).model_fields[field].get_default(call_default_factory=True)]
         if misplaced:
             raise ValueError(f"{', '.join(misplaced)} cannot apply to {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
                              "source (it would do nothing): "

@@ -150,6 +150,14 @@ def test_held_out_tasks_are_a_stable_split_and_never_in_the_training_stream():
     assert all(t.group_size == 4 for t in seen)
 
 
+def test_a_saved_recipe_with_every_field_written_reads_back():
+    """A run's state holds its recipe as JSON with every field, defaults too (what --resume reads)."""
+    for path in sorted(RECIPES.glob("*.toml")):
+        recipe = recipes.load(path)
+        saved = recipe.model_dump(mode="json")
+        assert recipes.Recipe.model_validate(json.loads(json.dumps(saved))).model_dump(mode="json") == saved, path
+
+
 def test_held_out_tasks_are_never_training_tasks_whatever_the_sources_say(tmp_path):
     """A held-out file repeating training tasks, a task listed in two sources, a task its file marks held
     out, a split that leaves nothing held out: each refused (or honoured), never a run that trains on
