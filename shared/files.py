@@ -17,7 +17,10 @@ def staging(folder: Path) -> Path:
 
 
 def replace_folder(tmp: Path, folder: Path) -> Path:
-    """Puts the finished `tmp` in place of `folder` (a reader sees the old folder or the new one, never half)."""
+    """Puts the finished `tmp` in place of `folder` (a reader sees the old folder or the new one, never half),
+    durably: its files are on disk before the rename publishes them, and the rename is once this returns
+    (a crash could leave a folder in place whose files were still empty)."""
+    _sync_tree(tmp)
     if folder.exists():
         old = folder.parent / f".{folder.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         folder.rename(old)
@@ -25,7 +28,23 @@ def replace_folder(tmp: Path, folder: Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(folder)
+    _sync(folder.parent)
     return folder
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, _, names in os.walk(root):
+        for name in names:
+            _sync(Path(folder) / name)
+        _sync(Path(folder))
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Unreadable(ValueError):

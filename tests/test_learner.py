@@ -357,6 +357,90 @@ def test_pruning_keeps_the_newest_optimiser_state(tmp_path):
     assert checkpoints.optimizer_source(folder / "v000007") is None
 
 
+def test_pruning_counts_versions_by_number_not_name(tmp_path):
+    """By name, v1000000 sorted before v999999: the version just written was removed, and the old kept."""
+    from crucible.shared.settings import Settings
+
+    settings = Settings(home=tmp_path, run_id="big-run", learner_keep_checkpoints=2)
+    for version in range(999_997, 1_000_002):
+        v = checkpoints.version_dir(settings, version)
+        v.mkdir(parents=True)
+        (v / "crucible.json").write_text("{}")
+    checkpoints.prune(settings)
+    assert sorted(p.name for p in checkpoints.checkpoints_dir(settings).iterdir()) == ["v1000000", "v1000001"]
+    assert checkpoints.latest(settings).name == "v1000001"
+
+
+def test_a_learner_resumes_past_a_damaged_newest_version_and_clears_what_failed_writes_left(tmp_path, monkeypatch):
+    """A newest version cut short (a crash, a full disk) stopped every restart; the learner now resumes at
+    the version before, numbered past the damaged one (generators may hold it), and never starts afresh
+    while a run has versions. A write that fails leaves nothing behind, and what a killed one left goes."""
+    from crucible.ml.policy import checkpoint as checkpoint_files
+    from crucible.services.learner.loop import build_trainer
+    from crucible.shared.settings import Settings
+
+    settings = Settings(home=tmp_path, run_id="damaged-run", seed=SEED)
+    trainer, meta = build_trainer(settings)  # version 0
+    for version in (1, 2):
+        with torch.no_grad():
+            next(trainer.model.parameters()).add_(1.0)
+        trainer.version = trainer.step_count = version
+        checkpoints.save(settings, trainer, {0: 10 * version}, [], meta["reference_uri"])
+    v1 = load_checkpoint(checkpoints.version_dir(settings, 1))[0].state_dict()
+    weights = checkpoints.version_dir(settings, 2) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    left = checkpoints.checkpoints_dir(settings) / ".v000003.tmp-4242-deadbeef"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\0" * 4096)
+
+    resumed, meta = build_trainer(settings)
+    assert meta["version"] == 1 and meta["offsets"] == {"0": 10}
+    assert resumed.version == 2  # the next version announced is 3: newer than anything generators may hold
+    assert all((a == b).all() for a, b in zip(resumed.model.state_dict().values(), v1.values()))
+    assert not left.exists()
+
+    # A write that fails part-way (the disk full as the optimiser state is written) leaves no folder.
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_files.torch, "save", full)
+    resumed.version = 10  # a version written with its optimiser state
+    with pytest.raises(OSError):
+        checkpoints.save(settings, resumed, {}, [], meta["reference_uri"])
+    assert sorted(p.name for p in checkpoints.checkpoints_dir(settings).iterdir()) == ["v000000", "v000001", "v000002"]
+    monkeypatch.undo()
+
+    for version in (0, 1):  # none loads: the newest one's error, not a run started afresh
+        weights = checkpoints.version_dir(settings, version) / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(Exception, match="(?i)header|safetensor|deserializ"):
+        build_trainer(settings)
+
+
+def test_optimiser_state_of_another_model_is_refused_at_resume_not_at_the_first_step(tmp_path):
+    """Adam took moments of other shapes and failed at the first step, and the learner restarted into it
+    again and again; the learner now resumes without them, saying why."""
+    from crucible.ml.policy.model import PolicyConfig
+    from crucible.services.learner.loop import build_trainer
+    from crucible.services.learner.trainer import OptimizerStateMismatch, load_optimizer_state
+    from crucible.shared.settings import Settings
+
+    other = Trainer(fresh_policy(SEED, PolicyConfig(hidden_size=64, intermediate_size=128)), RunConfig(seed=SEED))
+    loss = sum(p.sum() for p in other.model.parameters())
+    loss.backward()
+    other.optimizer.step()
+    _, state = other.checkpoint_state(optimizer=True)
+    mine = fresh_trainer()
+    with pytest.raises(OptimizerStateMismatch, match="is \\(.*64"):
+        load_optimizer_state(mine.model, mine.optimizer, state)
+
+    settings = Settings(home=tmp_path, run_id="other-state", seed=SEED)
+    trainer, meta = build_trainer(settings)
+    torch.save(state, checkpoints.version_dir(settings, 0) / checkpoints.OPTIMIZER_FILE)
+    resumed, _ = build_trainer(settings)
+    assert resumed.version == 0 and not resumed.optimizer.state
+
+
 def test_a_step_whose_loss_is_not_finite_changes_no_weight():
     # A NaN that reaches the optimiser makes every weight NaN, and that version would be published.
     trainer = fresh_trainer(epochs=1)
@@ -401,8 +485,19 @@ def test_a_sample_that_is_not_a_sample_is_refused_with_the_reason():
             ("nan log-prob", varied(logprobs=[float("nan")]), (None, None)),
             ("positive log-prob", varied(logprobs=[0.5]), (None, None)),
             ("top_p of 0", varied(top_p=0.0), (None, None)),
-            ("infinite temperature", varied(temperature=float("inf")), (None, None))]:
+            ("infinite temperature", varied(temperature=float("inf")), (None, None)),
+            # finite as doubles, but each made a whole step's update non-finite in float32 (the step was
+            # skipped, and with it every good sample of the batch)
+            ("advantage of 1e30", varied(advantage=1e30), (None, None)),
+            ("reward of -1e30", varied(reward=-1e30), (None, None)),
+            ("log-prob of -3e38", varied(logprobs=[-3e38]), (None, None)),
+            ("top_p 0 in float32", varied(top_p=1e-50), (None, None)),
+            ("temperature 0 in float32", varied(temperature=1e-50), (None, None))]:
         assert sample_problem(sample, *limits), name
+    # a sample of a version the learner never made (one resumed behind what it had announced)
+    assert sample_problem(varied(policy_version=5), version=5) is None
+    assert "later than the learner's 4" in sample_problem(varied(policy_version=5), version=4)
+    assert sample_problem(varied(policy_version=2**64 - 1), version=4)
     broken = {
         "empty": trajectory_pb2.Trajectory(),
         "no group": trajectory_pb2.Trajectory(id="s", group_size=1, group_received=1, prompt_token_ids=[1]),
@@ -448,6 +543,31 @@ async def test_dynamic_sampling_filters_groups_with_equal_rewards_and_a_solved_s
     [(filtered,)] = client.query("SELECT metrics['filtered_groups'] FROM policy_versions FINAL "
                                  "WHERE run_id = 'dyn-run' AND version = 1").result_rows
     assert filtered == 2
+
+
+@pytest.mark.kafka
+@pytest.mark.store
+async def test_a_group_with_a_refused_sample_trains_on_the_rest_and_its_position_moves_on(stack_settings, tmp_path):
+    """A sample the learner cannot use is dead-lettered and never comes back: its group trains on the others.
+    Waiting for it held the rest of the group, and the read position before them, for ever."""
+    settings = stack_settings.model_copy(update={
+        "groups_per_step": 1, "max_policy_lag": 3, "seed": SEED, "home": tmp_path, "run_id": "refused-run"})
+    group = trajectories_for("one-bad", 0, [1, 0, 0, 1])
+    group[2].completion_token_ids[0] = 10**6  # past the vocabulary
+    stop = asyncio.Event()
+    learner = asyncio.create_task(run(settings, stop))
+    try:
+        await policies(settings, 1)
+        await publish(settings, group)
+        v1 = (await policies(settings, 2))[1]
+        assert v1.version == 1 and v1.metrics.samples == 3
+        [dead] = await read_raw(settings, "trajectories" + bus.DLQ_SUFFIX, 1)
+        assert b"vocabulary" in dict(dead.headers)[bus.H_DLQ_REASON]
+    finally:
+        stop.set()
+        await asyncio.wait_for(learner, 30)
+    meta = json.loads((checkpoints.latest(settings) / "crucible.json").read_text())
+    assert meta["offsets"] == {"0": 4}  # a restart reads on after the group, not from its first sample
 
 
 def test_a_captured_version_is_written_as_it_was_while_the_next_step_changes_the_model(tmp_path):

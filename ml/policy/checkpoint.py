@@ -8,7 +8,7 @@ A checkpoint is the built-in policy (config.json says so) or any transformers ca
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -43,20 +43,22 @@ def save_checkpoint(model, folder: Path, meta: dict | None = None, extra: dict |
     """
     folder = Path(folder)
     tmp = files.staging(folder)
-    if isinstance(model, Policy):
-        _write_builtin(model, tmp, weights)
-    else:
-        hf.write(model, tmp, tokenizer_from, weights)
-    for name, obj in (extra or {}).items():
-        torch.save(obj, tmp / name)
-    for name, source in (folders or {}).items():
-        Path(source).rename(tmp / name)
-    # Compact: a learner's meta lists the ids its last steps trained on (about 300 KB a version for the
-    # built-in recipe), written on every step's path; indented, it took 1.9 ms to encode, now 0.6.
-    (tmp / META_FILE).write_text(json.dumps(meta or {}, separators=(",", ":")))
-    with open(tmp / META_FILE) as f:  # make the files durable before the rename publishes them
-        os.fsync(f.fileno())
-    return files.replace_folder(tmp, folder)
+    try:
+        if isinstance(model, Policy):
+            _write_builtin(model, tmp, weights)
+        else:
+            hf.write(model, tmp, tokenizer_from, weights)
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
+        for name, source in (folders or {}).items():
+            Path(source).rename(tmp / name)
+        # Compact: a learner's meta lists the ids its last steps trained on (about 300 KB a version for the
+        # built-in recipe), written on every step's path; indented, it took 1.9 ms to encode, now 0.6.
+        (tmp / META_FILE).write_text(json.dumps(meta or {}, separators=(",", ":")))
+        return files.replace_folder(tmp, folder)
+    except BaseException:  # a full disk, say: a folder the weights' size, which nothing else would remove
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_builtin(model: Policy, tmp: Path, weights: dict | None = None) -> None:

@@ -44,6 +44,11 @@ def latest(settings: Settings) -> Path | None:
     return found[-1][1] if found else None
 
 
+def newest_first(settings: Settings) -> list[Path]:
+    """The run's complete versions, newest first."""
+    return [p for _, p in reversed(_versions(checkpoints_dir(settings)))]
+
+
 @dataclass(frozen=True)
 class Captured:
     """A version's weights and (when due) optimiser state, copied off the live model: written by `save`
@@ -143,12 +148,34 @@ def has_optimizer(folder: Path) -> bool:
     return (folder / OPTIMIZER_FILE).exists() or (folder / OPTIMIZER_SHARDS).is_dir()
 
 
-def _versions(folder: Path) -> list[tuple[int, Path]]:
-    """The complete version folders under `folder`, oldest first."""
+def _versions(folder: Path, complete: bool = True) -> list[tuple[int, Path]]:
+    """The (complete) version folders under `folder`, oldest first (by number)."""
     if not folder.exists():
         return []
     return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _VERSION_DIR.match(p.name))
-                  and (p / "crucible.json").exists())
+                  and (not complete or (p / "crucible.json").exists()))
+
+
+_UNFINISHED = re.compile(r"^\.v\d{6,}\.(tmp-|old-|optimizer$)")  # files.staging's, replace_folder's, FSDP's shards
+
+
+def clear_unfinished(settings: Settings) -> list[str]:
+    """Removes what writes of versions left behind when they failed (a full disk) or their learner died:
+    folders a version's weights large each, which nothing else ever removes. Only at a learner's start,
+    when no write is under way. Returns their names."""
+    folder = checkpoints_dir(settings)
+    left = [p for p in folder.iterdir() if _UNFINISHED.match(p.name)] if folder.is_dir() else []
+    for p in left:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in left]
+
+
+def newest_number(settings: Settings) -> int:
+    """The highest version any folder of the run's checkpoints is numbered with, whole or not (-1: none):
+    a version a learner may have announced."""
+    folder = checkpoints_dir(settings)
+    names = (re.match(r"^\.?v(\d{6,})(\.|$)", p.name) for p in folder.iterdir()) if folder.is_dir() else ()
+    return max((int(m.group(1)) for m in names if m), default=-1)
 
 
 def optimizer_source(folder: Path) -> Path | None:
@@ -163,9 +190,10 @@ def optimizer_source(folder: Path) -> Path | None:
 
 def prune(settings: Settings) -> None:
     """Keeps the newest `learner_keep_checkpoints` versions (generators may still be loading recent ones)
-    and the newest one holding optimiser state (where a resumed learner takes it from)."""
+    and the newest one holding optimiser state (where a resumed learner takes it from). Newest by number:
+    by name, v1000000 sorted before v999999, and the version just written was the one removed."""
     folder = checkpoints_dir(settings)
-    versions = sorted(p for p in folder.iterdir() if _VERSION_DIR.match(p.name))
+    versions = [p for _, p in _versions(folder, complete=False)]
     keep = set(versions[-settings.learner_keep_checkpoints:])
     keep.update(next(([p] for _, p in reversed(_versions(folder)) if has_optimizer(p)), []))
     for old in versions:

@@ -10,8 +10,12 @@ import asyncio
 import datetime as dt
 import functools
 import logging
+import pickle
 import time
 from collections import Counter, deque
+from pathlib import Path
+
+from safetensors import SafetensorError
 
 from crucible.ml import evaluation
 from crucible.ml.policy import transfer
@@ -22,7 +26,7 @@ from crucible.services.learner.monitors import HealthMonitor
 from crucible.services.learner.reference import ReferenceAhead
 from crucible.services.learner.ranks import IDLE_BEAT_S, Ranks
 from crucible.services.learner.rows import record_alert, record_steps, step_entry
-from crucible.services.learner.trainer import StepResult, Trainer
+from crucible.services.learner.trainer import OptimizerStateMismatch, StepResult, Trainer
 from opentelemetry.metrics import Observation
 
 from crucible.shared import bus, integrity, metrics, telemetry
@@ -65,12 +69,20 @@ def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Train
     Every rank calls it; rank 0 chooses the checkpoint (and writes version 0's), the others follow."""
     ranks = ranks or Ranks()
     config = settings.run_config()
-    found = ranks.broadcast(checkpoints.latest(settings) if ranks.main else None)
+    loaded = _newest_loadable(settings) if ranks.main else None
+    found = ranks.broadcast(loaded and loaded[0])
     if found is not None:
-        model, meta, optimizer_state = checkpoints.load(found)
+        model, meta, optimizer_state = loaded[1] if ranks.main else checkpoints.load(found)
+        # Numbered past every version a folder was written for: one set aside may have been announced, and
+        # generators holding it take only a later number.
+        version = ranks.broadcast(max(meta["version"], checkpoints.newest_number(settings)) if ranks.main else None)
         reference, _ = load_checkpoint(path_from_uri(meta["reference_uri"]))
-        trainer = Trainer(model, config, reference=reference, version=meta["version"], step=meta["step"],
-                          optimizer_state=optimizer_state, ranks=ranks)
+        try:
+            trainer = Trainer(model, config, reference=reference, version=version, step=meta["step"],
+                              optimizer_state=optimizer_state, ranks=ranks)
+        except OptimizerStateMismatch as exc:
+            log.error("resuming run %s without optimiser state: %s", settings.run_id, exc)
+            trainer = Trainer(model, config, reference=reference, version=version, step=meta["step"], ranks=ranks)
         log.info("resumed run %s at version %d (step %d) from %s", settings.run_id, trainer.version,
                  trainer.step_count, found)
         return trainer, meta
@@ -85,6 +97,33 @@ def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Train
     meta = {"offsets": {}, "trained_ids_past_offsets": [], "reference_uri": reference_uri}
     checkpoints.save(settings, trainer, {}, [], reference_uri)
     return trainer, meta
+
+
+# What a checkpoint's damaged files raise as they load (safetensors' header or data cut short, a cut-off zip
+# of optimiser state, JSON cut short); anything else (memory, a missing package) is no reason to pass a
+# version over.
+DAMAGED = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
+def _newest_loadable(settings: Settings) -> tuple[Path, tuple] | None:
+    """The newest version that loads, and what it loads to (checkpoints.load); what failed writes left is
+    removed. A version whose files are damaged (cut short by a crash or a full disk) is passed over, with
+    an error logged, for the one before: it stopped every restart of the learner, however sound the one
+    before. Where none loads, the newest one's error is raised (never a fresh start)."""
+    cleared = checkpoints.clear_unfinished(settings)
+    if cleared:
+        log.warning("removed what unfinished checkpoint writes left: %s", ", ".join(cleared))
+    first = None
+    for found in checkpoints.newest_first(settings):
+        try:
+            return found, checkpoints.load(found)
+        except DAMAGED as exc:
+            log.error("checkpoint %s does not load, passed over for the version before: %s: %s", found,
+                      type(exc).__name__, str(exc)[:300])
+            first = first or exc
+    if first is not None:
+        raise first
+    return None
 
 
 def announced_uri(settings: Settings, folder) -> str:
@@ -239,9 +278,13 @@ class Learner:
             problem = None if integrity.signed_correctly(incoming.message, self.secret) else (
                 f"trajectory {incoming.message.id[:200]!r} is not signed by a reward aggregator of this "
                 "deployment (integrity key): only the aggregator sets rewards and advantages")
-            problem = problem or sample_problem(incoming.message, self.trainer.vocab_size, self.trainer.max_positions)
+            signed = problem is None
+            problem = problem or sample_problem(incoming.message, self.trainer.vocab_size, self.trainer.max_positions,
+                                                 self.trainer.version)
             if problem:
                 await self.reader.reject(incoming, problem)
+                if signed:  # the aggregator's: its group will not see it again
+                    self.buffer.refuse(incoming.message)
                 continue
             sample_id = incoming.message.id
             if sample_id in self.trained_past or sample_id in self.recent or sample_id in self.restored \

@@ -407,6 +407,30 @@ class Trainer:
             self.ranks.broadcast(("stop",))
 
 
+class OptimizerStateMismatch(ValueError):
+    """Saved optimiser state that is not this model's (other parameters, or other shapes)."""
+
+
+def _check_fits(model, state: dict) -> None:
+    """OptimizerStateMismatch unless `state` (keyed by parameter name) holds moments shaped as the model's
+    parameters of those names, and names some of them: Adam took any state, and failed at the first step
+    with a size mismatch (the learner restarting into it again and again). (A wrapper's names differ from
+    the saved ones by a prefix, so a name the model lacks alone proves nothing.)"""
+    saved = state.get("state") or {}
+    if not saved:
+        return
+    shapes = {}
+    for name, p in model.named_parameters():
+        shapes[name] = shapes[name.removeprefix("module.")] = tuple(p.shape)
+    if not any(name in shapes for name in saved):
+        raise OptimizerStateMismatch(f"it names none of the model's parameters (such as {str(next(iter(saved)))[:200]!r})")
+    for name, moments in saved.items():
+        for key, value in (moments or {}).items() if name in shapes else ():
+            if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != shapes[name]:
+                raise OptimizerStateMismatch(f"its {key} of {name} is {tuple(value.shape)}, the parameter "
+                                             f"{shapes[name]}")
+
+
 def load_optimizer_state(model, optimizer, state) -> None:
     """Optimiser state as `checkpoint_state` saves it (keyed by parameter name, whole), or the folder of
     shards FSDP ranks wrote (`save_optimizer_shards`), or as older checkpoints saved it (by parameter
@@ -426,6 +450,7 @@ def load_optimizer_state(model, optimizer, state) -> None:
     if any(isinstance(i, int) for group in state.get("param_groups", []) for i in group.get("params", [])):
         optimizer.load_state_dict(state)
         return
+    _check_fits(model, state)
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
