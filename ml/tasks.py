@@ -38,6 +38,9 @@ _TIMESTAMP_MIN_S, _TIMESTAMP_MAX_S = -62_135_596_800, 253_402_300_799
 def task_problems(task: task_pb2.Task, settings: Settings | None = None) -> list[str]:
     """Everything wrong with `task`, each as a sentence a publisher can act on; [] when it is fine."""
     settings = settings or get_settings()
+    size = task.ByteSize()
+    if size > settings.max_task_bytes:  # nothing more is looked at: the checks below cost with the size
+        return [f"the task is {size:,} bytes encoded: at most {settings.max_task_bytes:,} (CRUCIBLE_MAX_TASK_BYTES)"]
     problems = []
     if not task.id.strip():
         problems.append("id is empty: give every task a unique id")

@@ -12,10 +12,12 @@ loopback without a token refuses to start (unless `CRUCIBLE_RPC_ALLOW_INSECURE`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import inspect
 import ipaddress
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -141,7 +143,8 @@ def _tolerant(deserialize):
 
 
 def _checked(inner, kind: str):
-    """`inner`, answering INVALID_ARGUMENT for a request (or a streamed request) that did not parse."""
+    """`inner`, answering INVALID_ARGUMENT for a request (or a streamed request) that did not parse, and
+    INTERNAL for what a handler raised without answering (_unanswered)."""
     message = "the request bytes are not a valid message for this method"
 
     async def refuse(context, bad: _Undecodable):
@@ -158,27 +161,51 @@ def _checked(inner, kind: str):
 
         if inspect.isasyncgenfunction(inner):
             async def streamed(requests, context):
-                async for reply in inner(await checked_stream(requests, context), context):
-                    yield reply
+                try:
+                    async for reply in inner(await checked_stream(requests, context), context):
+                        yield reply
+                except Exception as exc:  # noqa: BLE001
+                    await _unanswered(context, exc)
             return streamed
 
         async def unary_reply(requests, context):
-            return await inner(await checked_stream(requests, context), context)
+            try:
+                return await inner(await checked_stream(requests, context), context)
+            except Exception as exc:  # noqa: BLE001
+                await _unanswered(context, exc)
         return unary_reply
 
     if inspect.isasyncgenfunction(inner):
         async def streamed_one(request, context):
             if isinstance(request, _Undecodable):
                 await refuse(context, request)
-            async for reply in inner(request, context):
-                yield reply
+            try:
+                async for reply in inner(request, context):
+                    yield reply
+            except Exception as exc:  # noqa: BLE001
+                await _unanswered(context, exc)
         return streamed_one
 
     async def unary(request, context):
         if isinstance(request, _Undecodable):
             await refuse(context, request)
-        return await inner(request, context)
+        try:
+            return await inner(request, context)
+        except Exception as exc:  # noqa: BLE001
+            await _unanswered(context, exc)
     return unary
+
+
+async def _unanswered(context, exc: Exception) -> None:
+    """A handler's exception that is not an answer (an abort is one): logged here, whole, under an id, and
+    the caller told INTERNAL with that id and nothing of the error. gRPC's own answer was UNKNOWN with the
+    exception's text, which tells a caller a store's host and port, paths, or whatever else it held."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    incident = uuid.uuid4().hex[:12]
+    log.error("a call failed without an answer (incident %s)", incident, exc_info=exc)
+    await abort(context, grpc.StatusCode.INTERNAL, f"the service failed on this call (incident {incident}, in "
+                "its log); try again, and report it if it persists")
 
 
 def _traced(inner, method: str, parent):
@@ -413,6 +440,26 @@ async def wait_serving(target: str, service: str = "", timeout: float = 30.0) ->
 # a longer one (a 20,000-character id quoted, 300 tasks' problems joined) reached the caller as
 # RESOURCE_EXHAUSTED instead of what it said.
 MAX_STATUS_MESSAGE = 2000
+
+
+class Admission:
+    """At most `limit` units of work (calls, or the requests they carry) under way in a servicer's calls;
+    a call past that is RESOURCE_EXHAUSTED at once, never queued: a flood of calls otherwise waited
+    without bound, holding their requests in memory and work meant for the service's own traffic."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit, self.what, self.taken = limit, what, 0
+
+    @contextlib.asynccontextmanager
+    async def admit(self, context: grpc.aio.ServicerContext, units: int = 1):
+        if self.taken + units > self.limit:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.taken} {self.what} under way here (at most {self.limit}): retry with backoff")
+        self.taken += units
+        try:
+            yield
+        finally:
+            self.taken -= units
 
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str):

@@ -147,6 +147,14 @@ async def test_grpc_generate_and_invalid_argument(generator):
              "top_p"),
             (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(max_tokens=10**6)),
              "max_tokens"),
+            # each stop string is compared with every completion at every token (20,000 made a call 5x slower);
+            # "" ended every completion at its first token
+            (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(
+                stop=[f"s{i}" for i in range(20_000)])), "20000 stop strings"),
+            (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(stop=[""])),
+             "stop string of 0 characters"),
+            (generator_pb2.GenerateRequest(task=task("x"), sampling=generator_pb2.SamplingParams(stop=["x" * 10**6])),
+             "stop string of 1000000 characters"),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(request, timeout=10)
@@ -174,7 +182,7 @@ async def test_a_bad_task_is_dead_lettered_once_with_the_task_log_running(genera
         client = store.connect(settings)
         store.migrate(client)  # idempotent: the table exists whichever of us migrates first
         for _ in range(100):  # the task log has caught up with both records
-            if client.query("SELECT count() FROM tasks FINAL").result_rows[0][0] == 2:  # bad and good
+            if client.query(f"SELECT count() FROM {store.TASKS_TABLE} FINAL").result_rows[0][0] == 2:  # bad and good
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)

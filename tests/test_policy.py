@@ -247,3 +247,21 @@ def test_warm_start_teaches_the_answer_format():
     before = parse_rate()
     warm_start(model, pairs, steps=150, batch_size=32, lr=3e-3)
     assert before < 0.2 and parse_rate() > 0.9
+
+
+async def test_a_request_whose_caller_has_gone_is_not_sampled():
+    """Generate calls past their deadline were still sampled, for nobody, ahead of the run's own work."""
+    backend = create_backend("torch", seed=1)
+    batcher = Batcher(backend, max_tasks=1, wait_ms=50, lag=LagBound(max_lag=-1, groups_per_step=1))
+    batcher.start()
+    try:
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8)
+        calls = [asyncio.create_task(batcher.sample(f"p{i}", 2, params, counts_for_lag=False)) for i in range(10)]
+        await asyncio.sleep(0)  # every request is queued
+        for gone in calls[1:]:
+            gone.cancel()
+        completions, _, _ = await asyncio.wait_for(calls[0], 10)
+        await asyncio.sleep(0.3)
+        assert batcher.batches == 1 and batcher.tokens == sum(len(c.token_ids) for c in completions)
+    finally:
+        await batcher.stop()

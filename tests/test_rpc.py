@@ -1,13 +1,15 @@
 """gRPC: health, reflection, trace propagation, and INVALID_ARGUMENT for bad calls."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from crucible.v1 import control_pb2, control_pb2_grpc, policy_pb2, policy_pb2_grpc, task_pb2, trajectory_pb2, verdict_pb2
 from crucible.services.control.servicer import ControlServicer
-from crucible.shared import bus, rpc, telemetry
+from crucible.shared import bus, rpc, store, telemetry
 
 
 class _TraceEchoLearner(policy_pb2_grpc.LearnerServicer):
@@ -82,6 +84,12 @@ async def test_submit_tasks_validates_and_publishes(settings):
                     python_tests=task_pb2.PythonTests(entry_point="f", timeout_s=float("nan"),
                                                       test_code="def check(c):\n    assert c() is None\n"))]),
                  "timeout_s nan"),
+                # test code of 24 MB was parsed on the event loop for over two minutes, the server answering
+                # nothing meanwhile: a task past CRUCIBLE_MAX_TASK_BYTES is refused before any check
+                (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(
+                    id="big", kind="python_tests", prompt="def f():\n    pass\n", group_size=1,
+                    python_tests=task_pb2.PythonTests(entry_point="f", test_code="x = 1\n" * 400_000))]),
+                 "bytes encoded: at most"),
                 # a message too long for the trailers is cut, not RESOURCE_EXHAUSTED
                 (control_pb2.SubmitTasksRequest(tasks=[task_pb2.Task(id="e" * 20_000, kind="haiku", prompt="p",
                                                                      group_size=1)] * 5), "characters in all)"),
@@ -204,6 +212,56 @@ async def test_garbage_request_bytes_are_invalid_argument_and_the_server_keeps_s
         assert await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5) is not None
 
 
+class _FailingLearner(policy_pb2_grpc.LearnerServicer):
+    async def GetPolicy(self, request, context):
+        raise ConnectionError("store at http://default:hunter2@10.1.2.3:8123 refused")
+
+
+async def test_a_call_that_fails_inside_is_internal_with_an_incident_id_and_nothing_of_the_error(caplog):
+    """gRPC answered UNKNOWN with the exception's text: a store's address, credentials, paths."""
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Learner", _FailingLearner(),
+                                        policy_pb2_grpc.add_LearnerServicer_to_server)])
+    async with server, rpc.channel(server.address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await policy_pb2_grpc.LearnerStub(ch).GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "incident" in err.value.details()
+        assert "hunter2" not in err.value.details() and "10.1.2.3" not in err.value.details()
+        incident = err.value.details().split("incident ")[1].split(",")[0]
+        assert any(incident in r.getMessage() and r.exc_info for r in caplog.records)  # the whole error is logged
+        assert await rpc.health_status(server.address) == "SERVING"
+
+
+class _HeldLearner(policy_pb2_grpc.LearnerServicer):
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.calls = rpc.Admission(2, "GetPolicy calls")
+
+    async def GetPolicy(self, request, context):
+        async with self.calls.admit(context):
+            await self.release.wait()
+            return policy_pb2.PolicyVersion(version=7)
+
+
+async def test_calls_past_a_servicers_admission_are_resource_exhausted_at_once_not_queued():
+    """Generate and Verify calls queued without bound (1,500 Verify calls of 256 KB: 950 MB), and a
+    generator sampled for callers long gone ahead of its run's own work."""
+    held = _HeldLearner()
+    server = rpc.RpcServer([rpc.Service("crucible.v1.Learner", held, policy_pb2_grpc.add_LearnerServicer_to_server)])
+    async with server, rpc.channel(server.address) as ch:
+        stub = policy_pb2_grpc.LearnerStub(ch)
+        first = [asyncio.ensure_future(stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=10)) for _ in range(2)]
+        while held.calls.taken < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2" in err.value.details()
+        held.release.set()
+        assert [r.version for r in await asyncio.gather(*first)] == [7, 7]
+        assert (await stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5)).version == 7
+        assert held.calls.taken == 0
+
+
 @pytest.mark.store
 async def test_run_status_is_of_the_run_asked_for(settings, store_client):
     from crucible.services.control.handler import TASK_COLUMNS, task_row
@@ -214,7 +272,7 @@ async def test_run_status_is_of_the_run_asked_for(settings, store_client):
     for run_id, n in (("run-a", 3), ("run-b", 1)):
         rows = [task_row(task_pb2.Task(id=f"{run_id}-{i}", kind="exact", prompt="p", group_size=1), "", run_id)
                 for i in range(n)]
-        store_client.insert("tasks", rows, column_names=TASK_COLUMNS)
+        store_client.insert(store.TASKS_TABLE, rows, column_names=TASK_COLUMNS)
     async with bus.Producer(settings) as producer:
         own = settings.model_copy(update={"run_id": "run-b"})
         server = rpc.RpcServer([rpc.Service("crucible.v1.Control", ControlServicer(own, producer, store_client),
@@ -237,6 +295,25 @@ async def test_run_status_is_of_the_run_asked_for(settings, store_client):
             for asked, want in (("run-a", ["run-a/0"]), ("", ["run-b/0"]), ("no-such-run", [])):
                 reply = await stub.QueryTrajectories(control_pb2.QueryTrajectoriesRequest(run_id=asked), timeout=10)
                 assert [r.trajectory_id for r in reply.rows] == want, asked
+            # Paged: every row once, in order (min_policy_version could not get past a version's first page)
+            samples = [trajectory_pb2.Trajectory(id=f"c/{v}/{i}", task_id="c", group_id=f"c/g{v}", group_size=3,
+                                                 sample_index=i, policy_version=v) for v in (1, 2) for i in range(3)]
+            store_client.insert("trajectories", [trajectory_row(verdict_pb2.Verdict(sample=t, task_kind="exact"), t, "",
+                                                                "run-c") for t in samples], column_names=TRAJECTORY_COLUMNS)
+            seen, token = [], ""
+            for _ in range(10):
+                reply = await stub.QueryTrajectories(control_pb2.QueryTrajectoriesRequest(
+                    run_id="run-c", limit=2, page_token=token), timeout=10)
+                seen += [r.trajectory_id for r in reply.rows]
+                token = reply.next_page_token
+                if not token:
+                    break
+            assert seen == [t.id for t in samples]
+            for bad in ("not a token", "WzEsMl0=", "WzEsICJnIiwgLTFd"):  # garbage, [1,2], [1, "g", -1]
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.QueryTrajectories(control_pb2.QueryTrajectoriesRequest(run_id="run-c", page_token=bad),
+                                                 timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in err.value.details()
 
 
 async def _status_becomes(address: str, want: str, service: str = "", within_s: float = 10.0) -> str:

@@ -28,13 +28,13 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         log.info("applied migrations %s", applied)
 
     # The records of a fetched batch are handled together and their rows go to the store in one insert.
-    rows = writes.BatchedRows(client, "tasks", TASK_COLUMNS, linger_s=ROWS_LINGER_S)
+    rows = writes.BatchedRows(client, store.TASKS_TABLE, TASK_COLUMNS, linger_s=ROWS_LINGER_S)
 
     async def record(incoming: bus.Incoming):
         task = incoming.message
         # The log records what was published; whether a task is acceptable is decided once, by the
         # generator, which dead-letters the bad ones. A replayed record rewrites the same row
-        # (`tasks` is a ReplacingMergeTree on task_id).
+        # (the task log is a ReplacingMergeTree on run and task id).
         await rows.add(task_row(task, telemetry.current_trace_id(), settings.run_id))
         log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)
 

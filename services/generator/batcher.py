@@ -219,7 +219,7 @@ class Batcher:
         while True:
             first = await self._queue.get()
             await self._swap_weights_if_any()
-            if first is _SWAP:
+            if first is _SWAP or first.future.done():  # a caller gone (its deadline passed) is sampled for nobody
                 continue
             batch = [first]
             deadline = loop.time() + self.wait_s
@@ -235,10 +235,12 @@ class Batcher:
                 if item is not _SWAP:
                     batch.append(item)
             # Only requests with the same sampling parameters share a batch; the rest wait their turn.
-            same = [r for r in batch if r.params == first.params]
+            same = [r for r in batch if r.params == first.params and not r.future.done()]
             for r in batch:
-                if r.params != first.params:
+                if r.params != first.params and not r.future.done():
                     self._queue.put_nowait(r)
+            if not same:
+                continue
             started = time.perf_counter()
             try:
                 groups = await self._sample(same)

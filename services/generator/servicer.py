@@ -1,6 +1,7 @@
 """Generator gRPC: sample a group for one task, interactively (shares the batcher with Kafka traffic)."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from crucible.v1 import generator_pb2, generator_pb2_grpc
@@ -35,14 +36,23 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self.settings = settings
         self.batcher = batcher
         self.generator_id = generator_id
+        self.calls = rpc.Admission(self.MAX_CALLS, "Generate calls")
+
+    # Calls sampled or waiting at once: they share the batcher with the run's own sampling, and a flood of
+    # them queued without bound ahead of it.
+    MAX_CALLS = 64
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context):
+        async with self.calls.admit(context):
+            return await self._generate(request, context)
+
+    async def _generate(self, request: generator_pb2.GenerateRequest, context):
         task = request.task
         n = request.n or task.group_size
         if request.n:  # an explicit n stands in for the group size when checking the task
             task = type(task).FromString(task.SerializeToString())
             task.group_size = request.n
-        problems = task_problems(task, self.settings)
+        problems = await asyncio.to_thread(task_problems, task, self.settings)  # test code is parsed: off the loop
         if problems:
             await rpc.abort_invalid(context, f"task {task.id!r}: " + "; ".join(problems))
         if envs.is_environment(task):

@@ -65,6 +65,7 @@ class SandboxServicer(execution_pb2_grpc.SandboxServicer):
 
         feeder = asyncio.create_task(feed())
         sent = 0
+        getter = None
         try:
             while not (total.done() and sent >= total.result()):
                 if feeder.done() and feeder.exception() is not None:
@@ -80,5 +81,7 @@ class SandboxServicer(execution_pb2_grpc.SandboxServicer):
                 yield getter.result()
         finally:
             feeder.cancel()
+            if getter is not None:  # a stream cancelled while waiting: its wait must not outlive it
+                getter.cancel()
             for task in list(running):
                 task.cancel()

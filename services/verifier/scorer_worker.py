@@ -11,6 +11,7 @@ that hangs or crashes a parser costs one of these processes, not the service.
 """
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 
@@ -34,6 +35,10 @@ def main() -> None:
     # Import what scoring needs before saying ready, so a request never pays for it.
     import math_verify  # noqa: F401
     import reasoning_gym  # noqa: F401
+
+    # math_verify logs a parse that ran out of time with the whole answer in it: a completion's text, as
+    # long and with whatever control characters its author chose, in the service's log.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     # Replies go to a private copy of stdout; descriptor 1 becomes stderr, so nothing a library
     # prints (from Python or from C) can corrupt the reply stream.

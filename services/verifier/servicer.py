@@ -16,6 +16,7 @@ from crucible.shared import integrity, rpc
 _PASSED_ON = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 BATCH_MAX = 1024  # requests in one VerifyBatch call
 RUNS_AT_ONCE = 16  # sandbox runs in flight from this verifier, whatever the calls: none floods the sandbox
+UNDER_WAY_MAX = 2 * BATCH_MAX  # requests in calls under way (1,500 Verify calls of 256 KB queued: 950 MB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
         self.sandbox_target = sandbox_target
         self._channel = None
         self._runs = asyncio.Semaphore(RUNS_AT_ONCE)
+        self._under_way = rpc.Admission(UNDER_WAY_MAX, "verify requests")
 
     def _sandbox(self) -> execution_pb2_grpc.SandboxStub:
         if self._channel is None:
@@ -43,7 +45,8 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
             await self._channel.close()
 
     async def Verify(self, request: verdict_pb2.VerifyRequest, context):
-        [outcome] = await self.outcomes([request])
+        async with self._under_way.admit(context):
+            [outcome] = await self.outcomes([request])
         if isinstance(outcome, Refusal):
             await rpc.abort(context, outcome.code, outcome.message)
         return outcome
@@ -52,7 +55,8 @@ class VerifierServicer(verdict_pb2_grpc.VerifierServicer):
         if len(request.requests) > BATCH_MAX:
             await rpc.abort_invalid(context, f"a batch of {len(request.requests)} requests; at most {BATCH_MAX} "
                                              "are taken in one call")
-        outcomes = await self.outcomes(list(request.requests))
+        async with self._under_way.admit(context, max(1, len(request.requests))):
+            outcomes = await self.outcomes(list(request.requests))
         return verdict_pb2.VerifyBatchResponse(outcomes=[
             verdict_pb2.VerifyOutcome(refusal=verdict_pb2.VerifyRefusal(code=o.code.value[0], message=o.message))
             if isinstance(o, Refusal) else verdict_pb2.VerifyOutcome(verdict=o) for o in outcomes])

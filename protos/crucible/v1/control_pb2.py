@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from crucible.v1 import task_pb2 as crucible_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/control.proto\x12\x0b\x63rucible.v1\x1a\x16\x63rucible/v1/task.proto\"6\n\x12SubmitTasksRequest\x12 \n\x05tasks\x18\x01 \x03(\x0b\x32\x11.crucible.v1.Task\"\'\n\x13SubmitTasksResponse\x12\x10\n\x08task_ids\x18\x01 \x03(\t\"\"\n\x10RunStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8b\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x17\n\x0ftasks_submitted\x18\x04 \x01(\x04\x12\x14\n\x0ctrajectories\x18\x05 \x01(\x04\x12\x13\n\x0breward_mean\x18\x06 \x01(\x01\x12\x11\n\tpass_rate\x18\x07 \x01(\x01\x12=\n\x0c\x63onsumer_lag\x18\x08 \x03(\x0b\x32\'.crucible.v1.RunStatus.ConsumerLagEntry\x1a\x32\n\x10\x43onsumerLagEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"x\n\x18QueryTrajectoriesRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x04 \x01(\x04\x12\r\n\x05limit\x18\x05 \x01(\r\"\xc1\x01\n\rTrajectoryRow\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x11\n\ttask_kind\x18\x05 \x01(\t\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x12\n\ncompletion\x18\x07 \x01(\t\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x11\n\tadvantage\x18\t \x01(\x01\"E\n\x19QueryTrajectoriesResponse\x12(\n\x04rows\x18\x01 \x03(\x0b\x32\x1a.crucible.v1.TrajectoryRow2\x86\x02\n\x07\x43ontrol\x12P\n\x0bSubmitTasks\x12\x1f.crucible.v1.SubmitTasksRequest\x1a .crucible.v1.SubmitTasksResponse\x12\x45\n\x0cGetRunStatus\x12\x1d.crucible.v1.RunStatusRequest\x1a\x16.crucible.v1.RunStatus\x12\x62\n\x11QueryTrajectories\x12%.crucible.v1.QueryTrajectoriesRequest\x1a&.crucible.v1.QueryTrajectoriesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/control.proto\x12\x0b\x63rucible.v1\x1a\x16\x63rucible/v1/task.proto\"6\n\x12SubmitTasksRequest\x12 \n\x05tasks\x18\x01 \x03(\x0b\x32\x11.crucible.v1.Task\"\'\n\x13SubmitTasksResponse\x12\x10\n\x08task_ids\x18\x01 \x03(\t\"\"\n\x10RunStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8b\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x17\n\x0ftasks_submitted\x18\x04 \x01(\x04\x12\x14\n\x0ctrajectories\x18\x05 \x01(\x04\x12\x13\n\x0breward_mean\x18\x06 \x01(\x01\x12\x11\n\tpass_rate\x18\x07 \x01(\x01\x12=\n\x0c\x63onsumer_lag\x18\x08 \x03(\x0b\x32\'.crucible.v1.RunStatus.ConsumerLagEntry\x1a\x32\n\x10\x43onsumerLagEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x8c\x01\n\x18QueryTrajectoriesRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x04 \x01(\x04\x12\r\n\x05limit\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"\xc1\x01\n\rTrajectoryRow\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x11\n\ttask_kind\x18\x05 \x01(\t\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x12\n\ncompletion\x18\x07 \x01(\t\x12\x0e\n\x06reward\x18\x08 \x01(\x01\x12\x11\n\tadvantage\x18\t \x01(\x01\"^\n\x19QueryTrajectoriesResponse\x12(\n\x04rows\x18\x01 \x03(\x0b\x32\x1a.crucible.v1.TrajectoryRow\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\x86\x02\n\x07\x43ontrol\x12P\n\x0bSubmitTasks\x12\x1f.crucible.v1.SubmitTasksRequest\x1a .crucible.v1.SubmitTasksResponse\x12\x45\n\x0cGetRunStatus\x12\x1d.crucible.v1.RunStatusRequest\x1a\x16.crucible.v1.RunStatus\x12\x62\n\x11QueryTrajectories\x12%.crucible.v1.QueryTrajectoriesRequest\x1a&.crucible.v1.QueryTrajectoriesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,12 +44,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNSTATUS']._serialized_end=467
   _globals['_RUNSTATUS_CONSUMERLAGENTRY']._serialized_start=417
   _globals['_RUNSTATUS_CONSUMERLAGENTRY']._serialized_end=467
-  _globals['_QUERYTRAJECTORIESREQUEST']._serialized_start=469
-  _globals['_QUERYTRAJECTORIESREQUEST']._serialized_end=589
-  _globals['_TRAJECTORYROW']._serialized_start=592
-  _globals['_TRAJECTORYROW']._serialized_end=785
-  _globals['_QUERYTRAJECTORIESRESPONSE']._serialized_start=787
-  _globals['_QUERYTRAJECTORIESRESPONSE']._serialized_end=856
-  _globals['_CONTROL']._serialized_start=859
-  _globals['_CONTROL']._serialized_end=1121
+  _globals['_QUERYTRAJECTORIESREQUEST']._serialized_start=470
+  _globals['_QUERYTRAJECTORIESREQUEST']._serialized_end=610
+  _globals['_TRAJECTORYROW']._serialized_start=613
+  _globals['_TRAJECTORYROW']._serialized_end=806
+  _globals['_QUERYTRAJECTORIESRESPONSE']._serialized_start=808
+  _globals['_QUERYTRAJECTORIESRESPONSE']._serialized_end=902
+  _globals['_CONTROL']._serialized_start=905
+  _globals['_CONTROL']._serialized_end=1167
 # @@protoc_insertion_point(module_scope)

@@ -53,18 +53,20 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., step: _Optional[int] = ..., tasks_submitted: _Optional[int] = ..., trajectories: _Optional[int] = ..., reward_mean: _Optional[float] = ..., pass_rate: _Optional[float] = ..., consumer_lag: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class QueryTrajectoriesRequest(_message.Message):
-    __slots__ = ("run_id", "task_id", "group_id", "min_policy_version", "limit")
+    __slots__ = ("run_id", "task_id", "group_id", "min_policy_version", "limit", "page_token")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
     group_id: str
     min_policy_version: int
     limit: int
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    page_token: str
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class TrajectoryRow(_message.Message):
     __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "task_kind", "policy_version", "completion", "reward", "advantage")
@@ -89,7 +91,9 @@ class TrajectoryRow(_message.Message):
     def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., task_kind: _Optional[str] = ..., policy_version: _Optional[int] = ..., completion: _Optional[str] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ...) -> None: ...
 
 class QueryTrajectoriesResponse(_message.Message):
-    __slots__ = ("rows",)
+    __slots__ = ("rows", "next_page_token")
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[TrajectoryRow]
-    def __init__(self, rows: _Optional[_Iterable[_Union[TrajectoryRow, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, rows: _Optional[_Iterable[_Union[TrajectoryRow, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
