@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
-from crucible.shared.http_server import BoundedThreadingHTTPServer
+from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler
 from crucible.shared.store import queries
 
 log = logging.getLogger("crucible.dashboard")
@@ -128,7 +128,7 @@ def addressed_to_us(host_header: str | None, bound_host: str) -> bool:
 
 
 def handler_for(dashboard: Dashboard, bound_host: str) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(RequestHandler):
         server_version = "crucible-dashboard"
         timeout = IDLE_TIMEOUT_S  # for each read and write of the connection (StreamRequestHandler sets it)
 

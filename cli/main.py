@@ -10,6 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from crucible.cli import models as models_cmd
 from crucible.shared.procs import stop_processes
 from crucible.shared.settings import Settings, get_settings, shown_url
@@ -207,7 +209,8 @@ async def _demo_job(settings: Settings, control: subprocess.Popen, total: int) -
             return 1
         try:
             rows = client.query(
-                "SELECT task_id, kind, group_size, prompt, trace_id FROM tasks FINAL WHERE task_id = {id:String}",
+                f"SELECT task_id, kind, group_size, prompt, trace_id FROM {store.TASKS_TABLE} FINAL "
+                "WHERE task_id = {{id:String}}",
                 parameters={"id": task.id}).result_rows
         except Exception:  # the table appears once the control service has migrated
             rows = []
@@ -217,12 +220,12 @@ async def _demo_job(settings: Settings, control: subprocess.Popen, total: int) -
         echo("the task was not stored within 60s; see " + str(settings.home / "control.log"))
         return 1
     task_id, kind, group_size, prompt, trace_id = rows[0]
-    step(5, total, f"consumed from Kafka and stored in ClickHouse table {settings.clickhouse_database}.tasks:")
+    step(5, total, f"consumed from Kafka and stored in ClickHouse table {settings.clickhouse_database}.{store.TASKS_TABLE}:")
     echo(f"      task_id={task_id} kind={kind} group_size={group_size} trace_id={trace_id}")
     echo(f"      prompt={prompt!r}")
 
     step(6, total, f"the bad task was rejected, nothing published: {rejected}")
-    total_rows = client.query("SELECT count() FROM tasks FINAL").result_rows[0][0]
+    total_rows = client.query(f"SELECT count() FROM {store.TASKS_TABLE} FINAL").result_rows[0][0]
     echo(f"done: {total_rows} task(s) stored so far at {shown_url(settings.clickhouse_url)}")
     return 0
 
@@ -380,9 +383,10 @@ def cmd_query(args, settings: Settings) -> int:
         echo(f"crucible query: {exc}")
         return 2
     except Exception as exc:
-        from clickhouse_connect.driver.exceptions import DatabaseError
+        from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 
-        if isinstance(exc, DatabaseError):  # it answered: no such table yet (nothing ran), or a query error
+        # OperationalError (no connection) is a DatabaseError too: the store that did not answer "answered"
+        if isinstance(exc, DatabaseError) and not isinstance(exc, OperationalError):
             echo(f"crucible query {args.name}: the store answered: {queries.shown(str(exc)[:400])}")
         else:
             echo(f"crucible query: the store at {shown_url(settings.clickhouse_url)} did not answer ({type(exc).__name__}); "
@@ -579,8 +583,16 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "test":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
-    settings = get_settings()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        settings = get_settings()
+        settings.home.mkdir(parents=True, exist_ok=True)
+    except ValidationError as exc:  # a CRUCIBLE_* variable that is no setting's value
+        echo(f"crucible {args.command}: " + "; ".join(
+            f"CRUCIBLE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()))
+        return 2
+    except OSError as exc:
+        echo(f"crucible {args.command}: CRUCIBLE_HOME cannot be made a folder: {exc}")
+        return 2
     try:
         return args.func(args, settings) or 0
     except KeyboardInterrupt:

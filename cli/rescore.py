@@ -52,6 +52,7 @@ class RescoreReport:
     new_reward: float = 0.0
     episodes_skipped: int = 0
     tasks_missing: int = 0
+    tasks_unreadable: int = 0
     failed: int = 0
     changed_by_task: Counter = field(default_factory=Counter)
 
@@ -98,7 +99,8 @@ def stored_samples(client, run_id: str) -> tuple[list[tuple], dict[str, str]]:
         "SELECT trajectory_id, task_id, task_kind, policy_version, completion, reward, reward_components, turns "
         "FROM trajectories FINAL WHERE run_id = {r:String} ORDER BY created_at", parameters={"r": run_id}).result_rows
     tasks = dict(client.query(
-        "SELECT task_id, argMax(task_json, recorded_at) FROM tasks WHERE run_id = {r:String} AND task_json != '' "
+        f"SELECT task_id, argMax(task_json, recorded_at) FROM {store.TASKS_TABLE} WHERE run_id = {{r:String}} "
+        "AND task_json != '' "
         "GROUP BY task_id", parameters={"r": run_id}).result_rows)
     return samples, tasks
 
@@ -128,7 +130,11 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
         if task_id not in tasks:
             report.tasks_missing += 1
             return
-        task = json_format.Parse(tasks[task_id], task_pb2.Task())
+        try:  # stored by another version of Crucible, or damaged: that sample, never the whole rescore
+            task = json_format.Parse(tasks[task_id], task_pb2.Task())
+        except (json_format.ParseError, ValueError, RecursionError):
+            report.tasks_unreadable += 1
+            return
         graded_as = grade_as.get(task.kind, task.kind)
         if graded_as != task.kind:  # regraded on purpose, by a process holding the key: signed anew
             task.kind = graded_as
@@ -215,6 +221,9 @@ def summary(report: RescoreReport, top: int = 10) -> list[str]:
     if report.tasks_missing:
         lines.append(f"  not rescored     : {report.tasks_missing} samples whose task the store does not hold "
                      "(runs record tasks through the control service)")
+    if report.tasks_unreadable:
+        lines.append(f"  not rescored     : {report.tasks_unreadable} samples whose stored task does not read as a "
+                     "task of this version of Crucible")
     if report.failed:
         lines.append(f"  not rescored     : {report.failed} samples the verifier refused")
     for task_id, n in report.changed_by_task.most_common(top):

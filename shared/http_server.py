@@ -1,19 +1,35 @@
-"""The one threading HTTP server both of Crucible's HTTP services (the embedded store, the dashboard)
-are built on: a thread per connection, a bounded number of them."""
+"""The one threading HTTP server Crucible's HTTP services (the embedded store, the dashboard, every
+service's /metrics) are built on: a thread per connection, a bounded number of them, each request's
+head read within a deadline, and clients that hang up not reported as the server's errors."""
 from __future__ import annotations
 
+import logging
+import socket
 import threading
-from http.server import ThreadingHTTPServer
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger(__name__)
+
+# A request's line and headers arrive within this, however slowly they trickle in (a socket timeout
+# bounds each read alone: a byte every few seconds held a connection, and with the cap every one, for
+# as long as the client liked).
+HEAD_DEADLINE_S = 15.0
+_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError, socket.timeout)
 
 
 class BoundedThreadingHTTPServer(ThreadingHTTPServer):
     """A thread per connection, `max_connections` at most: a connection past that is refused at once
-    (`refuse`), never given a thread, so slow or idle clients cannot take every thread and descriptor."""
+    (`refuse`), never given a thread, so slow or idle clients cannot take every thread and descriptor.
+    With a RequestHandler, a connection whose request head is not in by HEAD_DEADLINE_S is shut."""
 
     daemon_threads = True  # idle keep-alive connections must not delay shutdown
 
     def __init__(self, address, handler, max_connections: int):
         self._connections = threading.BoundedSemaphore(max_connections)
+        self._heads: dict[socket.socket, float] = {}  # connection -> when its request head is due
+        self._heads_lock = threading.Lock()
+        self._watchdog: threading.Thread | None = None
         super().__init__(address, handler)
 
     def refuse(self, request) -> None:
@@ -35,3 +51,53 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._connections.release()
+
+    def handle_error(self, request, client_address):
+        """A client that hung up or went silent is no error of the server's (each printed a traceback)."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], _GONE):
+            log.debug("client %s went away: %r", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
+
+    def head_due(self, connection: socket.socket, deadline_s: float | None) -> None:
+        """Watches `connection` until its request head is in (None: it is)."""
+        with self._heads_lock:
+            if deadline_s is None:
+                self._heads.pop(connection, None)
+                return
+            self._heads[connection] = time.monotonic() + deadline_s
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._shut_late_heads, name="http-heads", daemon=True)
+                self._watchdog.start()
+
+    def _shut_late_heads(self) -> None:
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._heads_lock:
+                late = [c for c, due in self._heads.items() if due <= now]
+                for c in late:
+                    del self._heads[c]
+            for c in late:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; its thread ends
+                except OSError:
+                    pass
+
+
+class RequestHandler(BaseHTTPRequestHandler):
+    """A handler for BoundedThreadingHTTPServer: each request's head must arrive within HEAD_DEADLINE_S."""
+
+    def handle_one_request(self):
+        self.server.head_due(self.connection, HEAD_DEADLINE_S)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.head_due(self.connection, None)
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.server.head_due(self.connection, None)  # the head is in: handling it is the handler's time
+        return parsed

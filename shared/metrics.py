@@ -17,7 +17,6 @@ import math
 import os
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry import metrics as otel_metrics
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, ObservableCounter, ObservableGauge, \
@@ -26,11 +25,14 @@ from opentelemetry.sdk.metrics.export import AggregationTemporality, Gauge, Metr
 from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 from opentelemetry.sdk.resources import Resource
 
+from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler
 from crucible.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 _meter = otel_metrics.get_meter("crucible")
-_server: ThreadingHTTPServer | None = None
+_server: BoundedThreadingHTTPServer | None = None
+METRICS_CONNECTIONS = 16  # scrapers: Prometheus, a collector, a person with curl
+METRICS_IDLE_S = 10.0
 
 
 def counter(name: str, description: str = "", unit: str = ""):
@@ -144,7 +146,9 @@ def setup_metrics(service_name: str, settings: Settings) -> int | None:
     resource = Resource.create({"service.name": service_name, "service.namespace": "crucible"})
     otel_metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(RequestHandler):
+        timeout = METRICS_IDLE_S  # each read and write of a connection (a half-sent request held a thread for ever)
+
         def do_GET(self):  # noqa: N802 (http.server's name)
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404, "only /metrics is served here")
@@ -160,11 +164,13 @@ def setup_metrics(service_name: str, settings: Settings) -> int | None:
             pass
 
     try:
-        _server = ThreadingHTTPServer((settings.metrics_host, settings.metrics_port), Handler)
+        # Bounded: k8s and compose serve it on every interface, and a thread per connection without a cap
+        # gave anyone reaching the port a thread and a descriptor of every service per connection.
+        _server = BoundedThreadingHTTPServer((settings.metrics_host, settings.metrics_port), Handler,
+                                             METRICS_CONNECTIONS)
     except OSError as exc:
         log.warning("no metrics endpoint: %s:%d: %s", settings.metrics_host, settings.metrics_port, exc)
         return None
-    _server.daemon_threads = True
     threading.Thread(target=_server.serve_forever, name="metrics", daemon=True).start()
     port = _server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", settings.metrics_host, port)

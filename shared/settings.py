@@ -5,8 +5,9 @@ import functools
 import json
 import re
 from pathlib import Path
+from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -152,7 +153,9 @@ class RunConfig(BaseModel):
 class Settings(BaseSettings, RunConfig):
     """Where things run (brokers, stores, ports, limits) plus the run configuration."""
 
-    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore", allow_inf_nan=False)
+    # An error names the variable and what is wrong, never the value given (a URL's or a key's secret).
+    model_config = SettingsConfigDict(env_prefix="CRUCIBLE_", extra="ignore", allow_inf_nan=False,
+                                      hide_input_in_errors=True)
 
     home: Path = Field(
         default=Path.home() / ".cache" / "crucible",
@@ -180,10 +183,23 @@ class Settings(BaseSettings, RunConfig):
                              "restarted instance takes its partitions back at once. Empty: dynamic membership.")
 
     # ClickHouse: the embedded chDB store by default, any ClickHouse server otherwise.
-    clickhouse_url: str = "http://127.0.0.1:8123"
+    clickhouse_url: str = Field(default="http://127.0.0.1:8123", description="http(s)://[user[:password]@]host[:port]")
     clickhouse_database: str = "crucible"
     clickhouse_user: str = "default"
     clickhouse_password: SecretStr | None = None
+
+    @field_validator("clickhouse_url")
+    @classmethod
+    def _a_store_url(cls, url: str) -> str:
+        """A URL every store client can connect to (a port out of range raised ValueError in each of them)."""
+        parsed = urlparse(url)
+        try:
+            port = parsed.port
+        except ValueError:
+            raise ValueError("its port is not a number from 1 to 65535") from None
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or port == 0:
+            raise ValueError("give http(s)://host[:port] (the store's HTTP interface)")
+        return url
 
     # Trust: the key that signs tasks and seals sandbox results (shared/integrity.py); none: a key file
     # under CRUCIBLE_HOME that the first process creates.
@@ -263,6 +279,9 @@ class Settings(BaseSettings, RunConfig):
                                         "of a replica that died may hold readers back before the broker aborts it.")
     max_group_size: int = Field(default=64, ge=1, description="Largest group a task may ask for.")
     max_prompt_chars: int = Field(default=32_000, ge=1)
+    max_task_bytes: int = Field(default=1 << 20, ge=1024, le=8 << 20, description="A task's size, encoded, at "
+                                "most: its checks (test code parsed and walked, about 5 s a MB) run only within "
+                                "it. No built-in task comes near (a few KB); the sandbox takes no job over 8 MB.")
 
     # OpenTelemetry: OTLP export happens only when an endpoint is set.
     otel_endpoint: str | None = None

@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -281,3 +282,84 @@ def test_crucible_dashboard_refuses_a_bad_refresh_in_one_line(stack_settings, tm
         out, _ = proc.communicate()
         pytest.fail(f"crucible dashboard --refresh nan served: {out}")
     assert proc.returncode != 0 and out.strip().splitlines() == [out.strip()] and "--refresh nan" in out, out
+
+
+def test_a_request_head_trickled_in_is_cut_off_and_a_client_that_hangs_up_is_no_error(monkeypatch, capsys):
+    """A byte every few seconds passed the per-read timeout for as long as the client liked, holding a
+    thread, and with the cap every one; a client hanging up mid-answer printed a traceback each time.
+    The store, the dashboard and every service's /metrics share this server (shared/http_server.py)."""
+    from crucible.shared import http_server
+
+    monkeypatch.setattr(http_server, "HEAD_DEADLINE_S", 1.5)
+    monkeypatch.setattr(dashboard, "IDLE_TIMEOUT_S", 30)
+    server = serve(None, port=0)
+    address = server.server_address[:2]
+    try:
+        with socket.create_connection(address) as slow:
+            start = time.monotonic()
+            closed = False
+            for byte in b"GET /api/panels HTTP/1.1\r\nHost: localhost\r\n":
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.25)
+                if time.monotonic() - start > 6:
+                    break
+            assert closed or closed_by_server(slow, 3), "a request head trickled in for 6 s was kept"
+            assert time.monotonic() - start < 8
+        assert get_as(address[1], "/api/panels", "localhost")[0] == 200
+    finally:
+        server.shutdown()
+
+    # /metrics: capped like the others (it is served on every interface in k8s and compose)
+    class Gone(http_server.RequestHandler):
+        def do_GET(self):  # noqa: N802
+            raise BrokenPipeError(32, "Broken pipe")
+
+    gone = http_server.BoundedThreadingHTTPServer(("127.0.0.1", 0), Gone, 4)
+    threading.Thread(target=gone.serve_forever, daemon=True).start()
+    try:
+        with socket.create_connection(gone.server_address[:2]) as sock:
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            closed_by_server(sock, 5)
+        time.sleep(0.2)
+        assert "Traceback" not in capsys.readouterr().err
+    finally:
+        gone.shutdown()
+
+
+def test_a_services_metrics_endpoint_takes_so_many_connections_and_no_more():
+    """It was a thread per connection without a cap, on every interface in k8s and compose."""
+    import subprocess
+    import sys
+
+    from crucible.shared import metrics
+
+    code = ("import sys, time; from crucible.shared import metrics; from crucible.shared.settings import Settings; "
+            "print(metrics.setup_metrics('probe', Settings(metrics_host='127.0.0.1', metrics_port=0)), flush=True); "
+            "time.sleep(60)")
+    probe = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(probe.stdout.readline())
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(metrics.METRICS_CONNECTIONS)]
+        for sock in idle:
+            sock.sendall(b"GET /metr")
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port)) as one_too_many:
+            assert closed_by_server(one_too_many, 5), "a connection past the cap was kept"
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                    assert reply.status == 200
+                break
+            except (ConnectionError, urllib.error.URLError, http.client.HTTPException):
+                assert time.monotonic() < deadline, "the closed connections' slots were not given back"
+                time.sleep(0.05)
+    finally:
+        probe.kill()
+        probe.wait()

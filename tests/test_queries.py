@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from crucible.cli import rescore, status
 from crucible.cli.main import main as crucible_main
+from crucible.shared.settings import get_settings
 from crucible.ml import envs
 from crucible.ml.envs import episode as ep
 from crucible.services.evaluator.__main__ import COLUMNS as EVAL_COLUMNS
@@ -176,8 +177,6 @@ def test_a_query_without_its_parameter_or_unknown_says_so(filled):
 
 def test_crucible_query_prints_a_table(filled, store_url, store_database, monkeypatch, capsys, request):
     _, task, _ = filled
-    from crucible.shared.settings import get_settings
-
     monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_URL", store_url)
     monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_DATABASE", store_database)
     get_settings.cache_clear()  # the command reads the process's settings, cached once read
@@ -275,3 +274,32 @@ def test_query_and_status_print_stored_text_escaped(store_client, store_url, sto
     status.report(settings, echo=lines.append)
     printed = "\n".join(lines)
     assert not raw_controls(printed) and printed.count(queries.shown(HOSTILE)) == 2, printed
+
+
+def test_a_setting_the_command_cannot_use_is_named_without_a_traceback_or_its_value(monkeypatch, capsys, request,
+                                                                                       tmp_path):
+    """A bad CRUCIBLE_* variable ended every command in a pydantic traceback, which printed the value
+    (a store URL's password); a store that did not answer was said to have answered."""
+    request.addfinalizer(get_settings.cache_clear)
+    monkeypatch.setenv("CRUCIBLE_HOME", str(tmp_path / "home"))
+    for name, value, said in [
+            ("CRUCIBLE_CLICKHOUSE_URL", "http://default:hunter2@127.0.0.1:99999", "port is not a number"),
+            ("CRUCIBLE_CLICKHOUSE_URL", "ftp://default:hunter2@127.0.0.1", "http(s)://host[:port]"),
+            ("CRUCIBLE_METRICS_PORT", "hunter2", "valid integer")]:
+        monkeypatch.setenv(name, value)
+        get_settings.cache_clear()
+        assert crucible_main(["query", "task", "--task", "t"]) == 2
+        out = capsys.readouterr().out
+        assert name in out and said in out and "hunter2" not in out, out
+        monkeypatch.delenv(name)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CRUCIBLE_HOME", str(tmp_path / "a-file"))
+    get_settings.cache_clear()
+    assert crucible_main(["status"]) == 2 and "CRUCIBLE_HOME cannot be made a folder" in capsys.readouterr().out
+
+    monkeypatch.setenv("CRUCIBLE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CRUCIBLE_CLICKHOUSE_URL", "http://127.0.0.1:1")  # nothing listens there
+    get_settings.cache_clear()
+    assert crucible_main(["query", "task", "--task", "t"]) == 1
+    out = capsys.readouterr().out
+    assert "did not answer" in out and "answered:" not in out, out

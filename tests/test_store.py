@@ -68,8 +68,8 @@ def test_migrations_apply_once_and_change_nothing_the_second_time(store_client):
     assert rows == [(name, 1) for name in names]
     # The tables a run writes to a small insert at a time merge less eagerly (0011): new parts are not
     # merged into the table's big part every few inserts, so a step's store work does not grow with history.
-    for table in ("trajectories", "otel_traces", "tasks", "train_steps", "policy_versions", "episode_turns",
-                  "evaluations"):
+    for table in ("trajectories", "otel_traces", "tasks", "run_tasks", "train_steps", "policy_versions",
+                  "episode_turns", "evaluations"):
         assert "merge_selector_base = 20" in after[table], after[table]
 
 
@@ -126,6 +126,31 @@ def test_a_half_applied_migration_runs_again(store_client, tmp_path):
     store_client.command("CREATE TABLE first_half (a UInt8) ENGINE = MergeTree ORDER BY a")  # as if it stopped half-way
     assert migrate(store_client, directory) == ["0001_pair.sql"]
     assert migrate(store_client, directory) == []
+
+
+def test_the_task_log_keeps_a_row_for_each_run_of_a_task_and_carries_over_what_it_held(store_client, tmp_path):
+    """Task ids repeat from run to run (a task file's, a seeded family's); the log keyed by task id alone
+    (0003) kept the later run's row only, and the earlier run's status and rescore found none of its tasks."""
+    from crucible.services.control.handler import TASK_COLUMNS, task_row
+    from crucible.shared import store
+    from crucible.v1 import task_pb2
+
+    before = tmp_path / "migrations"
+    before.mkdir()
+    for path in migrations_directory().glob("*.sql"):
+        if path.name < "0012":
+            shutil.copy(path, before / path.name)
+    migrate(store_client, before)
+    task = task_pb2.Task(id="digits-0001", kind="exact", prompt="2+2?", group_size=4,
+                         answer=task_pb2.ExpectedAnswer(answer="4"))
+    store_client.insert("tasks", [task_row(task, "t" * 32, "run-old")], column_names=TASK_COLUMNS)
+    assert "0012_run_tasks.sql" in migrate(store_client)
+    for run in ("run-a", "run-b"):
+        store_client.insert(store.TASKS_TABLE, [task_row(task, "t" * 32, run)], column_names=TASK_COLUMNS)
+    store_client.command(f"OPTIMIZE TABLE {store.TASKS_TABLE} FINAL")
+    rows = store_client.query(f"SELECT run_id, count() FROM {store.TASKS_TABLE} FINAL WHERE task_id = 'digits-0001' "
+                              "GROUP BY run_id ORDER BY run_id").result_rows
+    assert rows == [("run-a", 1), ("run-b", 1), ("run-old", 1)]
 
 
 # -- data through clickhouse-connect ------------------------------------------------------------
@@ -545,3 +570,34 @@ def test_rows_added_together_share_one_insert_and_column_types_are_described_onc
         store_client.insert, store_client.create_insert_context = real_insert, real_context
     assert inserts[:2] == [7, 1]  # seven concurrent rows in one insert, then the lone one in its own
     assert describes.count("train_steps") == 1  # the column types were asked for once
+
+
+async def test_a_stored_task_that_does_not_read_is_one_sample_not_rescored_not_the_whole_rescore(
+        store_url, store_database, store_client):
+    """A task written by another version of Crucible (a field this one does not know), or damaged, ended
+    `crucible rescore` with a traceback and nothing of the run rescored."""
+    from crucible.cli import rescore
+    from crucible.services.control.handler import TASK_COLUMNS, task_row
+    from crucible.shared import store
+    from crucible.v1 import task_pb2, verdict_pb2
+
+    migrate(store_client)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    good = task_pb2.Task(id="good", kind="exact", prompt="2+2?", group_size=1, answer=task_pb2.ExpectedAnswer(answer="4"))
+    odd = task_pb2.Task(id="odd", kind="exact", prompt="3+3?", group_size=1, answer=task_pb2.ExpectedAnswer(answer="6"))
+    rows = [task_row(good, "t" * 32, "run-r"), task_row(odd, "t" * 32, "run-r")]
+    rows[1][TASK_COLUMNS.index("task_json")] = '{"id": "odd", "kind": "exact", "fieldOfATomorrowsCrucible": 1}'
+    store_client.insert(store.TASKS_TABLE, rows, column_names=TASK_COLUMNS)
+    store_client.insert("trajectories", [[f"s-{t}", t, "exact", 0, "4", 1.0, {}, 0, "run-r", now] for t in ("good", "odd")],
+                        column_names=["trajectory_id", "task_id", "task_kind", "policy_version", "completion", "reward",
+                                      "reward_components", "turns", "run_id", "created_at"])
+    asked = []
+
+    async def verify(request):
+        asked.append(request.task.id)
+        return verdict_pb2.Verdict(reward=1.0, components={"answer_correct": 1.0}, verifier_version="v-test")
+
+    settings = Settings(clickhouse_url=store_url, clickhouse_database=store_database)
+    report = await rescore.rescore(settings, run_id="run-r", grade_as={}, verify=verify, echo=lambda *_: None)
+    assert asked == ["good"] and report.rescored == 1 and report.tasks_unreadable == 1
+    assert any("does not read as a task" in line for line in rescore.summary(report))

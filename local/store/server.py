@@ -20,6 +20,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,7 +29,6 @@ import tempfile
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,7 +45,7 @@ from crucible.local.store.errors import (
 )
 from crucible.local.store.lock import DataDirLock, DataDirLocked
 from crucible.local.store.request import RequestSpec, build_spec, parse_multipart, parse_query_string
-from crucible.shared.http_server import BoundedThreadingHTTPServer
+from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler
 from crucible.shared.store.sqltext import split_insert
 
 log = logging.getLogger("crucible.store")
@@ -168,7 +168,15 @@ class StoreServer(BoundedThreadingHTTPServer):
             return self._idle.wait_for(lambda: self._active == 0, timeout)
 
 
-class StoreRequestHandler(BaseHTTPRequestHandler):
+_SECRET_PARAM = re.compile(r"((?:^|[?&\s])(?:password|key)=)[^&\s]*", re.IGNORECASE)
+
+
+def _without_secrets(text: str) -> str:
+    """A request line or path as logged: a password given in the URL (`?password=`, ClickHouse's way) masked."""
+    return _SECRET_PARAM.sub(r"\1***", text)
+
+
+class StoreRequestHandler(RequestHandler):
     """ClickHouse's HTTP interface: `/` for queries and inserts, `/ping` and `/replicas_status` for health."""
 
     protocol_version = "HTTP/1.1"
@@ -190,7 +198,7 @@ class StoreRequestHandler(BaseHTTPRequestHandler):
         return self.server_version
 
     def log_message(self, format, *args):  # noqa: A002  (BaseHTTPRequestHandler's signature)
-        log.debug("%s %s", self.address_string(), format % args)
+        log.debug("%s %s", self.address_string(), _without_secrets(format % args))
 
     def do_GET(self):
         self._handle("GET")
@@ -238,7 +246,7 @@ class StoreRequestHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, TimeoutError, socket.timeout):
             self.close_connection = True  # the client is gone; there is nobody to answer
         except Exception as ex:  # a bug must cost one request, never the server
-            log.exception("internal error while handling %s %s", method, self.path[:200])
+            log.exception("internal error while handling %s %s", method, _without_secrets(self.path[:200]))
             self._send_error(StoreError(STD_EXCEPTION, f"Internal error in the store: {type(ex).__name__}: {ex}"), spec, method)
         finally:
             if body is not None and not body.exhausted:

@@ -16,7 +16,9 @@ from crucible.shared.store.migrate import migrate
 if TYPE_CHECKING:
     from crucible.shared.store.client import connect
 
-__all__ = ["connect", "migrate"]
+__all__ = ["TASKS_TABLE", "connect", "migrate"]
+
+TASKS_TABLE = "run_tasks"  # the task log, one row a run and task (migration 0012; 0003's `tasks` before it)
 
 
 def __getattr__(name: str):
