@@ -76,21 +76,28 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
         while True:
             time.sleep(1.0)
             now = time.monotonic()
-            with self._heads_lock:
-                late = [c for c, due in self._heads.items() if due <= now]
-                for c in late:
+            with self._heads_lock:  # held while shutting: a head that is in meanwhile is never cut off
+                for c in [c for c, due in self._heads.items() if due <= now]:
                     del self._heads[c]
-            for c in late:
-                try:
-                    c.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; its thread ends
-                except OSError:
-                    pass
+                    try:
+                        c.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; its thread ends
+                    except OSError:
+                        pass
 
 
 class RequestHandler(BaseHTTPRequestHandler):
     """A handler for BoundedThreadingHTTPServer: each request's head must arrive within HEAD_DEADLINE_S."""
 
     def handle_one_request(self):
+        # The deadline runs from a request's first byte: the wait for it, between the requests of a kept-alive
+        # connection, is the socket timeout's alone (the store offers keep-alive for 30 s).
+        try:
+            if not self.rfile.peek(1):
+                self.close_connection = True  # the client closed the connection
+                return
+        except (TimeoutError, OSError):
+            self.close_connection = True
+            return
         self.server.head_due(self.connection, HEAD_DEADLINE_S)
         try:
             super().handle_one_request()

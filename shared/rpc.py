@@ -73,25 +73,36 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) a call whose metadata lacks the bearer token; health checks pass."""
 
     def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
+
+    def _allowed(self, metadata) -> bool:
+        """One authorization header, `Bearer <token>` (the scheme in any case, RFC 6750); two are refused
+        whatever they say (the first one decided, so a right token before a wrong one passed)."""
+        given = [m.value for m in metadata or () if m.key == "authorization"]
+        if len(given) != 1:
+            return False
+        value = given[0].encode() if isinstance(given[0], str) else given[0]
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(UNGUARDED):
             return handler
-        given = next((m.value for m in (handler_call_details.invocation_metadata or ()) if m.key == "authorization"), "")
-        given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self.expected):
+        if self._allowed(handler_call_details.invocation_metadata):
             return handler
         kind = next(k for k in _TracingInterceptor._KINDS if getattr(handler, k) is not None)
 
-        async def refuse(request, context):
+        async def refuse(requests, context):
             await abort(context, grpc.StatusCode.UNAUTHENTICATED,
                         "missing or wrong bearer token (set CRUCIBLE_RPC_TOKEN to the deployment's)")
 
-        # The request is left as the bytes it came as (no deserializer): nothing of an unauthenticated
-        # caller's message is parsed, however large or deep.
-        return getattr(grpc, f"{kind}_rpc_method_handler")(
+        # Refused as a call that streams its requests, whatever the method's kind: the refusal reads none of
+        # them. A unary handler is called with its request received whole: 24 callers without a token,
+        # sending 30 MB each, took the server from 59 MB to 950 MB before any was refused. Nothing of an
+        # unauthenticated caller's message is parsed either (no deserializer), however large or deep.
+        streamed = "stream_" + kind.split("_", 1)[1]
+        return getattr(grpc, f"{streamed}_rpc_method_handler")(
             refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 

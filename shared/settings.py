@@ -34,6 +34,22 @@ def run_id_problem(run_id: str) -> str | None:
             "and '-', at most 128, starting with a letter or digit")
 
 
+# Sampling's bounds, wherever sampling parameters are taken (a recipe, a Generate call, a trajectory the
+# learner trains on: logits divided by a temperature, and probabilities cut at top_p, must stay finite and
+# above zero in float32).
+TEMPERATURES = (1e-6, 10.0)  # above 0, at least the first
+SMALLEST_TOP_P = 1e-30
+
+
+def sampling_problem(temperature: float, top_p: float) -> str | None:
+    """Why (temperature, top_p) is no sampling distribution, or None."""
+    if not (temperature == 0.0 or TEMPERATURES[0] <= temperature <= TEMPERATURES[1]):
+        return f"temperature {temperature} must be 0 (greedy) or from {TEMPERATURES[0]:g} to {TEMPERATURES[1]:g}"
+    if not SMALLEST_TOP_P <= top_p <= 1.0 and temperature != 0.0:
+        return f"top_p {top_p} must be from {SMALLEST_TOP_P:g} to 1"
+    return None
+
+
 class RunConfig(BaseModel):
     """What a training run decides, each with its one default: sampling, the algorithm and its
     hyperparameters, rewards. Every service reads the fields it needs from here (through Settings,
@@ -57,8 +73,16 @@ class RunConfig(BaseModel):
                                "travels to each service in its environment).")
 
     # sampling
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=TEMPERATURES[1],
+                               description=f"0: greedy; otherwise {TEMPERATURES[0]:g} to {TEMPERATURES[1]:g}")
+    top_p: float = Field(default=1.0, ge=SMALLEST_TOP_P, le=1.0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _a_temperature(cls, temperature: float) -> float:
+        if problem := sampling_problem(temperature, 1.0):
+            raise ValueError(problem)
+        return temperature
     max_tokens: int = Field(default=64, ge=1, le=4096, description="Tokens per completion (per turn in an episode).")
     max_episode_tokens: int = Field(default=480, ge=16, description="Tokens a multi-turn episode may hold in all "
                                     "(prompt, turns, observations); a task's environment.max_tokens may ask for fewer.")

@@ -394,9 +394,13 @@ def test_a_learner_resumes_past_a_damaged_newest_version_and_clears_what_failed_
     (left / "model.safetensors").write_bytes(b"\0" * 4096)
 
     resumed, meta = build_trainer(settings)
-    assert meta["version"] == 1 and meta["offsets"] == {"0": 10}
-    assert resumed.version == 2  # the next version announced is 3: newer than anything generators may hold
+    # v1's weights, written again as v3: the version announced now is newer than the v2 generators may hold,
+    # and it is a folder that loads
+    assert resumed.version == meta["version"] == 3 and meta["offsets"] == {"0": 10}
+    assert checkpoints.latest(settings).name == "v000003"
     assert all((a == b).all() for a, b in zip(resumed.model.state_dict().values(), v1.values()))
+    assert all((a == b).all() for a, b in zip(load_checkpoint(checkpoints.latest(settings))[0].state_dict().values(),
+                                              v1.values()))
     assert not left.exists()
 
     # A write that fails part-way (the disk full as the optimiser state is written) leaves no folder.
@@ -407,10 +411,19 @@ def test_a_learner_resumes_past_a_damaged_newest_version_and_clears_what_failed_
     resumed.version = 10  # a version written with its optimiser state
     with pytest.raises(OSError):
         checkpoints.save(settings, resumed, {}, [], meta["reference_uri"])
-    assert sorted(p.name for p in checkpoints.checkpoints_dir(settings).iterdir()) == ["v000000", "v000001", "v000002"]
+    assert sorted(p.name for p in checkpoints.checkpoints_dir(settings).iterdir()) == [
+        "v000000", "v000001", "v000002", "v000003"]
     monkeypatch.undo()
 
-    for version in (0, 1):  # none loads: the newest one's error, not a run started afresh
+    # Adam's moments damaged alone: that version resumes, without them
+    resumed.version = 10
+    checkpoints.save(settings, resumed, {0: 30}, [], meta["reference_uri"])
+    moments = checkpoints.version_dir(settings, 10) / checkpoints.OPTIMIZER_FILE
+    moments.write_bytes(moments.read_bytes()[:64])
+    again, meta = build_trainer(settings)
+    assert again.version == meta["version"] == 10 and not again.optimizer.state
+
+    for version in (0, 1, 3, 10):  # none loads: the newest one's error, not a run started afresh
         weights = checkpoints.version_dir(settings, version) / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(Exception, match="(?i)header|safetensor|deserializ"):

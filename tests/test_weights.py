@@ -108,6 +108,42 @@ def test_fetch_from_memory_uri_gives_a_local_folder_with_the_same_hash(tmp_path)
     assert transfer.fetch(folder.as_uri(), cache) == folder and transfer.fetch(str(folder), cache) == folder
 
 
+def test_the_copies_a_learner_publishes_are_pruned_as_its_own_versions_are(tmp_path):
+    """With checkpoint_base_uri set, every version's copy stayed in the bucket (8 versions, 8 copies,
+    while the learner kept 3 of its own)."""
+    from crucible.services.learner import checkpoints
+    from crucible.services.learner.loop import policy_message
+    from crucible.shared.settings import Settings
+
+    base = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    settings = Settings(home=tmp_path, run_id="remote-run", learner_keep_checkpoints=2, checkpoint_base_uri=base)
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"{base}/remote-run/README", b"not a version: left alone")
+    for version in range(1, 6):
+        folder = checkpoint(checkpoints.version_dir(settings, version), version=version)
+        checkpoints.prune(settings)
+        message = policy_message(settings, version, version, folder.as_uri(), None)
+        assert message.checkpoint_uri == f"{base}/remote-run/v{version:06d}"
+    names = sorted(p.rstrip("/").rsplit("/", 1)[1] for p in fs.ls(f"{base}/remote-run", detail=False))
+    assert names == ["README", "v000004", "v000005"]
+    assert names[1:] == sorted(p.name for p in checkpoints.checkpoints_dir(settings).iterdir())
+
+    # storage that lets the learner write but not delete does not stop it: the version is announced
+    class NoDelete(type(fs)):
+        def rm(self, *args, **kwargs):
+            raise PermissionError("delete not allowed")
+
+    import crucible.ml.policy.transfer as transfer_module
+    real = transfer_module._filesystem
+    transfer_module._filesystem = lambda uri, options: (NoDelete(), real(uri, options)[1])
+    try:
+        folder = checkpoint(checkpoints.version_dir(settings, 6), version=6)
+        checkpoints.prune(settings)
+        assert policy_message(settings, 6, 6, folder.as_uri(), None).checkpoint_uri == f"{base}/remote-run/v000006"
+    finally:
+        transfer_module._filesystem = real
+
+
 def test_verify_refuses_a_tampered_remote_checkpoint(tmp_path):
     folder = checkpoint(tmp_path / "v000003")
     digest = transfer.content_hash(folder)

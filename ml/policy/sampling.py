@@ -13,6 +13,7 @@ import torch
 from crucible.ml.policy.distribution import draw, sampling_logprobs
 from crucible.ml.policy.model import Policy, causal_mask, distinct_prompts, positions_of
 from crucible.ml.policy.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+from crucible.shared.settings import sampling_problem
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,8 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self, max_tokens_limit: int = 4096) -> None:
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"temperature {self.temperature} must be in [0, 10]")
+        if problem := sampling_problem(self.temperature, self.top_p):
+            raise ValueError(problem)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p {self.top_p} must be in (0, 1]")
         if not 1 <= self.max_tokens <= max_tokens_limit:

@@ -196,3 +196,30 @@ def publish(folder: str | os.PathLike, base_uri: str, storage_options: Mapping[s
             fs.makedirs(posixpath.join(root, posixpath.dirname(rel)), exist_ok=True)
         fs.put_file(str(path), posixpath.join(root, rel))
     return uri
+
+
+
+VERSION_FOLDER = re.compile(r"v(\d{6,})")  # a version's checkpoint folder: v000123 (the learner's and its copies')
+
+
+def version_number(name: str) -> int | None:
+    """The version a folder named `name` holds (v000123: 123), or None for any other name."""
+    m = VERSION_FOLDER.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def prune(base_uri: str, below: int, storage_options: Mapping[str, str] | None = None) -> list[str]:
+    """Removes the version folders under base_uri numbered below `below` (the oldest version the learner
+    keeps: its own pruning, mirrored; the copies published there were never removed, and a run filled its
+    bucket); returns their names. Anything else there is left alone."""
+    fs, root = _filesystem(base_uri, storage_options)
+    if not fs.isdir(root):
+        return []
+    gone = []
+    for entry in fs.ls(root, detail=False):
+        name = posixpath.basename(entry.rstrip("/"))
+        number = version_number(name)
+        if number is not None and number < below:
+            fs.rm(entry, recursive=True)
+            gone.append(name)
+    return gone

@@ -19,6 +19,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.settings = settings
         self.producer = producer
         self.store = store_client
+        self._checking = rpc.Admission(CHECKING_BYTES, "bytes of submitted tasks being checked")
 
     async def SubmitTasks(self, request: control_pb2.SubmitTasksRequest, context):
         if not request.tasks:
@@ -33,8 +34,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             return prepared, problems + training_submission_problems(prepared)
 
         # Off the event loop: a python_tests task's test code is parsed and walked (a second a few
-        # hundred KB), and the server answers every other call meanwhile.
-        prepared, problems = await asyncio.to_thread(checked)
+        # hundred KB), and the server answers every other call meanwhile; so much at once, no more.
+        async with self._checking.admit(context, request.ByteSize()):
+            prepared, problems = await asyncio.to_thread(checked)
         if problems:
             # All or nothing: a caller fixing one task should not have to work out which others went through.
             await rpc.abort_invalid(context, "; ".join(problems))
@@ -42,13 +44,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         try:
             for t in prepared:
                 sent.append(await self.producer.send("tasks", t, key=t.id))
-            for f in sent:
-                await f
+            await asyncio.gather(*sent)
         except Exception as exc:  # noqa: BLE001 -- the broker's refusal or absence, said as such
+            taken = sum(f.done() and not f.cancelled() and f.exception() is None for f in sent)
             await rpc.abort(context, grpc.StatusCode.UNAVAILABLE,
-                            f"the broker took {sum(f.done() and not f.exception() for f in sent)} of {len(prepared)} "
-                            f"tasks before failing ({type(exc).__name__}); a task published again under its id is "
-                            "one task: submit them all again")
+                            f"the broker took {taken} of {len(prepared)} tasks before failing ({type(exc).__name__}); "
+                            "a task published again under its id is one task: submit them all again")
         return control_pb2.SubmitTasksResponse(task_ids=[t.id for t in prepared])
 
     async def GetRunStatus(self, request, context):
@@ -125,6 +126,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return reply
 
 
+CHECKING_BYTES = 64 << 20  # two of the largest requests a server takes (rpc.MAX_MESSAGE_BYTES) checked at once
 PAGE_BYTES = 8 << 20  # a page's rows, encoded, at most (a row past it starts the next page)
 
 
@@ -134,9 +136,11 @@ def _page_token(version: int, group_id: str, sample_index: int) -> str:
 
 
 def _page_after(token: str) -> tuple[int, str, int] | None:
+    if len(token) > 8192:
+        return None
     try:
         version, group_id, index = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
-    except (ValueError, TypeError, UnicodeError):
+    except (ValueError, TypeError, UnicodeError, RecursionError):
         return None
     if not (type(version) is int and 0 <= version < 2**64 and type(group_id) is str and len(group_id) <= 4096
             and type(index) is int and 0 <= index < 2**32):

@@ -11,6 +11,7 @@ trained on stay exact and only Adam's moments are a few steps older. Pruning kee
 from __future__ import annotations
 
 import logging
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -18,12 +19,13 @@ from pathlib import Path
 
 import torch
 
+from crucible.ml.policy import transfer
 from crucible.ml.policy.checkpoint import load_checkpoint, path_from_uri, save_checkpoint
 from crucible.shared.settings import Settings
 
 OPTIMIZER_FILE = "optimizer.pt"   # the whole optimiser state (one process, or DDP: every rank holds it)
 OPTIMIZER_SHARDS = "optimizer"     # FSDP: one file per rank (torch.distributed.checkpoint), reshardable
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_VERSION_DIR = re.compile(rf"^{transfer.VERSION_FOLDER.pattern}$")
 log = logging.getLogger("crucible.learner")
 
 
@@ -141,7 +143,13 @@ def load(folder: Path):
         log.info("resuming at %s with the optimiser state written at %s", folder.name, source.name)
     if (source / OPTIMIZER_SHARDS).is_dir():
         return model, meta, source / OPTIMIZER_SHARDS
-    return model, meta, torch.load(source / OPTIMIZER_FILE, weights_only=True)  # tensors and numbers only: never code
+    try:
+        return model, meta, torch.load(source / OPTIMIZER_FILE, weights_only=True)  # tensors and numbers only: never code
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        # Adam's moments, damaged: the weights and everything else of the version are sound, and are resumed
+        log.error("resuming at %s without optimiser state: %s's does not load: %s: %s", folder.name, source.name,
+                  type(exc).__name__, str(exc)[:300])
+        return model, meta, None
 
 
 def has_optimizer(folder: Path) -> bool:
@@ -156,16 +164,22 @@ def _versions(folder: Path, complete: bool = True) -> list[tuple[int, Path]]:
                   and (not complete or (p / "crucible.json").exists()))
 
 
-_UNFINISHED = re.compile(r"^\.v\d{6,}\.(tmp-|old-|optimizer$)")  # files.staging's, replace_folder's, FSDP's shards
+# files.staging's, replace_folder's (named after the version folder), FSDP's shards
+_UNFINISHED = re.compile(rf"^\.{transfer.VERSION_FOLDER.pattern}\.(tmp-|old-|optimizer$)")
 
 
 def clear_unfinished(settings: Settings) -> list[str]:
     """Removes what writes of versions left behind when they failed (a full disk) or their learner died:
     folders a version's weights large each, which nothing else ever removes. Only at a learner's start,
-    when no write is under way. Returns their names."""
+    when no write is under way. Returns their names. A version's folder set aside to be replaced
+    (`.v000123.old-*`) whose replacement never took its place is put back instead."""
     folder = checkpoints_dir(settings)
-    left = [p for p in folder.iterdir() if _UNFINISHED.match(p.name)] if folder.is_dir() else []
+    left = sorted(p for p in folder.iterdir() if _UNFINISHED.match(p.name)) if folder.is_dir() else []
     for p in left:
+        own = folder / p.name[1:].split(".", 1)[0]
+        if ".old-" in p.name and not own.exists() and (p / "crucible.json").exists():
+            p.rename(own)
+            continue
         shutil.rmtree(p, ignore_errors=True)
     return [p.name for p in left]
 
@@ -174,7 +188,8 @@ def newest_number(settings: Settings) -> int:
     """The highest version any folder of the run's checkpoints is numbered with, whole or not (-1: none):
     a version a learner may have announced."""
     folder = checkpoints_dir(settings)
-    names = (re.match(r"^\.?v(\d{6,})(\.|$)", p.name) for p in folder.iterdir()) if folder.is_dir() else ()
+    names = (re.match(rf"^\.?{transfer.VERSION_FOLDER.pattern}(\.|$)", p.name) for p in folder.iterdir()) \
+        if folder.is_dir() else ()
     return max((int(m.group(1)) for m in names if m), default=-1)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
 
+from crucible.shared.settings import sampling_problem
 from crucible.v1 import trajectory_pb2
 
 
@@ -23,8 +24,7 @@ class Buffered:
 # overflowing (one sample of 1e30 advantage made a whole step's update non-finite, and the step was skipped).
 MAX_REWARD = 1e6       # rewards and advantages: no reward design here comes near (GRPO's |A| <= sqrt(G))
 LOWEST_LOGPROB = -1e4  # a sampled token's log-prob: float32 holds no probability below e^-104
-SMALLEST_TOP_P = 1e-30
-TEMPERATURES = (1e-6, 1e3)  # logits divided by it stay finite
+# temperature and top_p: settings.sampling_problem, as every sampler takes them
 
 
 def sample_problem(s: trajectory_pb2.Trajectory, vocab_size: int | None = None,
@@ -52,10 +52,8 @@ def sample_problem(s: trajectory_pb2.Trajectory, vocab_size: int | None = None,
         return f"{what}: reward {s.reward} or advantage {s.advantage} is not a number within ±{MAX_REWARD:g}"
     if not all(LOWEST_LOGPROB <= p <= 0.0 for p in s.logprobs):
         return f"{what}: a sampling log-prob is not a number in [{LOWEST_LOGPROB:g}, 0]"
-    if not (s.temperature == 0.0 or (TEMPERATURES[0] <= s.temperature <= TEMPERATURES[1]
-                                     and SMALLEST_TOP_P <= s.top_p <= 1.0)):
-        return f"{what}: temperature {s.temperature} and top_p {s.top_p} are not a sampling distribution " \
-               f"(temperature 0, greedy, or {TEMPERATURES[0]:g} to {TEMPERATURES[1]:g} with {SMALLEST_TOP_P:g} <= top_p <= 1)"
+    if problem := sampling_problem(s.temperature, s.top_p):
+        return f"{what}: not a sampling distribution: {problem}"
     if version is not None and s.policy_version > version:
         return f"{what}: sampled with policy version {s.policy_version}, later than the learner's {version}"
     lowest = min(min(s.prompt_token_ids), min(s.completion_token_ids, default=0))

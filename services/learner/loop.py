@@ -26,11 +26,11 @@ from crucible.services.learner.monitors import HealthMonitor
 from crucible.services.learner.reference import ReferenceAhead
 from crucible.services.learner.ranks import IDLE_BEAT_S, Ranks
 from crucible.services.learner.rows import record_alert, record_steps, step_entry
-from crucible.services.learner.trainer import OptimizerStateMismatch, StepResult, Trainer
+from crucible.services.learner.trainer import StepResult, Trainer
 from opentelemetry.metrics import Observation
 
 from crucible.shared import bus, integrity, metrics, telemetry
-from crucible.shared.settings import Settings
+from crucible.shared.settings import Settings, shown_url
 from crucible.v1 import policy_pb2
 
 log = logging.getLogger("crucible.learner")
@@ -73,18 +73,23 @@ def build_trainer(settings: Settings, ranks: Ranks | None = None) -> tuple[Train
     found = ranks.broadcast(loaded and loaded[0])
     if found is not None:
         model, meta, optimizer_state = loaded[1] if ranks.main else checkpoints.load(found)
-        # Numbered past every version a folder was written for: one set aside may have been announced, and
-        # generators holding it take only a later number.
-        version = ranks.broadcast(max(meta["version"], checkpoints.newest_number(settings)) if ranks.main else None)
         reference, _ = load_checkpoint(path_from_uri(meta["reference_uri"]))
-        try:
-            trainer = Trainer(model, config, reference=reference, version=version, step=meta["step"],
-                              optimizer_state=optimizer_state, ranks=ranks)
-        except OptimizerStateMismatch as exc:
-            log.error("resuming run %s without optimiser state: %s", settings.run_id, exc)
-            trainer = Trainer(model, config, reference=reference, version=version, step=meta["step"], ranks=ranks)
+        trainer = Trainer(model, config, reference=reference, version=meta["version"], step=meta["step"],
+                          optimizer_state=optimizer_state, ranks=ranks)
         log.info("resumed run %s at version %d (step %d) from %s", settings.run_id, trainer.version,
                  trainer.step_count, found)
+        newest = ranks.broadcast(checkpoints.newest_number(settings) if ranks.main else None)
+        if newest > trainer.version:
+            # A later version was written (and may have been announced: generators holding it take only a
+            # later number), and passed over: the weights resumed are written again as the version after it,
+            # which is then the version announced, and the one a later restart resumes at.
+            trainer.version = newest + 1
+            checkpoints.save(settings, trainer, {int(p): o for p, o in meta["offsets"].items()},
+                             meta.get("trained_ids_past_offsets", []), meta["reference_uri"],
+                             meta.get("step_records"), meta.get("recent_trained_ids"))
+            log.warning("resumed the weights of version %d as version %d (versions up to %d were passed over)",
+                        meta["version"], trainer.version, newest)
+            meta = {**meta, "version": trainer.version}
         return trainer, meta
     if settings.init_checkpoint:
         model, _ = load_checkpoint(path_from_uri(settings.init_checkpoint))
@@ -142,8 +147,17 @@ def policy_message(settings: Settings, version: int, step: int, uri: str, result
     folder = transfer.local_path(uri)
     sha256 = transfer.content_hash(folder)
     if settings.checkpoint_base_uri:
-        uri = transfer.publish(folder, transfer.join(settings.checkpoint_base_uri, settings.run_id),
-                               settings.checkpoint_storage_options)
+        base = transfer.join(settings.checkpoint_base_uri, settings.run_id)
+        uri = transfer.publish(folder, base, settings.checkpoint_storage_options)
+        # Copies older than every version the learner keeps (checkpoints.prune) go there too; best effort:
+        # storage that lets the learner write but not delete must not stop it.
+        kept = checkpoints.newest_first(settings)
+        try:
+            transfer.prune(base, transfer.version_number(kept[-1].name) if kept else 0,
+                           settings.checkpoint_storage_options)
+        except Exception as exc:  # noqa: BLE001 -- whatever the storage says
+            log.warning("old checkpoint copies under %s were not removed: %s: %s", shown_url(base),
+                        type(exc).__name__, str(exc)[:300])
     pv = policy_pb2.PolicyVersion(run_id=settings.run_id, version=version, checkpoint_uri=uri, step=step,
                                   checkpoint_sha256=sha256)
     if result is not None:

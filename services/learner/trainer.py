@@ -134,7 +134,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                            weight_decay=0.0)
         if optimizer_state:
-            load_optimizer_state(self.model, self.optimizer, optimizer_state)
+            try:
+                load_optimizer_state(self.model, self.optimizer, optimizer_state)
+            except OptimizerStateMismatch as exc:  # Adam's moments start afresh; the weights are what matter
+                log.error("the saved optimiser state is not this model's, so training goes on without it: %s", exc)
         self.version = version
         self.step_count = step
 
