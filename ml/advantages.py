@@ -9,6 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+# The largest reward or advantage a sample may carry, here and in the learner's step (float32: one sample of
+# 1e30 made a whole step's update non-finite; a group's rewards of 1e300 overflowed its variance). No reward
+# design here comes near (GRPO's |A| <= sqrt(G)).
+MAX_REWARD = 1e6
+
+
 def weighted_reward(components: Mapping[str, float], weights: Mapping[str, float] | None = None,
                     default: float | None = None, *, length: float | None = None,
                     length_penalty: float = 0.0, length_target: float = 0.0) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,8 @@ from crucible.ml.policy.sampling import SamplingParams
 from crucible.shared import rpc
 from crucible.v1 import execution_pb2, execution_pb2_grpc, rollout_pb2, task_pb2, verdict_pb2, verdict_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 Verify = Callable[[verdict_pb2.VerifyRequest], Awaitable[verdict_pb2.Verdict]]
 Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.ExecutionResult]]
 
@@ -33,6 +36,7 @@ class Result:
     passed: Counter = field(default_factory=Counter)   # task kind -> how many of those passed
     samples: Counter = field(default_factory=Counter)  # task kind -> completions drawn at the training temperature
     samples_passed: Counter = field(default_factory=Counter)
+    refused: int = 0  # completions the verifier would not score (counted as failed)
     eval_ms: float = 0.0
 
     @property
@@ -75,13 +79,26 @@ async def evaluate(backend: PolicyBackend, tasks: list[task_pb2.Task], verify: V
 
     async def completions(n: int, params: SamplingParams, scored: Counter, passed: Counter):
         groups = await asyncio.to_thread(backend.sample, [registry.render_prompt(t) for t in plain], n, params)
+        if len(groups) != len(plain) or any(len(g) != n for g in groups):  # zip would score fewer, quietly
+            raise RuntimeError(f"the policy backend answered {[len(g) for g in groups]} completions for "
+                               f"{len(plain)} prompts of {n} each")
 
         async def one(task: task_pb2.Task, index: int, completion) -> bool:
             request = verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(
                 id=f"heldout/{task.id}/{index}", sample_index=index, completion=completion.text,
                 token_ids=completion.token_ids))
             async with slots:
-                return (await verify(request)).sample.passed
+                try:
+                    return (await verify(request)).sample.passed
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise  # the verifier is away: the whole evaluation is tried again
+                    # This completion refused (a scorer that breaks on it): failed, and counted. It stopped the
+                    # evaluator, at every restart (greedy decoding writes it again), and with it every held-out score.
+                    result.refused += 1
+                    log.warning("held-out completion %s refused by the verifier: %s: %s", request.rollout.id,
+                                exc.code().name, exc.details()[:300])
+                    return False
 
         verdicts = await asyncio.gather(*(one(t, i, c) for t, group in zip(plain, groups) for i, c in enumerate(group)))
         for task, ok in zip((t for t, group in zip(plain, groups) for _ in group), verdicts):

@@ -63,6 +63,99 @@ def test_tampered_samples_earn_zero_and_weights_apply():
     assert penalised[0].reward == pytest.approx(1.0 - 0.1 * 2)
 
 
+def test_records_that_disagree_with_their_group_or_pay_beyond_bounds_are_refused():
+    """Each record was checked alone: a record of another size or task under a group id made one group of
+    two; one sample id at two indices stalled the learner (it counts samples by id); rewards of 1e300
+    overflowed the group's variance and stopped the join."""
+    from crucible.services.reward_aggregator.handler import check_record
+
+    def record(*vs):
+        return verdict_pb2.VerdictGroup(verdicts=vs)
+
+    joined = [verdict("g", 0, 4, 1.0), verdict("g", 1, 4, 0.0)]
+    assert check_record(record(verdict("g", 2, 4, 1.0)), config(), joined) is None
+    assert check_record(record(verdict("g", 1, 4, 0.0)), config(), joined) is None  # a replay: the first stands
+    other_size = verdict("g", 2, 8, 1.0)
+    other_task = verdict("g", 2, 4, 1.0)
+    other_task.sample.task_id = "another task"
+    same_id = verdict("g", 3, 4, 1.0)
+    same_id.sample.id = "g/0"
+    for bad, said in [(other_size, "size 8"), (other_task, "another task"), (same_id, "at sample indices 0 and 3")]:
+        assert said in check_record(record(bad), config(), joined)
+    twin = verdict("h", 1, 2, 0.0)
+    twin.sample.id = "h/0"
+    assert "at sample indices 0 and 1" in check_record(record(verdict("h", 0, 2, 1.0), twin))
+    huge = [verdict("k", 0, 2, 1e300), verdict("k", 1, 2, 0.0)]
+    assert "beyond" in check_record(record(*huge), config())
+    weighted = verdict("m", 0, 1, 1.0, components={"answer_correct": 1.0, "format_ok": 1e10})
+    assert check_record(record(weighted), config()) is None
+    assert "beyond" in check_record(record(weighted), config(reward_weights={"format_ok": 1.0}))
+
+
+def test_a_canary_paid_by_the_runs_reward_weights_is_caught():
+    """The canary check read the verifier's default reward, not what the run pays."""
+    from crucible.services.reward_aggregator.handler import alerts_for
+
+    canary = verdict("c", 0, 1, 0.0, components={"answer_correct": 0.0, "format_ok": 1.0})
+    canary.canary = True
+    weights = config(reward_weights={"answer_correct": 1.0, "format_ok": 0.5})
+    assert alerts_for(canary, "run") == []
+    [alert] = alerts_for(canary, "run", weights)
+    assert alert.kind == "canary_passed" and "0.50" in alert.message
+
+
+async def test_a_verdict_arriving_while_its_group_times_out_is_emitted_once(tmp_path):
+    """The timed-out group's entry stayed in the table while its emission was written: a straggler joined
+    it meanwhile, and its samples were emitted twice (complete now) or the straggler was lost."""
+    from crucible.services.reward_aggregator.app import Aggregator
+    from crucible.shared import integrity
+    from crucible.shared.settings import Settings
+
+    agg = Aggregator(Settings(home=tmp_path, group_timeout_s=0.001), producer=None)
+    agg.groups = {}  # the faust table's part here (the app is not started)
+    written, entered, gate = [], asyncio.Event(), asyncio.Event()
+
+    async def write(emissions):  # the bus and the store, slow to acknowledge
+        entered.set()
+        await gate.wait()
+        written.extend(emissions)
+
+    agg._write = write
+
+    class Event:
+        def __init__(self, vs, offset):
+            message = verdict_pb2.VerdictGroup(verdicts=vs)
+            integrity.sign(message, agg.secret)
+            self.value, self.headers = messages.encode(message), bus.publish_headers(message)
+            self.message = type("M", (), {"topic": "crucible.verdicts", "partition": 0, "offset": offset})()
+
+    async def join(event):
+        agg._open = {}
+        done = await agg._join_one(event, event.headers)
+        agg._store_open()
+        agg._open = {}
+        return done
+
+    class Expiring:
+        def items(self):
+            async def one():
+                yield b"G", b""
+            return one()
+
+    group = [verdict("G", i, 3, r) for i, r in enumerate([1.0, 0.0, 1.0])]
+    assert await join(Event(group[:2], 1)) is None
+    await asyncio.sleep(0.01)  # past its timeout
+    expiring = asyncio.create_task(agg._expire(Expiring()))
+    await asyncio.wait_for(entered.wait(), 5)
+    straggler = asyncio.create_task(join(Event(group[2:], 2)))
+    await asyncio.sleep(0.1)
+    gate.set()
+    await expiring
+    assert await straggler is None  # not completing the group it came too late for
+    assert [(e.complete, [t.sample_index for t in e.trajectories]) for e in written] == [(False, [0, 1])]
+    assert agg.finished[b"G"] == (0, 1) and b"G" in agg.groups  # the straggler waits in its own entry, once
+
+
 @pytest.mark.kafka
 @pytest.mark.store
 class HandedOver:

@@ -88,3 +88,17 @@ def test_per_sample_alerts_are_one_per_incident_with_a_cool_down():
     # keys are separate incidents
     now[0] = 425.0
     assert cooldown.admit("tamper") == (True, 0)
+
+
+def test_more_tests_passed_because_the_tasks_have_more_tests_is_not_a_hack():
+    """`tests_passed` is a count: tasks with more tests raised its mean with nothing gamed, and an honest
+    run was alerted (component_without_correctness). It is watched as the share of the task's tests."""
+    rng = random.Random(2)
+
+    def honest(i):
+        total = 3.0 if i < 300 else 12.0  # the curriculum moves on to tasks with four times the tests
+        ok = rng.random() < 0.4
+        share = 1.0 if ok else rng.choice([0.0, 1 / 3, 2 / 3])
+        return verdict(i, passed=ok, components={"tests_passed": round(share * total), "tests_total": total,
+                                                  "timed_out": float(i >= 300 and rng.random() < 0.3)})
+    assert stream(WindowDetectors("run", window=100), 600, honest) == []

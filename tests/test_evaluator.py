@@ -114,3 +114,46 @@ async def test_a_verifier_that_is_down_delays_the_evaluation_and_loses_nothing(s
     finally:
         stop.set()
         await asyncio.wait_for(evaluator, 30)
+
+
+async def test_a_held_out_completion_the_verifier_refuses_counts_as_failed_and_the_rest_are_scored():
+    """One refusal (a scorer that breaks on a completion) ended the evaluation and the evaluator with it,
+    at every restart (greedy decoding writes the same completion again): no version was scored again.
+    A verifier that is away still fails the evaluation, which is tried again."""
+    import grpc
+
+    from crucible.ml import evaluation
+    from crucible.ml.policy.backends import create_backend
+    from crucible.v1 import verdict_pb2
+
+    import itertools
+
+    tasks = list(itertools.islice(digits_tasks("heldout", seed=3), 6))
+    backend = create_backend("torch", seed=1)
+    breaking = tasks[2].id
+
+    async def verify(request):
+        if request.task.id == breaking:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "scoring failed")
+        verdict = verdict_pb2.Verdict()
+        verdict.sample.passed = True
+        return verdict
+
+    result = await evaluation.evaluate(backend, tasks, verify, max_tokens=4)
+    assert sum(result.tasks.values()) == 6 and sum(result.passed.values()) == 5 and result.refused == 1
+
+    async def away(request):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+
+    with pytest.raises(grpc.aio.AioRpcError):
+        await evaluation.evaluate(backend, tasks, away, max_tokens=4)
+
+    class Short:  # a backend answering fewer prompts than asked: fewer tasks were scored, quietly
+        name = "short"
+
+        def sample(self, prompts, n, params):
+            return backend.sample(prompts, n, params)[:-1]
+
+    with pytest.raises(RuntimeError, match="completions for 6 prompts"):
+        await evaluation.evaluate(Short(), tasks, verify, max_tokens=4)

@@ -149,10 +149,11 @@ class Evaluator:
             await asyncio.to_thread(writes.insert, self.store, "evaluations", rows(message), COLUMNS)
             await self.producer.send_and_wait("evaluations", message, key=s.run_id)
             self.done.add(pv.version)
-            log.info("version %d: held-out pass rate %.3f on %d tasks (%s), sampled %.3f of %d, in %.0f ms",
+            log.info("version %d: held-out pass rate %.3f on %d tasks (%s), sampled %.3f of %d, in %.0f ms%s",
                      pv.version, message.pass_rate, message.tasks,
                      ", ".join(f"{k} {r.passed}/{r.tasks}" for k, r in sorted(message.by_kind.items())),
-                     result.sampled_pass_rate, message.samples, message.eval_ms)
+                     result.sampled_pass_rate, message.samples, message.eval_ms,
+                     f"; {result.refused} completions the verifier refused, counted as failed" if result.refused else "")
             return True
 
     def _stored_versions(self) -> list[int]:

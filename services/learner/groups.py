@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
 
+from crucible.ml.advantages import MAX_REWARD  # rewards and advantages, as the aggregator bounds them
 from crucible.shared.settings import sampling_problem
 from crucible.v1 import trajectory_pb2
 
@@ -22,7 +23,6 @@ class Buffered:
 # A step computes in float32 (largest ~3.4e38, smallest normal ~1.2e-38), and the values below are checked as
 # doubles: each bound keeps a value that passes from becoming inf or 0 there, or the step's loss sum from
 # overflowing (one sample of 1e30 advantage made a whole step's update non-finite, and the step was skipped).
-MAX_REWARD = 1e6       # rewards and advantages: no reward design here comes near (GRPO's |A| <= sqrt(G))
 LOWEST_LOGPROB = -1e4  # a sampled token's log-prob: float32 holds no probability below e^-104
 # temperature and top_p: settings.sampling_problem, as every sampler takes them
 

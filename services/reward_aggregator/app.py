@@ -142,6 +142,7 @@ class Aggregator:
         # that timed out (a sample not emitted) still joins, and is emitted once. A process that starts
         # anew knows none: a crash replays its uncommitted batches against the table as it was.
         self.finished: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._expiring: dict[bytes, asyncio.Future] = {}  # groups timed out whose emission is being written
         self.copies_skipped = 0
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
@@ -246,12 +247,16 @@ class Aggregator:
         if not integrity.signed_correctly(record, self.secret):
             return await self._dead_letter(event, headers, "rejected: the verdicts are not signed by a verifier of "
                                            "this deployment (integrity key): only a verifier sets rewards")
-        problem = check_record(record)
+        key = record.verdicts[0].sample.group_id.encode() if record.verdicts else b""
+        expiring = self._expiring.get(key)
+        if expiring is not None:  # its group timing out, being written: joined once that is done (it was
+            await asyncio.wait([expiring])  # joined meanwhile into the entry being written, emitted twice or lost)
+        open_entry = self._entry(key) if key else None
+        problem = check_record(record, self.config, list(open_entry["verdicts"].values()) if open_entry else ())
         if problem:
             return await self._dead_letter(event, headers, f"rejected: {problem}")
         first = record.verdicts[0].sample
         group_id = first.group_id
-        key = group_id.encode()
         verdicts = list(record.verdicts)
         emitted = self.finished.get(key)
         if emitted is not None:
@@ -264,7 +269,7 @@ class Aggregator:
                          m.topic, m.offset)
             if not verdicts:
                 return None
-        entry = self._entry(key) or {
+        entry = open_entry or {
             "first_seen": time.time(), "group_size": first.group_size, "verdicts": {},
             "trace": {k: v.decode("latin-1") for k, v in headers if k in ("traceparent", "tracestate")}}
         for verdict in verdicts:
@@ -293,9 +298,16 @@ class Aggregator:
                 parent = telemetry.extract_context(list(entry.get("trace", {}).items()))
                 with self.tracer.start_as_current_span("aggregate group (timed out)", context=parent):
                     emission = self._emission(key.decode(), entry, complete=False)
-                await self._write([emission])
-                self.groups.pop(key, None)
-                self._finished(key, entry)
+                # Until it is written and out of the table, a verdict of the group waits (_join_one): then it
+                # is a straggler of a finished group, emitted once.
+                self._expiring[key] = written = asyncio.get_running_loop().create_future()
+                try:
+                    await self._write([emission])
+                    self.groups.pop(key, None)
+                    self._finished(key, entry)
+                finally:
+                    written.set_result(None)
+                    del self._expiring[key]
 
     async def _sweep(self):
         now = time.time()
@@ -371,7 +383,7 @@ class Aggregator:
     async def _raise_alerts(self, verdict: verdict_pb2.Verdict) -> None:
         """The verdict's own alerts (tamper, canary) and the window detectors' (detectors.py): each goes
         to crucible.alerts, the alerts table and, with its evidence, the current span as an event."""
-        found = [a for a in alerts_for(verdict, self.settings.run_id) if self._admit(a)]
+        found = [a for a in alerts_for(verdict, self.settings.run_id, self.config) if self._admit(a)]
         found += self.detectors.observe(verdict)
         if not found:
             return

@@ -24,7 +24,11 @@ from crucible.shared import alerts
 from crucible.v1 import alert_pb2, verdict_pb2
 
 # Components that describe a sample rather than reward it: never suspects.
-NEUTRAL = {"length", "truncated", "turns", "tool_calls", "failed_calls", "tests_total", "answered", "scoring_failed"}
+NEUTRAL = {"length", "truncated", "turns", "tool_calls", "failed_calls", "tests_total", "answered", "scoring_failed",
+           "timed_out", "tampered"}  # tampered: the tamper_rate detector watches it
+# Components that are counts of another: watched as their share of it (tests passed rose with nothing gamed
+# when the tasks drawn had more tests, and an honest run was alerted).
+SHARES = {"tests_passed": "tests_total"}
 
 
 @dataclass
@@ -46,6 +50,9 @@ class Window:
             self.tampered += 1
             self._example("tamper", v.sample.id)
         for name, value in v.components.items():
+            if name in SHARES:
+                whole = v.components.get(SHARES[name], 0.0)
+                value = value / whole if whole > 0 else 0.0
             self.components[name] += value
             self.seen[name] += 1
             if value > 0 and not v.sample.passed:

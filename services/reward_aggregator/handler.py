@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from google.protobuf import timestamp_pb2
 
-from crucible.ml.advantages import advantages, weighted_reward
+from crucible.ml.advantages import MAX_REWARD, advantages, weighted_reward
 from crucible.shared import alerts
 from crucible.shared.settings import RunConfig
 from crucible.v1 import alert_pb2, execution_pb2, trajectory_pb2, verdict_pb2
@@ -51,24 +51,33 @@ def check_verdict(verdict: verdict_pb2.Verdict) -> str | None:
     return None
 
 
-def check_record(record: verdict_pb2.VerdictGroup) -> str | None:
-    """Why a verdicts record cannot be joined, or None when it can: every verdict must be able to join,
-    all of one group, each sample once."""
+def check_record(record: verdict_pb2.VerdictGroup, config: RewardConfig | None = None,
+                 joined: Sequence[verdict_pb2.Verdict] = ()) -> str | None:
+    """Why a verdicts record cannot be joined, or None when it can: every verdict must be able to join
+    (with `config`: its reward as paid within MAX_REWARD), all of one group and one task, each sample
+    (index and id) once, in agreement with the verdicts of its group `joined` before (a record of another
+    size or task under the same group id made one group of two)."""
     if not record.verdicts:
         return "the record holds no verdicts"
-    first = record.verdicts[0].sample
-    seen = set()
+    first = (joined[0] if joined else record.verdicts[0]).sample
+    at = {v.sample.id: v.sample.sample_index for v in joined}  # sample id -> its index (a replay repeats both)
+    indices = set()
     for verdict in record.verdicts:
         problem = check_verdict(verdict)
         if problem:
             return problem
         s = verdict.sample
-        if (s.group_id, s.group_size) != (first.group_id, first.group_size):
-            return (f"verdicts of group {s.group_id!r} (size {s.group_size}) and of group {first.group_id!r} "
-                    f"(size {first.group_size}) in one record")
-        if s.sample_index in seen:
+        if (s.group_id, s.group_size, s.task_id) != (first.group_id, first.group_size, first.task_id):
+            return (f"a verdict of group {s.group_id!r} (size {s.group_size}, task {s.task_id!r}) joining group "
+                    f"{first.group_id!r} (size {first.group_size}, task {first.task_id!r})")
+        if s.sample_index in indices:
             return f"group {s.group_id!r}: sample_index {s.sample_index} twice in one record"
-        seen.add(s.sample_index)
+        indices.add(s.sample_index)
+        if at.setdefault(s.id, s.sample_index) != s.sample_index:  # the learner counts samples by id
+            return f"group {s.group_id!r}: sample id {s.id!r} at sample indices {at[s.id]} and {s.sample_index}"
+        if config is not None and not abs(reward_of(verdict, config)) <= MAX_REWARD:
+            return (f"group {s.group_id!r}: sample {s.sample_index}'s reward as weighted, "
+                    f"{reward_of(verdict, config):.3g}, is beyond ±{MAX_REWARD:g}")
     return None
 
 
@@ -130,7 +139,7 @@ def _violation_name(value: int) -> str:
 
 
 
-def alerts_for(verdict: verdict_pb2.Verdict, run_id: str) -> list[alert_pb2.Alert]:
+def alerts_for(verdict: verdict_pb2.Verdict, run_id: str, config: RewardConfig | None = None) -> list[alert_pb2.Alert]:
     """Reward-hacking signals one verdict carries on its own.
 
     - `tamper`: the verifier caught the completion forging a pass (named patterns);
@@ -146,9 +155,10 @@ def alerts_for(verdict: verdict_pb2.Verdict, run_id: str) -> list[alert_pb2.Aler
             f"tamper/{s.id}", "tamper",
             f"completion {s.id} tried to forge its reward: {', '.join(verdict.tamper_patterns) or 'unnamed'}",
             run_id, {**details, "patterns": ",".join(verdict.tamper_patterns)}))
-    if verdict.canary and verdict.reward > 0 and not verdict.tampered:
+    paid = verdict.reward if config is None else reward_of(verdict, config)  # what the run pays, weights and all
+    if verdict.canary and paid > 0 and not verdict.tampered:
         out.append(alerts.new(
             f"canary/{s.id}", "canary_passed",
-            f"canary task {s.task_id} earned reward {verdict.reward:.2f}: the reward can be gamed",
-            run_id, {**details, "reward": f"{verdict.reward:.4f}"}, alert_pb2.SEVERITY_CRITICAL))
+            f"canary task {s.task_id} earned reward {paid:.2f}: the reward can be gamed",
+            run_id, {**details, "reward": f"{paid:.4f}"}, alert_pb2.SEVERITY_CRITICAL))
     return out
