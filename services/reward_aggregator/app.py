@@ -143,6 +143,7 @@ class Aggregator:
         # anew knows none: a crash replays its uncommitted batches against the table as it was.
         self.finished: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._expiring: dict[bytes, asyncio.Future] = {}  # groups timed out whose emission is being written
+        self._first_seen: dict[bytes, float] = {}  # open groups' first verdict times, as _sweep has read them
         self.copies_skipped = 0
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
@@ -230,6 +231,7 @@ class Aggregator:
             try:
                 if entry is None:
                     self.groups.pop(key, None)
+                    self._first_seen.pop(key, None)
                 else:
                     self.groups[key] = _frozen(entry)
             finally:
@@ -304,6 +306,7 @@ class Aggregator:
                 try:
                     await self._write([emission])
                     self.groups.pop(key, None)
+                    self._first_seen.pop(key, None)  # a straggler opens the group anew, with a time of its own
                     self._finished(key, entry)
                 finally:
                     written.set_result(None)
@@ -311,10 +314,20 @@ class Aggregator:
 
     async def _sweep(self):
         now = time.time()
-        for key in list(self.groups.keys()):
-            entry = self._entry(key)
-            if entry and now - entry["first_seen"] >= self.settings.group_timeout_s:
+        keys = list(self.groups.keys())
+        for key in keys:
+            # A group's first_seen never changes: read from its entry once (each read decoded the whole
+            # entry, every group's every second, on the join's loop: 614 ms a second with 4,000 open).
+            first_seen = self._first_seen.get(key)
+            if first_seen is None:
+                entry = self._entry(key)
+                if not entry:
+                    continue
+                first_seen = self._first_seen[key] = entry["first_seen"]
+            if now - first_seen >= self.settings.group_timeout_s:
                 await self.expire_topic.send(key=key, value=b"")
+        if len(self._first_seen) > 2 * len(keys) + 1024:  # groups gone from the table meanwhile
+            self._first_seen = {k: self._first_seen[k] for k in keys if k in self._first_seen}
 
     def _finished(self, key: bytes, entry: dict) -> None:
         """The group's samples in `entry` are emitted: remembered with any it emitted before."""
