@@ -34,7 +34,10 @@ from crucible.shared.settings import shown_url
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
-UNGUARDED = ("/grpc.health.v1.Health/",)  # probes carry no token
+# Probes carry no token: a health Check answers at once. A Watch stream stays open, and needs the token (3,000
+# held without one cost a server 19 MB, and every one would hold a slot of MAX_CALLS).
+UNGUARDED = ("/grpc.health.v1.Health/Check",)
+MAX_CALLS = 4096  # calls under way in one server, past which gRPC answers RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,7 @@ class RpcServer:
         self.services = list(services)
         self.server = grpc.aio.server(
             interceptors=[*([_AuthInterceptor(security.token)] if security.token else []), _TracingInterceptor()],
+            maximum_concurrent_rpcs=MAX_CALLS,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -122,9 +122,16 @@ def _learner_server(host: str = "127.0.0.1", security: rpc.Security | None = Non
 
 
 async def test_a_token_guards_every_call_but_health_checks():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     server = _learner_server(security=rpc.Security(token="s3cret-token"))
     async with server:
         assert await rpc.health_status(server.address, security=rpc.Security()) == "SERVING"  # probes: no token
+        async with rpc.channel(server.address, rpc.Security()) as ch:  # a stream held open is no probe
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await watch.read()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         for sent in (rpc.Security(), rpc.Security(token="wrong")):
             async with rpc.channel(server.address, sent) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
