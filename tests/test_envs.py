@@ -289,6 +289,17 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
     assert "never carried out" in episode_problem(not_carried_out)
     not_carried_out.turns[-1].observation = "red"
     assert episode_problem(not_carried_out) is None
+    # begun by a generator of another model: a transcript this policy never wrote, ids past its embedding
+    from crucible.ml.policy.backends import create_backend
+
+    torch_policy = create_backend("torch", seed=1)
+    assert episode_problem(not_carried_out, torch_policy) is None
+    other_format = copy(not_carried_out)
+    other_format.call_format = "hermes"
+    assert "writes calls as 'hermes'" in episode_problem(other_format, torch_policy)
+    past_vocabulary = copy(not_carried_out)
+    past_vocabulary.prompt_token_ids.append(70_000)
+    assert "outside this model's" in episode_problem(past_vocabulary, torch_policy)
 
     secret = bytes(32)
     handle = action_handler(pool=None, consumer_ref=[], secret=secret)
@@ -577,3 +588,23 @@ def test_a_python_cell_that_raised_is_part_of_the_state_and_one_that_ended_its_p
     assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6, python)] == ["x = 5\nundefined_name", "print(x)"]
     # an environment whose failed calls change nothing (events: a rejected event) replays none of them
     assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6)] == ["print(x)"]
+
+
+def test_an_episode_never_outgrows_its_budget_or_its_models_context():
+    """With the defaults (480 tokens an episode, 64 a turn, 512 positions) a long episode's next turn could
+    not be sampled and the episode was dead-lettered; a 2,000-character observation took one to 2,027
+    tokens, which the learner refused whole."""
+    from crucible.ml.policy.backends import create_backend
+    from crucible.ml.policy.sampling import SamplingParams
+
+    backend = create_backend("torch", seed=1)
+    task = first_task("lookup")
+    assert ep.token_limit(480, task) == 480 and ep.token_limit(10_000, task, backend) == backend.max_context() == 512
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64)
+    assert ep.turn_params(params, 100, 480) is params
+    assert ep.turn_params(params, 467, 512).max_tokens == 45  # prompt and turn within the model's positions
+    episode = ep.start(task, "g", 0, [1] * 400, temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_turn(episode, "@lookup a", [5] * 20, [-0.1] * 20, "stop", 0)
+    episode.turns[-1].observation = "x" * 2000
+    ep.read_observation(backend, episode, 480)
+    assert ep.tokens_used(episode) == 480 and len(ep.context_ids(episode)) <= 480

@@ -223,3 +223,23 @@ def test_lora_trains_adapters_only_and_checkpoints_merged_weights(llama, tmp_pat
         a, _ = sequence_logprobs(merged, ids, valid)
         b, _ = sequence_logprobs(trainer.model, ids, valid)
         assert float((a - b).detach().abs().max()) < LOGPROB_TOLERANCE
+
+
+def test_a_chat_template_that_cannot_render_a_prompt_is_refused_at_start(llama, tmp_path):
+    """A template refusing a system role (Gemma's), or rendering a prompt to nothing, failed every task, each
+    dead-lettered as a handler failure, while the generator looked healthy."""
+    import shutil
+
+    from crucible.ml.policy import hf
+
+    for name, template, system, said in [
+            ("no-system", "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role "
+             "not supported') }}{% endif %}{{ m['content'] }}{% endfor %}", "Answer briefly.", "System role"),
+            ("empty", "{% for m in messages %}{% endfor %}", "", "no tokens")]:
+        folder = shutil.copytree(llama, tmp_path / name)
+        tokenizer = hf.load_tokenizer(folder)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(folder))
+        with pytest.raises(ValueError, match=said):
+            HFBackend(str(folder), chat_template=True, system_prompt=system)
+    HFBackend(str(tmp_path / "no-system"), chat_template=True)  # without a system prompt it renders

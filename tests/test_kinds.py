@@ -57,6 +57,11 @@ def test_task_problems_consult_the_registry():
     assert any("imports numpy, pytest: the sandbox has the standard library only" in p
                for p in task_problems(pytest_tests)), task_problems(pytest_tests)
     assert task_problems(builtin_sets.humaneval()[0]) == []
+    # more tests than the sandbox reports: a perfect answer to 1,500 was paid 1,000 of them
+    many = "".join(f"def test_{i}():\n    assert f(1) == 1\n" for i in range(1001))
+    too_many = task_pb2.Task(id="x", kind="python_tests", prompt="p", group_size=1,
+                             python_tests=task_pb2.PythonTests(entry_point="f", test_code=many))
+    assert any("declares 1001 tests: the sandbox reports at most 1000" in p for p in task_problems(too_many))
     # test code in which nothing would call the program is refused when the task comes in
     for test_code in ("import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n        assert f(1)\n",
                       "if __name__ == '__main__':\n    assert f(1)\n", "x = 1\n"):

@@ -265,3 +265,21 @@ async def test_a_request_whose_caller_has_gone_is_not_sampled():
         assert batcher.batches == 1 and batcher.tokens == sum(len(c.token_ids) for c in completions)
     finally:
         await batcher.stop()
+
+
+async def test_a_version_offered_while_a_batch_gathers_is_loaded_not_dropped(tmp_path):
+    """The offer's signal, taken off the queue while a batch waited for company, was dropped: the version
+    was loaded only once another request came, and with the lag bound spent none could (sampling deadlocked)."""
+    backend = create_backend("torch", seed=1)
+    batcher = Batcher(backend, max_tasks=4, wait_ms=300, lag=LagBound(max_lag=0, groups_per_step=1))
+    batcher.start()
+    try:
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=2)
+        first = asyncio.create_task(batcher.sample("a", 1, params))
+        await asyncio.sleep(0.05)  # the loop holds "a", gathering company for it
+        batcher.offer_weights(1, str(save_checkpoint(fresh_policy(2), tmp_path / "v1", {"version": 1})))
+        await asyncio.wait_for(first, 10)
+        _, version, _ = await asyncio.wait_for(batcher.sample("b", 1, params), 10)  # the budget needs version 1
+        assert version == 1 and backend.version == 1
+    finally:
+        await batcher.stop()

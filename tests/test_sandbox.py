@@ -825,3 +825,50 @@ async def test_unix_sockets_work_and_network_sockets_kill(pool):
     for family in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
         r = await run(pool, f"import socket\nsocket.socket(socket.{family})\nprint('made')")
         assert r.violation == "forbidden_syscall" and b"made" not in r.stdout, (family, r.violation)
+
+
+async def test_one_tasks_tests_leave_nothing_for_another_tasks_tests(pool):
+    """A slot's harness runs job after job: tests that patched `abs` or `math.floor`, or lowered the
+    recursion limit, and never undid it (no attacker: a careless test), failed another task's correct
+    program later in the same harness. Such a job's harness now retires after it."""
+    careless = Job(code="def f(x):\n    return x\n", entry_point="f", tests=(
+        "import builtins, math, random, sys\n"
+        "builtins.abs = lambda x: 42\n"
+        "math.floor = lambda x: -1\n"
+        "sys.setrecursionlimit(60)\n"
+        "random.seed(7)\n"
+        "def check(c):\n    assert c(1) == 1\n"))
+    honest = Job(code="def f(x):\n    return x\n", entry_point="f", tests=(
+        "import math, random\n"
+        "def check(c):\n"
+        "    assert abs(-1) == 1, 'abs patched'\n"
+        "    assert math.floor(2.5) == 2, 'floor patched'\n"
+        "    def depth(n):\n        return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "    assert depth(200) == 200, 'recursion limit'\n"
+        "    assert c(1) == 1\n"))
+    for _ in range(10):  # every slot's harness has run the careless tests
+        assert (await pool.execute(careless)).exit_code == 0
+    results = [await pool.execute(honest) for _ in range(6)]
+    assert [[(t["passed"], t["message"][:40]) for t in r.tests] for r in results] == [[(True, "")]] * 6
+
+
+async def test_a_prepared_jail_killed_before_its_job_is_replaced_not_handed_the_job():
+    """The jail prepared for the next job, killed while it waited, was handed that job anyway: the job
+    failed on a broken pipe. (Killing the service's own processes takes root; nothing else can.)"""
+    import signal
+    import subprocess
+
+    def children(pid: int) -> list[int]:
+        return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+    quick = Job(code="def f(x):\n    return x\n", entry_point="f", tests="def check(c):\n    assert c(1) == 1\n")
+    async with SandboxPool(Settings(sandbox_workers=1, sandbox_wall_s=5.0)) as one:
+        assert (await one.execute(quick)).exit_code == 0
+        [worker] = [w.process.pid for w in one._workers._workers if w.process]
+        for zygote in children(worker):
+            for jail_or_harness in children(zygote):  # the prepared jail and the slots' harnesses
+                os.kill(jail_or_harness, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        for _ in range(3):
+            result = await one.execute(quick)
+            assert result.exit_code == 0 and [t["passed"] for t in result.tests] == [True], result

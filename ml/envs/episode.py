@@ -47,10 +47,23 @@ def add_turn(episode: episode_pb2.Episode, text: str, token_ids: list[int], logp
     return turn
 
 
-def token_limit(max_episode_tokens: int, task: task_pb2.Task) -> int:
-    """The episode's token budget: the run's, or the task's own when it asks for fewer."""
+def token_limit(max_episode_tokens: int, task: task_pb2.Task, backend=None) -> int:
+    """The episode's token budget: the run's, or the task's own when it asks for fewer; never more than
+    `backend`'s model attends to (with the defaults, 480 tokens and 64 a turn on 512 positions, a long
+    episode's next turn could not be sampled, and the episode was dead-lettered)."""
     own = task.environment.max_tokens
-    return min(max_episode_tokens, own) if own else max_episode_tokens
+    limit = min(max_episode_tokens, own) if own else max_episode_tokens
+    context = backend.max_context() if backend is not None else None
+    return min(limit, context) if context else limit
+
+
+def turn_params(params, context_tokens: int, limit: int):
+    """`params` for the next turn of an episode holding `context_tokens`: as many new tokens as the budget
+    leaves at most (a turn past it is cut anyway, and the model cannot sample past its context)."""
+    import dataclasses
+
+    room = limit - context_tokens
+    return params if params.max_tokens <= room else dataclasses.replace(params, max_tokens=max(1, room))
 
 
 def prompt_ids(backend, task: task_pb2.Task) -> list[int]:
@@ -71,10 +84,13 @@ def add_completion(episode: episode_pb2.Episode, completion, policy_version: int
                     "length" if cut else completion.finish_reason, policy_version, sample_ms)
 
 
-def read_observation(backend, episode: episode_pb2.Episode) -> None:
-    """Tokenises the last observation as the model will read it (the generator does this, not the executor)."""
+def read_observation(backend, episode: episode_pb2.Episode, limit: int) -> None:
+    """Tokenises the last observation as the model will read it (the generator does this, not the executor),
+    as much of it as the episode's token budget `limit` leaves (a 2,000-character observation took an
+    episode to 2,027 tokens of a budget of 480, and the learner refused it whole); a cut one ends it."""
     last = episode.turns[-1]
-    last.observation_token_ids[:] = backend.observation_ids(last.observation, list(last.token_ids))
+    room = max(0, limit - tokens_used(episode) + len(last.observation_token_ids))
+    last.observation_token_ids[:] = backend.observation_ids(last.observation, list(last.token_ids))[:room]
 
 
 def tokens_used(episode: episode_pb2.Episode) -> int:
@@ -215,17 +231,25 @@ async def drive(backend, tasks: list[task_pb2.Task], execute: Execute, params, *
         episodes.append(e)
         active.append(e)
     while active:
-        groups = await asyncio.to_thread(backend.sample, [context_ids(e) for e in active], 1, params)
+        # one call for the episodes whose next turn is drawn alike (near its budget, a turn draws fewer tokens)
+        by_params: dict = {}
+        for e in active:
+            limit = token_limit(max_episode_tokens, e.task, backend)
+            by_params.setdefault(turn_params(params, len(context_ids(e)), limit), []).append(e)
+        sampled = {}
+        for these_params, these in by_params.items():
+            groups = await asyncio.to_thread(backend.sample, [context_ids(e) for e in these], 1, these_params)
+            sampled.update((id(e), group[0]) for e, group in zip(these, groups))
         still = []
-        for e, group in zip(active, groups):
-            env, limit = envs.get(e.task.kind), token_limit(max_episode_tokens, e.task)
-            add_completion(e, group[0], backend.version, 0.0, limit)
+        for e in active:
+            env, limit = envs.get(e.task.kind), token_limit(max_episode_tokens, e.task, backend)
+            add_completion(e, sampled[id(e)], backend.version, 0.0, limit)
             if route(env, e, limit) == "done":
                 continue
             await act(env, e, execute)
             if e.end:
                 continue
-            read_observation(backend, e)
+            read_observation(backend, e, limit)
             if len(context_ids(e)) >= limit:
                 e.end = episode_pb2.EPISODE_END_TOKEN_LIMIT
                 continue

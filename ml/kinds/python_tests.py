@@ -19,7 +19,7 @@ import sys
 from crucible.v1 import execution_pb2, task_pb2
 from crucible.ml.kinds import tamper_scan
 from crucible.ml.kinds.registry import Kind, Score, register
-from crucible.shared import tamper_patterns
+from crucible.shared import tamper_patterns, test_report
 
 # (No two runs of the same characters side by side: "```" and a long run of spaces with no newline cost
 # time quadratic in the run, on the services' event loops, where rollouts are made into jobs.)
@@ -260,6 +260,10 @@ class PythonTestsKind(Kind):
                         f"python_tests.test_code defines {tests.entry_point} itself, or may (a star import): its "
                         f"tests would judge that definition, not the program's (name a reference solution "
                         f"otherwise, e.g. reference_{tests.entry_point}, and import names one by one)")
+                declared = declared_tests(task)
+                if len(declared) > test_report.MAX_TESTS:
+                    problems.append(f"python_tests.test_code declares {len(declared)} tests: the sandbox reports at "
+                                    f"most {test_report.MAX_TESTS} (join some into one)")
                 missing = _not_in_the_sandbox(tests.test_code)
                 if missing:
                     problems.append(f"python_tests.test_code imports {', '.join(missing)}: the sandbox has the "

@@ -222,6 +222,7 @@ class Batcher:
             if first is _SWAP or first.future.done():  # a caller gone (its deadline passed) is sampled for nobody
                 continue
             batch = [first]
+            swap_offered = False
             deadline = loop.time() + self.wait_s
             # Up to max_tasks groups of 8, counted in samples: an episode's next turn is one sample.
             while len(batch) < self.max_tasks * 8 and sum(r.n for r in batch) < self.max_tasks * 8:
@@ -232,8 +233,14 @@ class Batcher:
                     item = await asyncio.wait_for(self._queue.get(), left)
                 except asyncio.TimeoutError:
                     break
-                if item is not _SWAP:
+                if item is _SWAP:
+                    swap_offered = True
+                else:
                     batch.append(item)
+            if swap_offered:
+                # Loaded before this batch, not dropped: with the lag bound spent, no request came to take
+                # the loop round again, and the version stayed unloaded for good (sampling deadlocked).
+                await self._swap_weights_if_any()
             # Only requests with the same sampling parameters share a batch; the rest wait their turn.
             same = [r for r in batch if r.params == first.params and not r.future.done()]
             for r in batch:

@@ -28,9 +28,10 @@ and {"done": ...} last.
 
 Each job's tests run in a namespace of their own; the harness is replaced after any job it did not
 see through (the wall clock, a forbidden call, its own failure), after a job that swelled its memory
-(RETIRE_GROWTH_BYTES) and after Harness.JOBS jobs. Tests are
-the task's, from a trusted submitter: one that changes a module it imports changes it for the jobs
-after it in the same harness, as it would in any test runner that keeps its process.
+(RETIRE_GROWTH_BYTES), after Harness.JOBS jobs, and after a job whose tests changed builtins or a
+module they name (_kept_state); the recursion limit is put back and the random module reseeded after
+every job. Tests are the task's, from a trusted submitter: a module they change without naming it
+(through sys.modules, say) stays changed for the jobs after it in the same harness.
 
 Stdlib only: this module is loaded into the sandbox worker, which has no site-packages.
 """
@@ -50,7 +51,7 @@ import sys
 
 from crucible.services.sandbox_executor import candidate, plain
 from crucible.services.sandbox_executor.jail.linux import recv_fds
-from crucible.shared import framing, tamper_patterns
+from crucible.shared import framing, tamper_patterns, test_report
 
 
 class CandidateError(Exception):
@@ -117,7 +118,7 @@ class Report:
     def declared(self, names: list[str]) -> None:
         """The tests about to run, written before the candidate is asked anything: whatever cuts the
         run short, the tests that never reported count as failed."""
-        self._line({"declared": [str(n)[:200] for n in names[:1000]]})
+        self._line({"declared": [str(n)[:200] for n in names[:test_report.MAX_TESTS]]})
 
     def gone(self, stage: str) -> None:
         """The candidate's process ended, or stopped answering, on its own: before the tests or during
@@ -346,6 +347,7 @@ def run(job: dict, report_fd: int, tests: dict, child: Candidate, start_peak: in
     when every test passed and nothing was flagged, else 1); whether this harness retires after it."""
     report = child.report
     before = resource.getrusage(resource.RUSAGE_SELF)
+    kept = _kept_state(tests)
     try:
         _run_tests(job, tests, child, report)
     except Exception as exc:  # outside any test (each test's own errors are its outcome): this job fails,
@@ -354,7 +356,7 @@ def run(job: dict, report_fd: int, tests: dict, child: Candidate, start_peak: in
         child.finish()
     code = 1 if report.failed or report.tampered else 0
     own = resource.getrusage(resource.RUSAGE_SELF)
-    retire = own.ru_maxrss * 1024 > start_peak + RETIRE_GROWTH_BYTES
+    retire = own.ru_maxrss * 1024 > start_peak + RETIRE_GROWTH_BYTES or _changed(kept)
     report.done(code, (own.ru_utime - before.ru_utime + child.usage[0], own.ru_stime - before.ru_stime + child.usage[1],
                        child.usage[2]), retire)
     return retire
@@ -444,6 +446,35 @@ def _code(part):
     if type(part) is dict:
         raise _DidNotCompile(part.get("error", "did not compile"))
     return part
+
+
+def _kept_state(tests: dict) -> tuple:
+    """What one job's tests may change of this process that the next job's tests would meet, as it is
+    before they run: builtins and the modules the tests name (their attributes), the recursion limit. A
+    test that patched `abs` or `math.floor`, or lowered the recursion limit, and never undid it, failed
+    another task's correct program later in the same harness (_changed)."""
+    names = set()
+    for part in (tests.get("prelude"), tests.get("tests")):
+        if hasattr(part, "co_names"):
+            names |= _names(part)
+    modules = [sys.modules[n] for n in names if n in sys.modules and n not in ("sys", "builtins")]
+    modules.append(builtins)
+    return [(m.__dict__, dict(m.__dict__)) for m in modules], sys.getrecursionlimit()
+
+
+def _changed(kept: tuple) -> bool:
+    """Whether the job's tests changed what `_kept_state` saw (the harness then retires: its successor
+    starts clean; a module's attributes put back by hand could disagree with what the module keeps
+    itself). The recursion limit is put back and the random module reseeded (a seed a test set is no
+    later job's sequence) whatever they did."""
+    saved, limit = kept
+    if sys.getrecursionlimit() != limit:
+        sys.setrecursionlimit(limit)
+    generator = sys.modules.get("random")
+    if generator is not None:
+        generator.seed()
+    return any(len(now) != len(then) or any(now.get(k, _MISSING) is not v for k, v in then.items())
+               for now, then in saved)
 
 
 def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None:

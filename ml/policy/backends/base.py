@@ -32,10 +32,16 @@ class PolicyBackend(ABC):
         """Tokens the model attends to (prompt and completion); None: no limit known."""
         return None
 
+    def vocab_size(self) -> int | None:
+        """Token ids the model has (0 to this, less one); None: not known."""
+        return None
+
     def too_long(self, prompt: Prompt, max_new_tokens: int) -> str | None:
         """Why the prompt cannot be sampled with `max_new_tokens` more, or None: checked for each task
         before it joins a batch, so a prompt the model cannot take is refused alone."""
         limit, n = self.max_context(), self.prompt_tokens(prompt)
+        if n == 0:  # nothing to continue from (a sampler fails on it, and with it the batch it joined)
+            return "the prompt renders to no tokens for this model"
         if limit is None or n is None or n + max_new_tokens <= limit:
             return None
         return (f"the prompt is {n} tokens for this model; with {max_new_tokens} more to sample it passes the "

@@ -34,14 +34,31 @@ class HFBackend(PolicyBackend):
         self.tokenizer = hf.load_tokenizer(folder)
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the model in {folder} has no chat template: set chat_template = false in the recipe")
+        self._check_template(folder)
         self.model = hf.load_model(folder, device).eval()
         self.eos = hf.eos_ids(self.model, self.tokenizer)
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(sample_seed if sample_seed is not None else torch.seed())
         self.version = 0
 
+    def _check_template(self, folder) -> None:
+        """ValueError unless a prompt renders, with the run's system prompt, to some tokens: a template that
+        refuses a system role, or renders a prompt to nothing, failed every task, each dead-lettered as a
+        handler failure, while the generator looked healthy."""
+        try:
+            ids = self.encode("2+2=?")
+        except Exception as exc:  # noqa: BLE001 -- whatever the template raises
+            raise ValueError(f"the chat template of {folder} does not render a prompt"
+                             f"{' with a system prompt' if self.system_prompt else ''}: {type(exc).__name__}: "
+                             f"{str(exc)[:300]}") from None
+        if not ids:
+            raise ValueError(f"the chat template of {folder} renders a prompt to no tokens")
+
     def prompt_tokens(self, prompt: str | list[int]) -> int | None:
         return len(self.encode(prompt))
+
+    def vocab_size(self) -> int | None:
+        return getattr(self.model.config, "vocab_size", None)
 
     def max_context(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)

@@ -34,6 +34,9 @@ class TorchBackend(PolicyBackend):
     def prompt_tokens(self, prompt: str | list[int]) -> int | None:
         return len(self.encode(prompt))
 
+    def vocab_size(self) -> int | None:
+        return self.model.config.vocab_size
+
     def max_context(self) -> int | None:
         return self.model.config.max_position_embeddings
 

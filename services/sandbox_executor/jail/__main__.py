@@ -6,7 +6,7 @@ The bootstrap reads it and runs this file with it as `CONFIG`.
 
 With `-I -S` the installed `crucible` package cannot be imported the usual way (an install lives in
 site-packages, an editable one is found through it). The pool passes, in `CONFIG["packages"]`, the
-folders of the two packages the worker runs from: crucible.shared (framing, tamper pattern names)
+folders of the two packages the worker runs from: crucible.shared (framing, tamper pattern names, test_report)
 and crucible.services.sandbox_executor. `JailFinder` imports their modules from those folders under
 neutral names (`/crucible/...`): a job's traceback or a module's `__file__` shows no host path.
 No package's `__init__` runs (the worker imports nothing beyond the standard library, and only the

@@ -10,6 +10,7 @@ import json
 import signal
 
 from crucible.services.sandbox_executor.jail.cgroups import Cgroups
+from crucible.shared import test_report
 
 DONE_PREFIX = b'{"done": '  # the start of the harness's last report line (harness.Report.done)
 # What the supervisor reads of a tested job's report: more than the harness writes for any job (its lines
@@ -43,7 +44,7 @@ def parse_report(data: bytes) -> dict:
         try:
             item = json.loads(line)
             if "declared" in item:
-                declared = [str(n)[:200] for n in item["declared"]][:1000]
+                declared = [str(n)[:200] for n in item["declared"]][:test_report.MAX_TESTS]
             elif "tamper" in item:
                 tamper.append({"pattern": str(item["tamper"])[:64], "detail": str(item.get("detail", ""))[:500]})
             elif "gone" in item:
@@ -53,7 +54,7 @@ def parse_report(data: bytes) -> dict:
                               "message": str(item.get("message", ""))[:1000]})
         except (ValueError, KeyError, TypeError):
             continue
-    return {"tests": tests[:1000], "tamper": tamper[:100], "gone": gone, "declared": declared}
+    return {"tests": tests[:test_report.MAX_TESTS], "tamper": tamper[:100], "gone": gone, "declared": declared}
 
 
 PROCESS_LIMIT_SIGNS = (b"[Errno 11] Resource temporarily unavailable", b"can't start new thread")

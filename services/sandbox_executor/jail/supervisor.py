@@ -171,6 +171,10 @@ class Jail:
             self.wait()
         self.reaped = True
 
+    def alive(self) -> bool:
+        """Whether its process is still there (a prepared jail can be killed before a job reaches it)."""
+        return _alive(self.pidfd)
+
     def close_stdin(self) -> None:
         """The program's stdin ends (all of it was written, or there was none)."""
         os.close(self.in_w)
@@ -213,7 +217,7 @@ class Harness:
         self.jobs = 0
 
     def alive(self) -> bool:
-        return self.pidfd >= 0 and not select.select([self.pidfd], [], [], 0)[0]
+        return _alive(self.pidfd)
 
     def send(self, job: dict, tests: bytes, fds: list[int]) -> None:
         """A job's descriptors (call_w, reply_r, report_w, the candidate's pidfd), its entry point and
@@ -287,6 +291,17 @@ class Supervisor:
                 if body is None:
                     raise EOFError("the pool closed the pipe between a job's header and its body")
                 job = {**header, **json.loads(body)}
+                if jail is not None and not jail.alive():
+                    # Killed while it waited for this job (the job would have met a broken pipe and failed):
+                    # a fresh one takes it.
+                    jail.release()
+                    jail = None
+                    try:
+                        jail = self.prepare(slot)
+                    except ZygoteGone:
+                        raise
+                    except Exception as exc:
+                        problem = f"{type(exc).__name__}: {exc}"
                 if jail is None:
                     raise RuntimeError(f"the jail could not be prepared: {problem}")
             except Exception as exc:
@@ -460,6 +475,11 @@ def _go(fds: dict[str, int], failed: str, attach=None) -> None:
 
 
 COMPILED_TESTS = harness.CompiledTests()  # the frames tested jobs' harnesses read their tests from
+
+
+def _alive(pidfd: int) -> bool:
+    """Whether the process of `pidfd` is still there (its pidfd turns readable when it exits)."""
+    return pidfd >= 0 and not select.select([pidfd], [], [], 0)[0]
 
 
 def run_job(jail: Jail, job: dict, cgroups: Cgroups, harness_: Harness | None = None) -> tuple[dict, object]:
