@@ -271,13 +271,7 @@ class Supervisor:
             runner.start()
         while True:
             slot = self._take_slot()
-            jail, problem = None, ""
-            try:
-                jail = self.prepare(slot)
-            except ZygoteGone:
-                raise
-            except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+            jail, problem = self._try_prepare(slot)
             header = framing.read(0)
             if header is None:
                 if jail is not None:
@@ -295,13 +289,7 @@ class Supervisor:
                     # Killed while it waited for this job (the job would have met a broken pipe and failed):
                     # a fresh one takes it.
                     jail.release()
-                    jail = None
-                    try:
-                        jail = self.prepare(slot)
-                    except ZygoteGone:
-                        raise
-                    except Exception as exc:
-                        problem = f"{type(exc).__name__}: {exc}"
+                    jail, problem = self._try_prepare(slot)
                 if jail is None:
                     raise RuntimeError(f"the jail could not be prepared: {problem}")
             except Exception as exc:
@@ -320,6 +308,16 @@ class Supervisor:
             if h is not None:
                 h.close()
         self.harness_cgroup.reap()  # until they have gone: the pool removes the group after this worker
+
+    def _try_prepare(self, slot: int) -> tuple[Jail | None, str]:
+        """A prepared jail for the slot, or None and why not (the job that comes is answered with it); a
+        zygote gone ends the worker."""
+        try:
+            return self.prepare(slot), ""
+        except ZygoteGone:
+            raise
+        except Exception as exc:
+            return None, f"{type(exc).__name__}: {exc}"
 
     def _runner(self) -> None:
         while (work := self.jobs.get()) is not None:
