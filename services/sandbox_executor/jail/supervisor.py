@@ -292,6 +292,8 @@ class Supervisor:
                     jail, problem = self._try_prepare(slot)
                 if jail is None:
                     raise RuntimeError(f"the jail could not be prepared: {problem}")
+            except ZygoteGone:  # (its prepared jail died with it) the worker ends; the pool fails this job alone
+                raise
             except Exception as exc:
                 self.send({"job_id": job_id, "error": f"{type(exc).__name__}: {exc}"})
                 if jail is not None:
