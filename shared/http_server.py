@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,10 +55,9 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address):
         """A client that hung up or went silent is no error of the server's (each printed a traceback)."""
-        import sys
-
-        if isinstance(sys.exc_info()[1], _GONE):
-            log.debug("client %s went away: %r", client_address, sys.exc_info()[1])
+        error = sys.exc_info()[1]
+        if isinstance(error, _GONE):
+            log.debug("client %s went away: %r", client_address, error)
             return
         super().handle_error(request, client_address)
 
