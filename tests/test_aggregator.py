@@ -298,6 +298,60 @@ async def test_joins_groups_times_out_stragglers_and_replays_without_duplicates(
     assert (settings.home / "faust").is_dir()  # faust's state lives under CRUCIBLE_HOME, nowhere else
 
 
+@pytest.mark.kafka
+@pytest.mark.store
+async def test_a_batch_that_fails_to_land_loses_no_verdict_of_an_earlier_batch(stack_settings):
+    """A group completed by a batch whose rows the store refused: the service stops, and its restart
+    reads the batch again. The group's earlier verdicts, joined and committed in an earlier batch,
+    were gone from the table (removed as the group completed, before the batch landed): the restart
+    made a group of the replayed verdict alone, which timed out without the rest."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    settings = stack_settings.model_copy(update={"group_timeout_s": 8.0})
+    client = store.connect(settings)
+    topic, app_id = settings.topic("verdicts"), f"{settings.consumer_group_prefix}reward-aggregator"
+
+    async def committed() -> int:
+        reader = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=app_id)
+        await reader.start()
+        try:
+            parts = reader.partitions_for_topic(topic) or {0}
+            return sum([await reader.committed(TopicPartition(topic, p)) or 0 for p in parts])
+        finally:
+            await reader.stop()
+
+    async def publish(vs) -> None:
+        async with bus.Producer(settings) as producer:
+            await producer.send_and_wait("verdicts", verdict_pb2.VerdictGroup(verdicts=vs), key="A")
+
+    group = [verdict("A", i, 2, r) for i, r in enumerate([1.0, 0.0])]
+    stop = asyncio.Event()
+    service = asyncio.create_task(run(settings, stop, timer_interval_s=0.5))
+    try:
+        await publish(group[:1])
+        deadline = asyncio.get_running_loop().time() + 30
+        while await committed() < 1:  # the first verdict joined, in the table, and its record committed
+            assert asyncio.get_running_loop().time() < deadline, "the first verdict was never committed"
+            await asyncio.sleep(0.3)
+        client.command("RENAME TABLE trajectories TO trajectories_away")  # the store refuses the next rows
+        await publish(group[1:])
+        with pytest.raises(RuntimeError, match="could not write a batch"):
+            await asyncio.wait_for(service, 60)
+    finally:
+        stop.set()
+        if not service.done():
+            await asyncio.wait_for(service, 30)
+    client.command("RENAME TABLE trajectories_away TO trajectories")
+    stop = asyncio.Event()
+    service = asyncio.create_task(run(settings, stop, timer_interval_s=0.5))
+    try:
+        query = "SELECT sample_index FROM trajectories FINAL WHERE group_id = 'A' ORDER BY sample_index"
+        assert await rows_within(client, query, [(0,), (1,)], 20) == [(0,), (1,)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(service, 30)
+
+
 async def rows_within(client, query: str, expected: list, timeout: float) -> list:
     """The query's rows once they are `expected`, or what it returns after `timeout` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout

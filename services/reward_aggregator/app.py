@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -72,6 +73,16 @@ ROWS_LINGER_S = 0.5
 # many the join waits for the oldest (a slow store slows the join instead of piling batches up). Batches
 # close 10 ms apart at the most: more than a linger's worth, so a store that keeps up never stalls it.
 MAX_WRITING = 64
+
+
+@contextlib.contextmanager
+def _as_event(event):
+    """Table changes made inside are made as `event`'s (faust sends them to its changelog partition)."""
+    current = faust_streams._current_event.set(weakref.ref(event))
+    try:
+        yield
+    finally:
+        faust_streams._current_event.reset(current)
 
 
 @dataclass
@@ -144,6 +155,10 @@ class Aggregator:
         self.finished: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._expiring: dict[bytes, asyncio.Future] = {}  # groups timed out whose emission is being written
         self._first_seen: dict[bytes, float] = {}  # open groups' first verdict times, as _sweep has read them
+        # Groups a batch completed whose entries stay in the table until that batch has landed (each with
+        # the event its removal is made as): removed at once, a batch that failed to land lost the
+        # verdicts of earlier batches (committed, their entry gone) when the restart read it again.
+        self._leaving: dict[bytes, object] = {}
         self.copies_skipped = 0
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
@@ -161,6 +176,10 @@ class Aggregator:
             # static membership (see Settings.instance_id): a restart rejoins without a rebalance
             consumer_group_instance_id=f"{settings.instance_id}/{app_id}" if settings.instance_id else None,
             datadir=str(datadir),  # faust creates it at start: never in the working directory
+            # A stop (or a rebalance) commits what is acked and goes: by default faust waits until every
+            # event read is acked, and a batch that failed to land never is, so the service that was to
+            # stop and read it again from its last commit waited for ever.
+            stream_wait_empty=False,
         )
         self.verdicts = self.app.topic(settings.topic("verdicts"), value_serializer="raw", key_serializer="raw")
         self.expire_topic = self.app.topic(settings.topic("aggregator.expire"), value_serializer="raw",
@@ -193,7 +212,7 @@ class Aggregator:
                         done = await self._join_one(event, headers)
                     if done is not None:
                         completed.append(done)
-                self._store_open()
+                leaving = self._store_open()
             finally:
                 self._open = {}
             # An earlier batch whose writing failed fails this one (the agent stops, nothing of either
@@ -203,7 +222,7 @@ class Aggregator:
             if completed:
                 # The trajectories go out now; the batch is acked once they and its rows have landed,
                 # while the next batches are joined.
-                landing = asyncio.ensure_future(self._land(completed, await self._send(completed)))
+                landing = asyncio.ensure_future(self._land(completed, await self._send(completed), leaving))
                 landing.add_done_callback(self._landed)
                 writing.append(landing)
                 events.after(landing)
@@ -221,21 +240,30 @@ class Aggregator:
             await asyncio.gather(self.trajectory_rows.flush(), self.turn_rows.flush())
         await asyncio.sleep(0.05)  # a moment for the batches they held back to be acked before faust's last commit
 
-    def _store_open(self) -> None:
-        """The batch's changes to the table: open groups' entries written, completed ones removed. Each
-        change is made as its last event (faust sends it to that event's changelog partition)."""
+    def _store_open(self) -> list[bytes]:
+        """The batch's changes to the table: open groups' entries written. Each change is made as its
+        last event (faust sends it to that event's changelog partition). Returns the groups the batch
+        completed that are in the table: they leave it once the batch has landed (_forget)."""
+        leaving = []
         for key, (entry, event) in self._open.items():
-            if entry is None and key not in self.groups:
-                continue  # completed within the batch: it never reached the table
-            current = faust_streams._current_event.set(weakref.ref(event))
-            try:
-                if entry is None:
-                    self.groups.pop(key, None)
-                    self._first_seen.pop(key, None)
-                else:
-                    self.groups[key] = _frozen(entry)
-            finally:
-                faust_streams._current_event.reset(current)
+            if entry is None:
+                if key in self.groups:  # else completed within the batch: it never reached the table
+                    self._leaving[key] = event
+                    leaving.append(key)
+                continue
+            with _as_event(event):
+                self.groups[key] = _frozen(entry)
+        return leaving
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Completed groups whose batch has landed: out of the table."""
+        for key in keys:
+            event = self._leaving.pop(key, None)
+            if event is None:
+                continue  # completed again meanwhile (a copy, once `finished` had forgotten it): removed already
+            with _as_event(event):
+                self.groups.pop(key, None)
+            self._first_seen.pop(key, None)
 
     async def _join_one(self, event, headers) -> "Emission | None":
         """Joins one record's verdicts (a group's, or some of them) into their group (in the batch's open
@@ -316,6 +344,8 @@ class Aggregator:
         now = time.time()
         keys = list(self.groups.keys())
         for key in keys:
+            if key in self._leaving:
+                continue
             # A group's first_seen never changes: read from its entry once (each read decoded the whole
             # entry, every group's every second, on the join's loop: 614 ms a second with 4,000 open).
             first_seen = self._first_seen.get(key)
@@ -340,6 +370,8 @@ class Aggregator:
         complete (or never seen)."""
         if key in self._open:
             return self._open[key][0]
+        if key in self._leaving:
+            return None
         raw = self.groups.get(key)
         return _thawed(raw) if raw else None
 
@@ -379,8 +411,10 @@ class Aggregator:
                 otel_context.detach(token)
         return sent
 
-    async def _land(self, emissions: list["Emission"], sent: list[asyncio.Future]) -> None:
-        """Waits for the trajectories' acknowledgements, then for the groups' rows in the store.
+    async def _land(self, emissions: list["Emission"], sent: list[asyncio.Future], leaving: list[bytes] = ()
+                    ) -> None:
+        """Waits for the trajectories' acknowledgements, then for the groups' rows in the store; then the
+        `leaving` groups (completed, in the table) leave it.
 
         The bus first: the learner waits for the trajectories, nobody waits for the rows, so the insert
         is not on a step's critical path. A crash between the two replays the batch (its verdicts are
@@ -390,6 +424,7 @@ class Aggregator:
         if self.store is not None:
             await asyncio.gather(self.trajectory_rows.add_all([r for e in emissions for r in e.rows]),
                                  self.turn_rows.add_all([r for e in emissions for r in e.turns]))
+        self._forget(leaving)
         self.groups_emitted += len(emissions)
         self.incomplete_emitted += sum(not e.complete for e in emissions)
 
