@@ -23,7 +23,6 @@ import ipaddress
 import json
 import logging
 import math
-import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
-from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler
+from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler, addressed_to_us
 from crucible.shared.store import queries
 
 log = logging.getLogger("crucible.dashboard")
@@ -109,22 +108,6 @@ class Dashboard:
         with self.lock:
             columns, rows = queries.run(self.client, name, **params)
         return {"columns": columns, "rows": jsonable(rows)}
-
-
-def addressed_to_us(host_header: str | None, bound_host: str) -> bool:
-    """Whether a request's Host names this server. A page that DNS rebinding pointed at us sends its own
-    name, never an IP address or localhost; the port is not checked (an SSH tunnel changes it)."""
-    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+)(:[0-9]{1,5})?", host_header or "")
-    if not match:
-        return False
-    name = match[1].lower()
-    if name in ("localhost", bound_host.lower()):
-        return True
-    try:
-        ipaddress.ip_address(name.strip("[]"))
-        return True
-    except ValueError:
-        return False
 
 
 def handler_for(dashboard: Dashboard, bound_host: str) -> type[BaseHTTPRequestHandler]:

@@ -3,7 +3,9 @@ service's /metrics) are built on: a thread per connection, a bounded number of t
 head read within a deadline, and clients that hang up not reported as the server's errors."""
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import socket
 import sys
 import threading
@@ -17,6 +19,31 @@ log = logging.getLogger(__name__)
 # as long as the client liked).
 HEAD_DEADLINE_S = 15.0
 _GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError, socket.timeout)
+
+
+def addressed_to_us(host_header: str | None, bound_host: str) -> bool:
+    """Whether a request's Host names this server. A page that DNS rebinding pointed at us sends its own
+    name, never an IP address or localhost; the port is not checked (an SSH tunnel changes it)."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+)(:[0-9]{1,5})?", host_header or "")
+    if not match:
+        return False
+    name = match[1].lower()
+    if name in ("localhost", bound_host.lower()):
+        return True
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def sent_by_a_web_page(headers) -> bool:
+    """Whether a browser sent the request for a page's script, form or image (cross-site or not): it
+    names the page's origin (Origin), or the context it came from (Sec-Fetch-Site) unless the user
+    asked for the address themselves ("none"). Any web page may send requests to 127.0.0.1, with no
+    header of its own choosing and a body a form can make; a program's client sends neither header."""
+    site = headers.get("Sec-Fetch-Site")
+    return headers.get("Origin") is not None or (site is not None and site.strip().lower() != "none")
 
 
 class BoundedThreadingHTTPServer(ThreadingHTTPServer):

@@ -367,6 +367,31 @@ def test_get_is_read_only_and_multi_statements_are_refused(store_url, store_clie
     assert (status, headers["X-ClickHouse-Exception-Code"]) == (400, "62") and b"Empty query" in body
 
 
+@pytest.mark.skipif(external_clickhouse_url() is not None, reason="checks the store's own refusal of web pages")
+def test_a_request_a_web_page_makes_is_refused_and_changes_nothing(store_url, store_client, store_database):
+    """Any page the user visits may send requests to 127.0.0.1: with no password, one read the deployment's
+    integrity key through chDB's file() and sent it out with url(), and wrote rows. A page cannot choose
+    its Origin or Sec-Fetch-Site, nor the Host a DNS-rebound name sends; a program's client sends neither."""
+    store_client.command("CREATE TABLE web (a UInt8) ENGINE = MergeTree ORDER BY a")
+    insert = {"query": "INSERT INTO web VALUES (1)", "database": store_database}
+    host = urllib.parse.urlsplit(store_url).hostname
+    for headers in ({"Origin": "http://localhost:9999"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors"}, {"Host": "attacker.example"},
+                    {"Host": f"attacker.example:{urllib.parse.urlsplit(store_url).port}"}):
+        status, reply, body = raw(store_url, b"", params=insert, headers=headers)
+        assert (status, reply["X-ClickHouse-Exception-Code"]) == (403, "497"), (headers, status, body)
+        status, _, body = raw(store_url, params={"query": "SELECT * FROM file('/etc/hostname', 'LineAsString')"},
+                              headers=headers)
+        assert status == 403, (headers, body)
+    assert store_client.query("SELECT count() FROM web").result_rows == [(0,)]
+    # The user's own navigation (Sec-Fetch-Site: none), a program, and the store's IP or localhost by name.
+    for headers in ({"Sec-Fetch-Site": "none"}, {}, {"Host": f"localhost:{urllib.parse.urlsplit(store_url).port}"},
+                    {"Host": host}):
+        status, _, body = raw(store_url, b"", params=insert, headers=headers)
+        assert status == 200, (headers, status, body)
+    assert store_client.query("SELECT count() FROM web").result_rows == [(4,)]
+
+
 @pytest.mark.skipif(external_clickhouse_url() is not None, reason="checks how the store's own sessions are reused")
 def test_settings_do_not_leak_between_requests(store_url):
     query = b"SELECT getSetting('max_threads'), getSetting('date_time_input_format')"
@@ -411,19 +436,19 @@ def test_malformed_framing_is_a_clear_400(store_url):
                 data += chunk
             return data
 
-    short = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nSELECT 1")
+    short = exchange(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\nSELECT 1")
     assert short.startswith(b"HTTP/1.1 400") and b"CANNOT_READ_ALL_DATA" in short, short
-    chunked = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nSELECT 1\r\n0\r\n\r\n")
+    chunked = exchange(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nSELECT 1\r\n0\r\n\r\n")
     assert chunked.startswith(b"HTTP/1.1 400") and b"chunk" in chunked, chunked
-    no_length = exchange(b"POST / HTTP/1.1\r\nHost: x\r\n\r\n")
+    no_length = exchange(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert no_length.startswith(b"HTTP/1.1 411"), no_length
-    encoding = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 8\r\n\r\nSELECT 1")
+    encoding = exchange(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Encoding: br\r\nContent-Length: 8\r\n\r\nSELECT 1")
     assert encoding.startswith(b"HTTP/1.1 415") and b"UNKNOWN_COMPRESSION_METHOD" in encoding, encoding
     garbage = exchange(b"\x16\x03\x01 not http at all\r\n\r\n")
     assert garbage.startswith(b"HTTP/1.1 400") or garbage.startswith(b"HTTP/1.0 400"), garbage
     not_utf8 = raw(store_url, b"SELECT '\xff\xfe'")
     assert not_utf8[0] == 400 and b"UTF-8" in not_utf8[2]
-    ok = exchange(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nSELE\r\n4\r\nCT 1\r\n0\r\n\r\n")
+    ok = exchange(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nSELE\r\n4\r\nCT 1\r\n0\r\n\r\n")
     assert ok.startswith(b"HTTP/1.1 200") and ok.endswith(b"\r\n\r\n1\n"), ok
 
 
@@ -468,7 +493,7 @@ def test_body_limits_hold_against_a_decompression_bomb(spawned_store):
     assert status == 413 and headers["X-ClickHouse-Exception-Code"] == "229", body
     # refused from the headers alone, before the client has sent its body
     with socket.create_connection((store.url.split("//")[1].split(":")[0], int(store.url.rsplit(":", 1)[1])), timeout=30) as sock:
-        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (9 << 20))
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % (9 << 20))
         answer = sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 413") and b"QUERY_IS_TOO_LARGE" in answer, answer
     assert raw(store.url, b"SELECT 1")[2] == b"1\n"

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from crucible.local.store import codecs
 from crucible.local.store.engine import Context, Engine, Outcome
 from crucible.local.store.errors import (
+    ACCESS_DENIED,
     BAD_ARGUMENTS,
     HTTP_LENGTH_REQUIRED,
     QUERY_IS_TOO_LARGE,
@@ -45,7 +46,7 @@ from crucible.local.store.errors import (
 )
 from crucible.local.store.lock import DataDirLock, DataDirLocked
 from crucible.local.store.request import RequestSpec, build_spec, parse_multipart, parse_query_string
-from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler
+from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler, addressed_to_us, sent_by_a_web_page
 from crucible.shared.store.sqltext import split_insert
 
 log = logging.getLogger("crucible.store")
@@ -216,6 +217,7 @@ class StoreRequestHandler(RequestHandler):
         body: codecs.LengthReader | codecs.ChunkedReader | None = None
         spec = RequestSpec()
         try:
+            self._refuse_web_pages()
             url = urlsplit(self.path)
             body = self._open_body(method)
             if url.path in ("/ping", "/replicas_status"):
@@ -253,6 +255,20 @@ class StoreRequestHandler(RequestHandler):
                 # The rest of the body is still on the socket; it cannot be reused for a next request.
                 self.close_connection = True
             self.server.request_finished()
+
+    def _refuse_web_pages(self) -> None:
+        """A request a web page made is refused, whatever it asks: a page the user merely visits could
+        otherwise read and write the store (and, through chDB's file and url functions, the files of
+        whoever runs it). Without a password the request must name this server too (a page that DNS
+        rebinding pointed at 127.0.0.1 names its own host, and could read the answers)."""
+        if sent_by_a_web_page(self.headers):
+            self.close_connection = True
+            raise StoreError(ACCESS_DENIED, "The store does not answer requests made by web pages "
+                             "(the request carries Origin or Sec-Fetch-Site)", http_status=403)
+        if not self.server.password and not addressed_to_us(self.headers.get("Host"), self.server.server_address[0]):
+            self.close_connection = True
+            raise StoreError(ACCESS_DENIED, "The request's Host is not this store: without a password it answers "
+                             "requests addressed to its IP address or localhost only", http_status=403)
 
     def _open_body(self, method: str):
         """The request body's framing: chunked, Content-Length, or none."""
