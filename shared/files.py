@@ -28,18 +28,18 @@ def replace_folder(tmp: Path, folder: Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(folder)
-    _sync(folder.parent)
+    sync(folder.parent)
     return folder
 
 
 def _sync_tree(root: Path) -> None:
     for folder, _, names in os.walk(root):
         for name in names:
-            _sync(Path(folder) / name)
-        _sync(Path(folder))
+            sync(Path(folder) / name)
+        sync(Path(folder))
 
 
-def _sync(path: Path) -> None:
+def sync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

@@ -32,9 +32,10 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from pathlib import Path
 
-from crucible.shared import messages
+from crucible.shared import files, messages
 from crucible.v1 import (alert_pb2, episode_pb2, evaluation_pb2, execution_pb2, policy_pb2, rollout_pb2, task_pb2,
                          trajectory_pb2, verdict_pb2)
 
@@ -69,14 +70,39 @@ def key(settings) -> bytes:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())  # whole before it has its name: a crash never leaves an empty key behind it
         try:
             os.link(tmp, path)  # atomic: whoever links first wins, everyone reads the winner's key
         except FileExistsError:
             pass
         finally:
             tmp.unlink()
-    value = bytes.fromhex(path.read_text().strip())
+        files.sync(path.parent)
+    value = _read_key_file(path)
     _cache[str(settings.home)] = value
+    return value
+
+
+def _read_key_file(path: Path) -> bytes:
+    """The key in `path`, or IntegrityError: a key others may read, or one too short to be a key (an
+    empty file MACs with the empty key, which anyone can compute), is never used."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(f"{path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise IntegrityError(f"{path} may be read or written by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                                 "whoever reads it can mint rewards. chmod 600 it, or remove it for a new key")
+        text = f.read(4 * KEY_BYTES + 64).strip()
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) < KEY_BYTES:
+        raise IntegrityError(f"{path} is damaged (not {KEY_BYTES} or more bytes of hex): remove it for a new key, "
+                             "and restart every service of the deployment")
     return value
 
 

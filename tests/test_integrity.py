@@ -114,3 +114,25 @@ def test_the_mac_is_hmac_sha256_of_the_domain_a_nul_and_the_body():
     assert integrity._mac(SECRET, b"crucible.v1.Task", b"body") == hmac.new(
         SECRET, b"crucible.v1.Task\0body", hashlib.sha256).digest()
     assert integrity._mac(bytes(32), b"crucible.v1.Task", b"body") != integrity._mac(SECRET, b"crucible.v1.Task", b"body")
+
+
+def test_a_key_file_others_may_read_or_too_short_to_be_a_key_is_never_used(tmp_path):
+    """An empty key file (a crash between creating and writing it) MACed with the empty key, which anyone
+    can compute: a forged trajectory of reward 1 passed. A key others may read makes them trusted."""
+    from crucible.shared.settings import Settings
+
+    def fresh_key(home):
+        integrity._cache.clear()
+        return integrity.key(Settings(home=home))
+
+    made = fresh_key(tmp_path / "a")
+    path = tmp_path / "a" / "secrets" / "integrity.key"
+    assert len(made) == integrity.KEY_BYTES and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert fresh_key(tmp_path / "a") == made  # read back as written
+    for text, mode, said in (("", 0o600, "damaged"), ("ab", 0o600, "damaged"), ("  \n", 0o600, "damaged"),
+                             ("zz" * 40, 0o600, "damaged"), (made.hex(), 0o644, "read or written by others")):
+        path.write_text(text)
+        path.chmod(mode)
+        with pytest.raises(integrity.IntegrityError, match=said):
+            fresh_key(tmp_path / "a")
+    integrity._cache.clear()
