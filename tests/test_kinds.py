@@ -256,6 +256,12 @@ def test_answers_are_read_after_the_thinking_and_from_plain_answer_lines():
     # positions found in the text itself ("İ".lower() is two characters)
     assert score(answer_task("exact", "Istanbul"), "<think>İzmir? İ</think><answer>Istanbul</answer>").reward == 1.0
     assert score(task, "<think>İİİ</think>\nAnswer: 42").reward == 1.0
+    # math_answer finds an unmarked answer itself: after the thinking too, never in it
+    math = answer_task("math_answer", "9")
+    for thought in ("<think>it is \\boxed{9}</think>\nThe result: 7", "<think>\\boxed{9}</think>",
+                    "<think>hmm, 9</think>\nI refuse to answer."):
+        assert score(math, thought).reward == 0.0, thought
+    assert score(math, "<think>7? no</think>\nThe result is 9").reward == 1.0
     # a task no answer can fail: refused when it comes in
     assert any("empty once normalized" in p for p in task_problems(answer_task("exact", "...")))
     assert any("matches an empty answer" in p for p in task_problems(answer_task("regex", "a*")))

@@ -11,7 +11,7 @@ import math
 import threading
 
 from crucible.v1 import execution_pb2, task_pb2
-from crucible.ml.kinds.extract import MAX_ANSWER_CHARS, final_answer, numbers, value_of
+from crucible.ml.kinds.extract import MAX_ANSWER_CHARS, after_thinking, final_answer, numbers, value_of
 from crucible.ml.kinds.registry import Kind, Score, register
 
 TIMEOUT_S = 3  # math-verify's own (SIGALRM) limit per parse and comparison, where it can use one
@@ -84,8 +84,9 @@ class MathAnswerKind(Kind):
     def score(self, task: task_pb2.Task, completion: str,
               execution: execution_pb2.ExecutionResult | None = None) -> Score:
         found = final_answer(completion)
-        # Without a marked answer, math-verify finds one itself (last boxed, "the answer is", last number).
-        answer = found.text if found.marked else completion[-MAX_ANSWER_CHARS:]
+        # Without a marked answer, math-verify finds one itself (last boxed, "the answer is", last number),
+        # in what follows the thinking, as every kind reads an answer: never in the thinking itself.
+        answer = found.text if found.marked else after_thinking(completion)[-MAX_ANSWER_CHARS:]
         correct = equivalent(task.answer.answer, answer, found.marked)
         return Score({"answer_correct": float(correct), "format_ok": float(found.marked)}, float(correct),
                      detail=f"answer {found.text[:80]!r} ({found.how})")
