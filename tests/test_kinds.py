@@ -276,6 +276,29 @@ def test_reasoning_gym_instance_is_recreated_from_name_seed_and_config():
     assert score(task, f"<answer>{entry['answer']}</answer>").reward == 1.0
 
 
+def test_reasoning_gym_pays_no_answer_that_ignores_the_question():
+    """Scorers that compare with NaN (always false) paid a list of NaNs for any sorting and NaN for any
+    complex sum; one scorer paid any answer at all. A red team's finds; the defence is general: non-finite
+    answers are never paid where the reference is finite, and an instance whose scorer pays an answer that
+    ignores it is refused when its task comes in."""
+    from crucible.ml.kinds.extract import NUMBER
+
+    for name in ("number_sorting", "complex_arithmetic", "basic_arithmetic"):
+        for seed in range(3):
+            spec = task_pb2.GeneratorSpec(name=name, seed=seed)
+            _, entry = instance(spec)
+            task = task_pb2.Task(id="t", kind="reasoning_gym", prompt=entry["question"], group_size=1, generator=spec)
+            assert task_problems(task) == [], (name, seed)
+            assert score(task, f"<answer>{entry['answer']}</answer>").reward == 1.0
+            for junk in (NUMBER.sub("NaN", str(entry["answer"])), "NaN", "nan", "Infinity",
+                         NUMBER.sub("inf", str(entry["answer"]))):
+                assert score(task, f"<answer>{junk}</answer>").reward == 0.0, (name, seed, junk)
+    spec = task_pb2.GeneratorSpec(name="game_of_life_halting", seed=0)
+    _, entry = instance(spec)
+    task = task_pb2.Task(id="g", kind="reasoning_gym", prompt=entry["question"], group_size=1, generator=spec)
+    assert any("ignores the question" in p for p in task_problems(task))
+
+
 @pytest.mark.slow
 def test_every_generator_with_an_oracle_scores_its_reference_answer_one():
     failures = []

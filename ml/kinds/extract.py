@@ -22,12 +22,12 @@ MAX_ANSWER_CHARS = 10_000  # what any scorer gets to see: keeps regexes and pars
 _LINE = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer(?: is)?\**[ \t]*[:：](.*)$", re.IGNORECASE | re.MULTILINE)
 _LINE_IS = re.compile(r"^[ \t>*_#-]*(?:the )?(?:final )?answer is\**[ \t]+(.*)$", re.IGNORECASE | re.MULTILINE)
 # A number as an answer writes it: digits with separators, a sign, a decimal part, an exponent.
-_NUMBER = re.compile(r"[-+−]?\d[\d,_]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+NUMBER = re.compile(r"[-+−]?\d[\d,_]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def numbers(text: str) -> list[str]:
     """The numbers written in `text` (a hedge writes several)."""
-    return _NUMBER.findall(text)
+    return NUMBER.findall(text)
 
 
 def hedges(answer: str, expected: str) -> bool:

@@ -2,7 +2,14 @@
 
 The reward is 1 for an answer the scorer calls right (its value 1) and 0 otherwise: the scorers' partial
 credit is mostly for wrong answers that contain the right one. An answer that writes several numbers
-where the reference is one number is not paid (a hedge).
+where the reference is one number is not paid (a hedge), nor one that writes NaN or infinity where the
+reference does not (comparisons with NaN are false: a sorting scorer paid a list of NaNs, another
+`min(1, exp(-nan))`, which is 1).
+
+Every instance is also tried, when its task comes in, with answers that ignore it (True, False, 0, an
+empty list, the reference with its numbers made NaN...): a scorer that pays one of them cannot tell a
+right answer from a wrong one there (game_of_life_halting paid any answer at all), and the task is
+refused with the answer it paid.
 
 A task's GeneratorSpec names the generator, a seed and an optional config
 (JSON); the instance is `create_dataset(name, seed=seed, size=1, **config)[0]`,
@@ -16,9 +23,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 
 from crucible.v1 import execution_pb2, task_pb2
-from crucible.ml.kinds.extract import final_answer, hedges
+from crucible.ml.kinds.extract import NUMBER, final_answer, hedges, numbers, value_of
 from crucible.ml.kinds.registry import Kind, Score, register
 
 FORMAT_HINT = "Give only the final answer between <answer> and </answer>."
@@ -63,7 +71,60 @@ def spec_problems(spec: task_pb2.GeneratorSpec) -> list[str]:
     except Exception as exc:  # the generator's own validation: bad config fields or values
         return [f"generator {spec.name!r} rejects seed {spec.seed} with config {spec.config_json or '{}'}: "
                 f"{type(exc).__name__}: {exc}"]
+    paid = _pays_an_answer_that_ignores_it(spec.name, spec.seed, spec.config_json)
+    if paid is not None:
+        return [f"generator {spec.name!r} (seed {spec.seed}) pays the answer {paid!r}, which ignores the question: "
+                "its scorer cannot tell a right answer from a wrong one there"]
     return []
+
+
+# Answers that say nothing about any question, and (below) the reference with its numbers made NaN or infinite.
+_IGNORING = ("", "0", "1", "-1", "yes", "no", "True", "False", "None", "[]", "{}", "()", "x", "banana", "NaN", "inf",
+             "-inf")
+_NON_FINITE = re.compile(r"\b(?:nan|inf|infinity)\b|∞", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pays_an_answer_that_ignores_it(name: str, seed: int, config_json: str) -> str | None:
+    """An answer that ignores the instance which its scorer pays in full (as `verdict` judges), or None."""
+    dataset, entry = _instance(name, seed, config_json)
+    expected = str(entry.get("answer", ""))
+    probes = [*_IGNORING, NUMBER.sub("NaN", expected), NUMBER.sub("inf", expected)]
+    for probe in dict.fromkeys(probes):
+        if _same_answer(probe, expected):
+            continue  # the reference itself (a yes/no question's "yes", a sum's 0)
+        try:
+            if verdict(dataset, entry, probe)[2]:
+                return probe
+        except Exception:  # noqa: BLE001 -- a scorer that raises on nonsense pays nothing for it
+            continue
+    return None
+
+
+def _same_answer(probe: str, expected: str) -> bool:
+    if probe.strip().lower() == expected.strip().lower():
+        return True
+    wanted, written = numbers(expected), numbers(probe)
+    if len(wanted) != 1 or len(written) != 1 or wanted[0] != expected.strip() or written[0] != probe.strip():
+        return False
+    try:
+        return value_of(written[0]) == value_of(wanted[0])
+    except ValueError:
+        return False
+
+
+def verdict(dataset, entry: dict, answer: str) -> tuple[float, bool, bool]:
+    """(the scorer's value, whether the answer hedges, whether it is paid) for an answer's text."""
+    raw = dataset.score_answer(answer, entry)
+    value = float(raw) if isinstance(raw, (int, float)) and math.isfinite(raw) else 0.0
+    value = min(1.0, max(0.0, value))
+    expected = str(entry.get("answer", ""))
+    # Paid for a right answer only. reasoning-gym's default scorer gives an answer that contains the
+    # right one len(right)/len(answer) ("26600" for 2660: 0.8), and some scorers take the first number
+    # they find ("20 0 1 2 3" for 20: 1.0): neither is the answer. The scorer's value stays a component.
+    hedged = hedges(answer, expected) or (_NON_FINITE.search(answer) is not None
+                                           and _NON_FINITE.search(expected) is None)
+    return value, hedged, value >= 1.0 and not hedged
 
 
 class ReasoningGymKind(Kind):
@@ -78,18 +139,11 @@ class ReasoningGymKind(Kind):
               execution: execution_pb2.ExecutionResult | None = None) -> Score:
         dataset, entry = instance(task.generator)
         found = final_answer(completion)
-        raw = dataset.score_answer(found.text, entry)
-        value = float(raw) if isinstance(raw, (int, float)) and math.isfinite(raw) else 0.0
-        value = min(1.0, max(0.0, value))
-        # Paid for a right answer only. reasoning-gym's default scorer gives an answer that contains the
-        # right one len(right)/len(answer) ("26600" for 2660: 0.8), and some scorers take the first number
-        # they find ("20 0 1 2 3" for 20: 1.0): neither is the answer. The scorer's value stays a component.
-        hedged = hedges(found.text, str(entry.get("answer", "")))
-        correct = value >= 1.0 and not hedged
+        value, hedged, correct = verdict(dataset, entry, found.text)
         return Score({"answer_correct": float(correct), "score": value, "format_ok": float(found.marked),
                       "hedged": float(hedged)}, float(correct),
                      detail=f"{task.generator.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}"
-                            + (" but writes several numbers where one is asked for" if hedged else ""))
+                            + (" but writes several numbers (or NaN, infinity) where one is asked for" if hedged else ""))
 
 
 register(ReasoningGymKind())
