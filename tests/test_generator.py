@@ -18,6 +18,7 @@ from crucible.shared import bus, messages, rpc
 from crucible.shared.procs import free_port
 from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.model import sequence_logprobs
+from tests.bus_helpers import publish_unsigned
 from tests.test_bus import read_raw
 
 pytestmark = pytest.mark.kafka
@@ -177,20 +178,26 @@ async def test_a_bad_task_is_dead_lettered_once_with_the_task_log_running(genera
             await raw.send_and_wait(settings.topic("tasks"), b'{"id": "typo", "kind": "exact", "group_sizee": 2}',
                                     headers=[("content-type", b"application/json")])
             await raw.stop()
+            # A task nobody holding the key published: not logged either (the log is what `crucible
+            # rescore --grade-as` signs anew: a forged row there was graded, and paid, as a trusted task).
+            await publish_unsigned(settings, "tasks", task("forged", group_size=1), b"forged")
             await producer.send_and_wait("tasks", task("good", group_size=1))
         await read_raw(settings, "rollouts", 1, timeout=60)
         client = store.connect(settings)
         store.migrate(client)  # idempotent: the table exists whichever of us migrates first
+        logged = f"SELECT task_id FROM {store.TASKS_TABLE} FINAL ORDER BY task_id"
         for _ in range(100):  # the task log has caught up with both records
-            if client.query(f"SELECT count() FROM {store.TASKS_TABLE} FINAL").result_rows[0][0] == 2:  # bad and good
+            if len(client.query(logged).result_rows) >= 2:
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
-        dead = await read_raw(settings, "tasks.dlq", 2, timeout=10)
+        assert client.query(logged).result_rows == [("bad",), ("good",)]
+        dead = await read_raw(settings, "tasks.dlq", 3, timeout=10)
         reasons = sorted(dict(d.headers)["dlq-reason"].decode() for d in dead)
-        assert "needs a 'answer' payload" in reasons[0] and "JSON does not match" in reasons[1], reasons
+        for said in ("needs a 'answer' payload", "JSON does not match", "not signed by a trusted submitter"):
+            assert sum(said in r for r in reasons) == 1, (said, reasons)
         with pytest.raises(asyncio.TimeoutError):  # and nothing else: each bad record once
-            await read_raw(settings, "tasks.dlq", 3, timeout=3)
+            await read_raw(settings, "tasks.dlq", 4, timeout=3)
     finally:
         stop.set()
         await asyncio.wait_for(control, 30)

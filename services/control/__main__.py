@@ -32,8 +32,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
     async def record(incoming: bus.Incoming):
         task = incoming.message
-        # The log records what was published; whether a task is acceptable is decided once, by the
-        # generator, which dead-letters the bad ones. A replayed record rewrites the same row
+        # The log records what trusted code published (a task nobody holding the key signed is skipped:
+        # the log is what `crucible rescore --grade-as` signs anew); whether a task is acceptable is
+        # decided once, by the generator, which dead-letters the bad ones. A replayed record rewrites the same row
         # (the task log is a ReplacingMergeTree on run and task id).
         await rows.add(task_row(task, telemetry.current_trace_id(), settings.run_id))
         log.info("recorded task %s (%s, group of %d)", task.id, task.kind, task.group_size)
@@ -47,7 +48,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         )
         async with server, bus.Consumer(["tasks"], settings.consumer_group_prefix + "control", record,
                                         settings=settings, producer=producer, dead_letters=False,
-                                        concurrency=CONCURRENT_TASKS) as consumer:
+                                        trusted=True, concurrency=CONCURRENT_TASKS) as consumer:
             log.info("control ready: gRPC %s, consuming %s", server.address, consumer.topics)
             await service.run_until(stop, consumer.run())
     # Rows still waiting for company when it stopped: written now, or a run that ends here would lack
