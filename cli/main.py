@@ -12,15 +12,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from crucible.cli import echo
 from crucible.cli import models as models_cmd
 from crucible.shared.procs import stop_processes
 from crucible.shared.settings import Settings, get_settings, shown_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: cli/ sits at its top
-
-
-def echo(message: str = "") -> None:
-    print(message, flush=True)
 
 
 def step(n: int, total: int, message: str) -> None:

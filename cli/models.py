@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from crucible.cli import echo
 from crucible.shared.settings import Settings
-
-
-def echo(message: str = "") -> None:
-    print(message, flush=True)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable
 
 from crucible.shared import metrics, telemetry
 from crucible.shared.settings import Settings, get_settings
+from crucible.shared.text import shown
 
 
 # Allocations of container objects between two collections of the youngest generation (CPython's
@@ -26,6 +27,17 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
+class OneLineFormatter(logging.Formatter):
+    """A log record's message as one line: the keys, reasons and texts it quotes come from whoever wrote
+    a record or a task (a record's key with line breaks in it wrote whole log lines of the service's
+    own, in its format), so its line breaks and every character a terminal acts on are written as
+    escapes. A traceback after it keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = shown(record.message)
+        return super().formatMessage(record)
+
+
 def setup(name: str) -> Settings:
     """Settings for the service `name`, with logging and OpenTelemetry configured for it."""
     settings = get_settings()
@@ -34,7 +46,9 @@ def setup(name: str) -> Settings:
         # Before any thread starts (telemetry's exporters, torch's pool, to_thread's workers): each
         # thread takes its priority from the one that started it.
         os.nice(settings.cpu_nice)
-    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
+    logging.basicConfig(level=settings.log_level, handlers=[handler])
     telemetry.setup_telemetry(name, settings)
     metrics.setup_metrics(name, settings)
     return settings

@@ -52,6 +52,14 @@ def is_utf8(text: str) -> bool:
 _UNSHOWN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 
 
+def shown_lines(value: object) -> str:
+    """`value` as `shown` writes it, its line breaks ("\\n") kept: for messages of several lines."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "\n".join(shown(line) for line in text.split("\n"))
+
+
 def shown(value: object) -> str:
     """`value` as text for a terminal: task ids, completions and alert messages come from task authors and
     the model, so each character a terminal would act on is written as its escape (\\x1b, \\u202e, \\n)."""

@@ -306,6 +306,16 @@ def test_crucible_submit_publishes_signed_tasks_or_names_every_bad_line(settings
             (tmp_path / "heldout.jsonl").write_text(json.dumps({**good[0], "split": "heldout"}) + "\n")
             assert crucible_main(["submit", str(tmp_path / "heldout.jsonl")]) == 2
             assert "has split 'heldout'" in capsys.readouterr().out
+            # A task file's text reaches the terminal as text: a JSON key quoted by the parser's error, and an
+            # entry point quoted by a problem, once set the window title, cleared the screen, hid the rest.
+            evil = tmp_path / "evil.jsonl"
+            evil.write_text(json.dumps({**good[0], "\x1b]0;PWNED\x07\x1b[2J\rpublished 1 task(s)\n": 1}) + "\n"
+                            + json.dumps({**good[1], "python_tests": {"entry_point": "f\x1b[8m", "test_code": "x"}})
+                            + "\n")
+            assert crucible_main(["submit", str(evil)]) == 2
+            out = capsys.readouterr().out
+            assert "\x1b" not in out and "\r" not in out and "\x07" not in out, out
+            assert "\\x1b]0;PWNED" in out and "nothing was published" in out
             huge = tmp_path / "huge.toml"
             huge.write_text("[sampling]\ngroup_size = 1000000000\n")
             assert crucible_main(["train", str(huge)]) == 2  # refused before anything starts

@@ -308,3 +308,31 @@ def test_a_spans_json_row_reads_back_as_its_row(names, attributes, description):
     [finished] = exporter.get_finished_spans()
     row = span_store.span_row(finished, stamp=span_store._stamp)
     assert json.loads(span_store.json_rows([finished])) == row
+
+
+def test_a_log_record_is_one_line_whatever_its_message_quotes():
+    """A record's key, quoted by its dead-letter reason, wrote whole log lines in the service's own format."""
+    import io
+    import logging
+
+    from crucible.shared.service import OneLineFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(OneLineFormatter("%(name)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("crucible.test.oneline")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        forged = "k\n2099-01-01 learner WARNING alert none: all clear\x1b[2J\r"
+        logger.warning("undecodable: key %r said %s", forged, forged)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logger.exception("failed on %s", "a\nb")
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("crucible.test.oneline WARNING undecodable") and "all clear" in lines[0]
+    assert "\x1b" not in stream.getvalue() and "\r" not in stream.getvalue()
+    assert lines[1] == "crucible.test.oneline ERROR failed on a\\nb" and lines[2].startswith("Traceback")
