@@ -494,8 +494,9 @@ def cmd_rescore(args, settings: Settings) -> int:
         if args.verifier:
             async with evaluation.verifier(args.verifier) as verify:
                 return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify, echo=echo)
-        async with rescore.local_verifier(settings, echo=echo) as verify:
-            return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify, echo=echo)
+        async with rescore.local_verifier(settings, echo=echo) as (verify, verifier_settings):
+            return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify,
+                                         verifier_settings=verifier_settings, echo=echo)
 
     started_here = [] if args.verifier else ensure_stack(settings)
     try:
@@ -568,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="the run id (default: the newest run in the store)")
     p.add_argument("--grade-as", action="append", default=[], metavar="OLD=NEW",
                    help="grade tasks of kind OLD with kind NEW (repeatable), e.g. lenient_exact=exact")
-    p.add_argument("--verifier", help="a running Verifier at HOST:PORT (default: start one for this command)")
+    p.add_argument("--verifier", help="a running Verifier at HOST:PORT (default: start one for this command); tasks are "
+                        "signed for the run CRUCIBLE_RUN_ID names, which must be the verifier's")
     p.set_defaults(func=cmd_rescore)
     models_cmd.add_parser(sub)
     return parser

@@ -53,6 +53,7 @@ class RescoreReport:
     episodes_skipped: int = 0
     tasks_missing: int = 0
     tasks_unreadable: int = 0
+    tasks_unsigned: int = 0
     failed: int = 0
     changed_by_task: Counter = field(default_factory=Counter)
 
@@ -106,8 +107,10 @@ def stored_samples(client, run_id: str) -> tuple[list[tuple], dict[str, str]]:
 
 
 async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str, str], verify,
-                  concurrency: int = 8, echo=print) -> RescoreReport:
-    """Grades the run's stored samples again through `verify` and stores the new verdicts."""
+                  verifier_settings: Settings | None = None, concurrency: int = 8, echo=print) -> RescoreReport:
+    """Grades the run's stored samples again through `verify` and stores the new verdicts. A stored task
+    is taken only as the run signed it (the task log is a table anyone reaching the store may write),
+    and is signed anew for the verifier's run (`verifier_settings`; default: `settings`)."""
     client = await asyncio.to_thread(store.connect, settings, create_database=False)
     await asyncio.to_thread(store.migrate, client)
     run_id = run_id or await asyncio.to_thread(newest_run, client)
@@ -120,7 +123,8 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
          + (f", grading {', '.join(f'{a} as {b}' for a, b in grade_as.items())}" if grade_as else ""))
     slots = asyncio.Semaphore(concurrency)
     rows: list[list] = []
-    secret = integrity.key(settings)
+    signed_by_run = integrity.key(settings.model_copy(update={"run_id": run_id}))
+    secret = integrity.key(verifier_settings or settings)
 
     async def one(sample: tuple) -> None:
         trajectory_id, task_id, kind, version, completion, old_reward, old_components, turns = sample
@@ -135,10 +139,12 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
         except (json_format.ParseError, ValueError, RecursionError):
             report.tasks_unreadable += 1
             return
+        if not integrity.signed_correctly(task, signed_by_run):
+            report.tasks_unsigned += 1
+            return
         graded_as = grade_as.get(task.kind, task.kind)
-        if graded_as != task.kind:  # regraded on purpose, by a process holding the key: signed anew
-            task.kind = graded_as
-            integrity.sign_task(task, secret)
+        task.kind = graded_as  # regraded on purpose, by a process holding the key
+        integrity.sign_task(task, secret)
         request = verdict_pb2.VerifyRequest(task=task, rollout=rollout_pb2.Rollout(
             id=trajectory_id, completion=completion))
         async with slots:
@@ -171,8 +177,9 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
 
 
 @contextlib.asynccontextmanager
-async def local_verifier(settings: Settings, echo=print) -> AsyncIterator[evaluation.Verify]:
-    """A Verifier service (and the sandbox it runs code in) started for this command and stopped after."""
+async def local_verifier(settings: Settings, echo=print) -> AsyncIterator[tuple[evaluation.Verify, Settings]]:
+    """A Verifier service (and the sandbox it runs code in) started for this command and stopped after:
+    (its Verify, the settings of its run, whose key the tasks it is given must be signed with)."""
     from crucible.cli.recipe import builtin
     from crucible.cli.train import Run, run_prefixes
 
@@ -181,7 +188,7 @@ async def local_verifier(settings: Settings, echo=print) -> AsyncIterator[evalua
     try:
         await _wait_ready(run)
         async with evaluation.verifier(run.verifier_address) as verify:
-            yield verify
+            yield verify, run.settings
     finally:
         run.stop_services()
         with contextlib.suppress(Exception):  # the verifier's topics, unused here: a broker gone keeps them
@@ -224,6 +231,9 @@ def summary(report: RescoreReport, top: int = 10) -> list[str]:
     if report.tasks_unreadable:
         lines.append(f"  not rescored     : {report.tasks_unreadable} samples whose stored task does not read as a "
                      "task of this version of Crucible")
+    if report.tasks_unsigned:
+        lines.append(f"  not rescored     : {report.tasks_unsigned} samples whose stored task the run did not sign "
+                     "(written to the store by someone else, or by a Crucible before run keys)")
     if report.failed:
         lines.append(f"  not rescored     : {report.failed} samples the verifier refused")
     for task_id, n in report.changed_by_task.most_common(top):

@@ -23,7 +23,10 @@ MACs (HMAC-SHA256 with the deployment's integrity key) close that:
 
 The key is `CRUCIBLE_INTEGRITY_KEY` (hex, at least 32 bytes: a k8s Secret), or else a key file under
 CRUCIBLE_HOME (`secrets/integrity.key`, 0600) that the first process to need it creates; every process
-of one deployment on one machine shares it. Holding the key is what makes a process trusted.
+of one deployment on one machine shares it. Holding the key is what makes a process trusted. What is
+signed is signed with the run's own key, derived from it (`key`): a record of one run is refused by
+every other (each run of `crucible train` has its own run id; a long-lived stack's services share
+theirs, CRUCIBLE_RUN_ID, "local" by default).
 """
 from __future__ import annotations
 
@@ -50,7 +53,22 @@ _cache: dict[str, bytes] = {}  # CRUCIBLE_HOME -> the key read from under it
 
 
 def key(settings) -> bytes:
-    """The deployment's integrity key (see the module's text)."""
+    """The run's integrity key: the deployment's (`deployment_key`) made the run's own. Every record and
+    result is signed with it, so a record of one run is refused by every other run of the deployment,
+    which shares the deployment's key and, on one machine, its topics' broker: one run's signed tasks,
+    verdicts and trajectories, copied onto another run's topics, were paid and trained on there (the
+    planted-hack recipe's lenient grader brought into a production run)."""
+    return run_key(deployment_key(settings), settings.run_id)
+
+
+@functools.lru_cache(maxsize=64)
+def run_key(deployment: bytes, run_id: str) -> bytes:
+    """The key of run `run_id`, derived from the deployment's key (HMAC-SHA256 of its name)."""
+    return hmac.new(deployment, b"crucible.run\0" + run_id.encode(), hashlib.sha256).digest()
+
+
+def deployment_key(settings) -> bytes:
+    """The deployment's integrity key (see the module's text); what is signed uses its run's (`key`)."""
     configured = settings.integrity_key.get_secret_value() if settings.integrity_key else ""
     if configured:
         try:

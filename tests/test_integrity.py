@@ -123,7 +123,7 @@ def test_a_key_file_others_may_read_or_too_short_to_be_a_key_is_never_used(tmp_p
 
     def fresh_key(home):
         integrity._cache.clear()
-        return integrity.key(Settings(home=home))
+        return integrity.deployment_key(Settings(home=home))
 
     made = fresh_key(tmp_path / "a")
     path = tmp_path / "a" / "secrets" / "integrity.key"

@@ -41,9 +41,9 @@ async def test_a_planted_hack_is_caught_before_it_pays_and_its_clean_twin_raises
     assert hacked.steps >= 20, lines
     per_step = recipe.algorithm.groups_per_step * recipe.sampling.group_size
 
-    async with rescore.local_verifier(settings, echo=lines.append) as verify:
+    async with rescore.local_verifier(settings, echo=lines.append) as (verify, verifier_settings):
         regraded = await rescore.rescore(settings, run_id=hacked.run_id, grade_as={"lenient_exact": "exact"},
-                                         verify=verify, echo=lines.append)
+                                         verify=verify, verifier_settings=verifier_settings, echo=lines.append)
     assert regraded.rescored == regraded.samples >= hacked.steps * per_step * 0.9
     assert regraded.raised == 0 and regraded.lowered > 0, "the strict grader only takes back what the weak one gave"
     _, rows = queries.run(client, "rescore-by-version", rescore=regraded.rescore_id)

@@ -603,26 +603,37 @@ async def test_a_stored_task_that_does_not_read_is_one_sample_not_rescored_not_t
     `crucible rescore` with a traceback and nothing of the run rescored."""
     from crucible.cli import rescore
     from crucible.services.control.handler import TASK_COLUMNS, task_row
-    from crucible.shared import store
+    from crucible.shared import integrity, store
     from crucible.v1 import task_pb2, verdict_pb2
 
     migrate(store_client)
     now = datetime.datetime.now(datetime.timezone.utc)
     good = task_pb2.Task(id="good", kind="exact", prompt="2+2?", group_size=1, answer=task_pb2.ExpectedAnswer(answer="4"))
     odd = task_pb2.Task(id="odd", kind="exact", prompt="3+3?", group_size=1, answer=task_pb2.ExpectedAnswer(answer="6"))
-    rows = [task_row(good, "t" * 32, "run-r"), task_row(odd, "t" * 32, "run-r")]
+    # A task is taken as its run signed it: one written to the store by anyone else (or signed for another
+    # run) is not rescored (`--grade-as` signed such a task anew, and paid garbage answers by it).
+    settings = Settings(clickhouse_url=store_url, clickhouse_database=store_database)
+    forged = task_pb2.Task(id="forged", kind="exact", prompt="1+1?", group_size=1, answer=task_pb2.ExpectedAnswer(answer="@"))
+    other = task_pb2.Task(id="other", kind="exact", prompt="1+2?", group_size=1, answer=task_pb2.ExpectedAnswer(answer="3"))
+    integrity.sign_task(good, integrity.key(settings.model_copy(update={"run_id": "run-r"})))
+    integrity.sign_task(other, integrity.key(settings.model_copy(update={"run_id": "run-q"})))
+    rows = [task_row(t, "t" * 32, "run-r") for t in (good, odd, forged, other)]
     rows[1][TASK_COLUMNS.index("task_json")] = '{"id": "odd", "kind": "exact", "fieldOfATomorrowsCrucible": 1}'
     store_client.insert(store.TASKS_TABLE, rows, column_names=TASK_COLUMNS)
-    store_client.insert("trajectories", [[f"s-{t}", t, "exact", 0, "4", 1.0, {}, 0, "run-r", now] for t in ("good", "odd")],
+    store_client.insert("trajectories", [[f"s-{t}", t, "exact", 0, "4", 1.0, {}, 0, "run-r", now]
+                                         for t in ("good", "odd", "forged", "other")],
                         column_names=["trajectory_id", "task_id", "task_kind", "policy_version", "completion", "reward",
                                       "reward_components", "turns", "run_id", "created_at"])
     asked = []
+    verifier = settings.model_copy(update={"run_id": "rescore-1"})
 
     async def verify(request):
+        assert integrity.signed_correctly(request.task, integrity.key(verifier))  # signed for the verifier's run
         asked.append(request.task.id)
         return verdict_pb2.Verdict(reward=1.0, components={"answer_correct": 1.0}, verifier_version="v-test")
 
-    settings = Settings(clickhouse_url=store_url, clickhouse_database=store_database)
-    report = await rescore.rescore(settings, run_id="run-r", grade_as={}, verify=verify, echo=lambda *_: None)
-    assert asked == ["good"] and report.rescored == 1 and report.tasks_unreadable == 1
+    report = await rescore.rescore(settings, run_id="run-r", grade_as={}, verify=verify, verifier_settings=verifier,
+                                   echo=lambda *_: None)
+    assert asked == ["good"] and report.rescored == 1 and report.tasks_unreadable == 1 and report.tasks_unsigned == 2
     assert any("does not read as a task" in line for line in rescore.summary(report))
+    assert any("2 samples whose stored task the run did not sign" in line for line in rescore.summary(report))

@@ -415,3 +415,34 @@ async def test_a_trusted_reader_refuses_what_no_service_of_the_deployment_signed
     assert await versions("evaluations", trusted=True) == ([1], 1)
     assert await versions("policy", trusted=True) == ([1], 1)
     assert alert_pb2.Alert in integrity.SIGNED  # the run's report lists the alerts its services raised, no others
+
+
+async def test_a_record_one_run_signed_is_refused_by_every_other_run_of_the_deployment(settings):
+    """Every run of a deployment shares its key; one run's signed records (tasks, verdicts, trajectories)
+    copied onto another run's topics were paid and trained on there: the planted-hack recipe's lenient
+    grader, brought into a production run, paid garbage answers. What is signed is signed with the run's
+    own key, derived from the deployment's."""
+    from crucible.shared import bus, integrity
+    from crucible.v1 import trajectory_pb2
+
+    run_a, run_b = (settings.model_copy(update={"run_id": r}) for r in ("run-a", "run-b"))
+    assert integrity.key(run_a) != integrity.key(run_b)
+    assert integrity.deployment_key(run_a) == integrity.deployment_key(run_b)
+    assert integrity.key(run_a) == integrity.key(settings.model_copy(update={"run_id": "run-a"}))  # every process of a run
+    await bus.ensure_topics(["trajectories"], settings=settings)
+    async with bus.Producer(run_a) as producer:  # run A's aggregator; its record, copied onto run B's topic
+        await producer.send_and_wait("trajectories", trajectory_pb2.Trajectory(id="a/0", reward=1.0, advantage=3.0),
+                                     key="a")
+
+    async def read(run) -> tuple[list[str], int]:
+        async with bus.Reader(["trajectories"], None, settings=run, offsets={"trajectories": {}}, dead_letters=False,
+                              trusted=True) as reader:
+            got = []
+            for _ in range(20):
+                got += [m.message.id for m in await reader.fetch(timeout_ms=200)]
+                if got or reader.skipped:
+                    break
+            return got, reader.skipped
+
+    assert await read(run_a) == (["a/0"], 0)
+    assert await read(run_b) == ([], 1)
