@@ -3,6 +3,7 @@ output and escape attempts are observations that say what happened; tool calls i
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 import pytest_asyncio
@@ -441,7 +442,7 @@ def test_task_data_that_breaks_scoring_or_costs_without_bound_is_refused_at_subm
     # a value past the reference database's size limit: an error at once, not a run past the deadline; an
     # answer of more rows than any model writes: an error, not a cross join's rows in the verifier's memory
     env = envs.get("sql")
-    for reference, says in [("SELECT length(randomblob(200000000))", "too big"),
+    for reference, says in [("SELECT length(zeroblob(200000000))", "too big"),
                             ("SELECT * FROM t AS x, t AS y", "more than 10000 rows")]:  # 40,000 rows
         sql_task.environment.instance_json = json.dumps({"schema": ["CREATE TABLE t (a)"], "reference": reference,
                                                          "rows": {"t": [[i] for i in range(200)]}})
@@ -564,6 +565,62 @@ def test_a_sql_reference_that_fails_or_answers_nothing_is_refused_and_a_recursiv
     assert any("answers no rows" in p for p in task_problems(task("SELECT name FROM t WHERE name = 'z'")))
     assert any("reference query fails" in p for p in task_problems(task("SELECT nothing FROM t")))
     assert any("reference query fails" in p for p in task_problems(task("DELETE FROM t")))
+
+
+def test_a_users_instance_no_episode_can_pass_or_every_episode_passes_is_refused_and_no_generated_one_is():
+    """A user's instance is held to what the generators assume (a red team's): its own reference solution
+    paid, no two answers paid with nothing done, the same database wherever it is built, and bounded."""
+    def refused(name, data) -> list[str]:
+        return task_problems(envs.get(name).task("q", data, split="train", key=json.dumps(data), group_size=1))
+
+    table = {"schema": ["CREATE TABLE t (name)"], "rows": {"t": [["a"]]}, "reference": "SELECT name FROM t"}
+    for name, data, says in [
+        ("events", {"machine": "order", "start": "paid", "target": "paid"}, "before anything is done"),
+        ("events", {"machine": "order", "start": "delivered", "target": "created"}, "no events take"),
+        ("sql", {**table, "rows": {"t": [["Smith, John"]]}}, "reference solution"),  # an answer cannot write it
+        ("sql", {**table, "rows": {"t": [["a|b"]]}}, "reference solution"),
+        ("sql", {**table, "reference": "SELECT abs(random()) % 1000 FROM t"}, "another value each time"),
+        ("sql", {**table, "schema": ["CREATE TABLE t AS SELECT randomblob(4) AS name"], "rows": {}},
+         "another value each time"),
+        ("sql", {**table, "reference": "SELECT date('now') FROM t"}, "reads the clock"),
+        ("sql", {**table, "reference": "SELECT CURRENT_TIMESTAMP FROM t"}, "reads the clock"),
+        ("sql", {**table, "rows": {}, "schema": ["CREATE TABLE t AS WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL "
+                                                 "SELECT i + 1 FROM c LIMIT 20000) SELECT zeroblob(60000) AS name FROM c"]},
+         "over 64 MiB"),
+        ("sql", {**table, "reference": "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c LIMIT 1000) "
+                                       "SELECT " + ", ".join(["zeroblob(60000)"] * 50) + " FROM c"}, "over 8 MiB"),
+    ]:
+        problems = refused(name, data)
+        assert any(says in p for p in problems), (name, data, problems)
+    beyond = envs.get("python").task("q", {"answer": 1}, split="train", key="1e400", group_size=1)
+    beyond.environment.instance_json = '{"answer": 1e400}'  # JSON, and a float Python reads as infinity
+    assert any("finite" in p for p in task_problems(beyond))
+    assert refused("sql", table) == [] and refused("events", {"machine": "order", "start": "created",
+                                                              "target": "paid"}) == []
+    for name in BUILT_IN:  # nothing a generator makes
+        env = envs.get(name)
+        for task, _ in zip(env.generate("train", seed=3), range(40)):
+            assert task_problems(task) == [], (name, task.environment.instance_json)
+
+
+def test_a_failing_reference_is_kept_as_its_error_not_as_the_error_itself():
+    """The cached exception was raised again at every check: its traceback grew by two frames a check and
+    held the frames' locals (the task) alive: 300 checks of one 0.45 MB task, 46 -> 593 MB."""
+    from crucible.ml.envs import sql
+
+    data = {"schema": ["CREATE TABLE t (a)"], "rows": {"t": [["x" * 1000]]}, "reference": "SELECT nothing FROM t"}
+    raised = []
+    for _ in range(50):
+        try:
+            sql.reference_rows(data)
+        except Exception as exc:  # noqa: BLE001
+            raised.append(exc)
+    assert len({id(e) for e in raised}) == 50 and all(isinstance(e, sqlite3.OperationalError) for e in raised)
+    depth = 0
+    tb = raised[-1].__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    assert depth <= 3
 
 
 def test_a_python_cell_that_raised_is_part_of_the_state_and_one_that_ended_its_process_is_not():

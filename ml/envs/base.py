@@ -107,7 +107,39 @@ class Environment(ABC):
             self.instance(task)
         except InstanceError as exc:
             return [str(exc)]
+        return self.scoring_problems(task)
+
+    def scoring_problems(self, task: task_pb2.Task) -> list[str]:
+        """Why the instance could not be scored as a task must be: its own reference solution is not paid
+        (a target no event reaches, a value an answer cannot write: a task no episode can pass), or two
+        different answers are paid with no tool called (a target the entity starts in: a task passed
+        before anything is done). A generator never makes such an instance; a user's file may."""
+        from crucible.ml.envs.calls import parse, resolve
+
+        try:
+            turns = self.reference(task)
+            calls = []
+            for text in turns[:-1]:
+                call = resolve(parse(text, "plain") or episode_pb2.ToolCall(error="not a call"), self.tools)
+                if isinstance(call, str):
+                    return [f"{self.name}: the instance's reference solution makes a call that is refused: {call}"]
+                calls.append(call)
+            if self.check_answer(task, self.answer_of(turns[-1]), calls).get("answer_correct", 0.0) < 1.0:
+                return [f"{self.name}: no answer can be paid: the instance's own reference solution, which answers "
+                        f"{turns[-1][:80]!r}, is not"]
+            paid = [a for a in ("done", "") if self.check_answer(task, a, []).get("answer_correct", 0.0) >= 1.0]
+        except InstanceError as exc:
+            return [str(exc)]
+        except Exception as exc:  # noqa: BLE001 -- the instance's, whatever it makes the environment's code do
+            return [f"{self.name}: the instance cannot be scored: {type(exc).__name__}: {str(exc)[:200]}"]
+        if len(paid) > 1:
+            return [f"{self.name}: any answer is paid with no tool called: the task is passed before anything is done"]
         return []
+
+    def answer_of(self, text: str) -> str:
+        """The answer a final turn's text gives, as every answer kind reads it: reasoning in a closed
+        <think> block is not the answer, and an <answer> tag or an `Answer:` line marks it (extract.py)."""
+        return extract.answer_block(text) if self.answer_lines else extract.final_answer(text).text
 
     def turn_limit(self, task: task_pb2.Task) -> int:
         return task.environment.max_turns or self.max_turns
@@ -157,10 +189,7 @@ class Environment(ABC):
             else:
                 calls.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
         answered = episode.end in (episode_pb2.EPISODE_END_ANSWER, episode_pb2.EPISODE_END_DONE)
-        # The answer as every answer kind reads it: reasoning in a closed <think> block is not the answer,
-        # and an <answer> tag or an `Answer:` line marks it (extract.py), in one place for every environment.
-        text = episode.turns[-1].text if answered and episode.turns else ""
-        answer = extract.answer_block(text) if self.answer_lines else extract.final_answer(text).text
+        answer = self.answer_of(episode.turns[-1].text if answered and episode.turns else "")
         components = {"answer_correct": 0.0}
         if answered:
             components.update(self.check_answer(task, answer, calls))

@@ -62,6 +62,8 @@ class Events(Environment):
         for field in ("start", "target"):
             if data.get(field) not in states(machine):
                 raise InstanceError(f"events needs {field!r}: a state of {machine!r} ({', '.join(states(machine))})")
+        if path(machine, data["start"], data["target"]) is None:
+            raise InstanceError(f"events: no events take a {machine} from {data['start']} to {data['target']}")
 
     def current(self, data: dict, earlier: list[Call]) -> str:
         """The state after the events accepted so far (rejected ones changed nothing)."""

@@ -79,8 +79,9 @@ class PythonInterpreter(Environment):
     max_turns = 5
 
     def check_instance(self, data: dict) -> None:
-        if not isinstance(data.get("answer"), (int, float)) or isinstance(data.get("answer"), bool):
-            raise InstanceError("python needs 'answer': the number that answers the question")
+        answer = data.get("answer")
+        if not isinstance(answer, (int, float)) or isinstance(answer, bool) or not math.isfinite(answer):
+            raise InstanceError("python needs 'answer': the (finite) number that answers the question")
 
     def job(self, task, earlier, call) -> execution_pb2.ExecuteRequest:
         cells = [c.arguments["code"] for c in earlier if c.name == "python"] + [call.arguments["code"]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sqlite3
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -87,59 +88,104 @@ def answer_rows(answer: str) -> list[tuple]:
 
 
 REFERENCE_SECONDS = 5.0  # a reference query (the task's own, trusted) that runs longer is an error, not a hang
-REFERENCE_VALUE_BYTES = 1 << 20  # the largest string or blob the reference's database holds
+REFERENCE_VALUE_BYTES = 64 << 10  # the largest string or blob the reference's database holds
+REFERENCE_COLUMNS = 64  # of a table or a result
+REFERENCE_DATABASE_BYTES = 64 << 20  # the database the schema builds (CREATE TABLE ... AS a recursive query)
+REFERENCE_RESULT_BYTES = 8 << 20  # the reference's answer, as its values' text
 REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, and a cross join's could fill memory
+# Functions whose value changes from call to call: a database or an answer built with them differs between
+# the processes that build it (control, the generator, the verifier) and between an episode's calls, so
+# a right answer scored 0. The clock ('now', CURRENT_*) is refused by its text (check_instance).
+CHANGING_FUNCTIONS = frozenset({"random", "randomblob", "changes", "total_changes", "last_insert_rowid"})
+_CLOCK = re.compile(r"""['"]\s*now\s*['"]|\bcurrent_(?:timestamp|date|time)\b""", re.IGNORECASE)
 
 
 def reference_rows(data: dict) -> list[tuple]:
-    """The reference query's result as answers are compared (_value). Kept for the instances last asked
-    about (their failures too): a task is checked where it comes in and where each episode is scored, and
-    a reference may take up to REFERENCE_SECONDS."""
+    """The reference query's result as answers are compared (_value)."""
+    return _reference(data)[1]
+
+
+def _reference(data: dict) -> tuple[list[tuple], list[tuple]]:
+    """(the reference query's result, as reference_result returns it, and as reference_rows does). Kept
+    for the instances last asked about (their failures too: the error's type and text, never the error
+    itself, whose traceback held every frame it was raised through and grew each time it was raised
+    again): a task is checked where it comes in and where each episode is scored, and a reference may
+    take up to REFERENCE_SECONDS."""
     key = json.dumps([data.get("schema"), data.get("rows"), data.get("reference")], sort_keys=True)
     kept = _REFERENCES.get(key)
     if kept is None:
         try:
-            kept = [tuple(_value(v) for v in row) for row in reference_result(data)]
+            raw = reference_result(data)
+            kept = (raw, [tuple(_value(v) for v in row) for row in raw])
         except (sqlite3.Error, OverflowError, MemoryError) as exc:
-            kept = exc
+            kept = (type(exc), str(exc))
         _REFERENCES[key] = kept
         if len(_REFERENCES) > REFERENCES_KEPT:
             _REFERENCES.popitem(last=False)
-    if isinstance(kept, BaseException):
-        raise kept
+    if isinstance(kept[0], type):
+        raise kept[0](kept[1])
     return kept
 
 
 REFERENCES_KEPT = 256
-_REFERENCES: "OrderedDict[str, list[tuple] | BaseException]" = OrderedDict()
+_REFERENCES: "OrderedDict[str, tuple]" = OrderedDict()
 
 
 def reference_result(data: dict) -> list[tuple]:
     """The reference query's result, computed here on a fresh in-memory database that it may only read,
-    within REFERENCE_SECONDS (sqlite3.OperationalError "interrupted" after that)."""
+    within REFERENCE_SECONDS (sqlite3.OperationalError "interrupted" after that) and the REFERENCE_*
+    bounds: a user's task runs here, in every service that checks or scores it (a schema of
+    zeroblobs once took one to 4.8 GB)."""
     import time
 
     db = sqlite3.connect(":memory:")
     # The progress handler runs between groups of VM steps: one step making a 200 MB blob (randomblob,
     # zeroblob, printf's width) ran on past the deadline. No value here may be larger than this.
     db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, REFERENCE_VALUE_BYTES)
+    db.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, REFERENCE_COLUMNS)
+    db.execute(f"PRAGMA max_page_count = {REFERENCE_DATABASE_BYTES // 4096}")
+    db.execute("PRAGMA temp_store = MEMORY")
     deadline = time.monotonic() + REFERENCE_SECONDS
     db.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
     builds = reads | {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_CREATE_INDEX,
                       sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_TRANSACTION}  # what creating the tables and filling them needs; never ATTACH
+    changing: list[str] = []
+
+    def allowed(permitted: set[int]):
+        def authorize(action, first, second, *_):
+            if action == sqlite3.SQLITE_FUNCTION and (second or "").lower() in CHANGING_FUNCTIONS:
+                changing.append(second.lower())
+                return sqlite3.SQLITE_DENY
+            return sqlite3.SQLITE_OK if action in permitted else sqlite3.SQLITE_DENY
+        return authorize
+
     try:
-        db.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in builds else sqlite3.SQLITE_DENY)
-        for statement in data["schema"]:
-            db.execute(statement)
-        for table, rows in data["rows"].items():
-            if rows:
-                db.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
-        db.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in reads else sqlite3.SQLITE_DENY)
-        rows = db.execute(data["reference"]).fetchmany(REFERENCE_ROWS + 1)
-        if len(rows) > REFERENCE_ROWS:
-            raise sqlite3.DataError(f"the reference query answers more than {REFERENCE_ROWS} rows")
-        return rows
+        try:
+            db.set_authorizer(allowed(builds))
+            for statement in data["schema"]:
+                db.execute(statement)
+            for table, rows in data["rows"].items():
+                if rows:
+                    db.executemany(f"INSERT INTO {table} VALUES ({','.join('?' * len(rows[0]))})", rows)
+            db.set_authorizer(allowed(reads))
+            cursor = db.execute(data["reference"])
+            rows, size = [], 0
+            for row in cursor:
+                size += sum(len(v) if isinstance(v, (str, bytes)) else 24 for v in row)
+                rows.append(row)
+                if len(rows) > REFERENCE_ROWS:
+                    raise sqlite3.DataError(f"the reference query answers more than {REFERENCE_ROWS} rows")
+                if size > REFERENCE_RESULT_BYTES:
+                    raise sqlite3.DataError(f"the reference query's answer is over {REFERENCE_RESULT_BYTES >> 20} MiB")
+            return rows
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+                raise sqlite3.DataError(f"the database the schema builds is over {REFERENCE_DATABASE_BYTES >> 20} MiB") from None
+            if changing:
+                raise sqlite3.DataError(f"{changing[0]}() gives another value each time it is called: the database "
+                                        "and the reference's answer must be the same wherever they are built") from None
+            raise
     finally:
         db.close()
 
@@ -155,14 +201,15 @@ class SQL(Environment):
     def problems(self, task) -> list[str]:
         """Also the reference query's: one that fails, or answers no rows (which an empty answer would
         match), is refused when the task comes in, not found out episode by episode."""
-        found = super().problems(task)
-        if found:
-            return found
         try:
             rows = reference_rows(self.instance(task))
+        except InstanceError as exc:
+            return [str(exc)]
         except (sqlite3.Error, OverflowError, MemoryError) as exc:
             return [f"sql: the reference query fails: {exc}"]
-        return [] if rows else ["sql: the reference query answers no rows: no answer a model writes could be checked"]
+        if not rows:
+            return ["sql: the reference query answers no rows: no answer a model writes could be checked"]
+        return self.scoring_problems(task)
 
     def check_instance(self, data: dict) -> None:
         schema, rows, reference = data.get("schema"), data.get("rows"), data.get("reference")
@@ -179,6 +226,9 @@ class SQL(Environment):
             raise InstanceError("sql: every table name in 'rows' must be an identifier")
         if not isinstance(reference, str) or not reference.strip():
             raise InstanceError("sql needs 'reference': the query whose result is the answer")
+        if any(_CLOCK.search(text) for text in [*schema, reference]):
+            raise InstanceError("sql: the schema or the reference reads the clock ('now', CURRENT_TIMESTAMP...): "
+                                "the database and the reference's answer must be the same wherever they are built")
 
     def job(self, task, earlier, call) -> execution_pb2.ExecuteRequest:
         data = self.instance(task)
@@ -238,7 +288,7 @@ class SQL(Environment):
 
     def reference(self, task) -> list[str]:
         data = self.instance(task)
-        answer = "\n".join(", ".join("NULL" if v is None else str(v) for v in row) for row in reference_result(data))
+        answer = "\n".join(", ".join("NULL" if v is None else str(v) for v in row) for row in _reference(data)[0])
         return ["@sql " + json.dumps({"query": data["reference"]}), answer]
 
 
