@@ -617,3 +617,30 @@ def test_a_host_copy_keeps_views_of_one_tensor_one_tensor():
     assert copied["other"].data_ptr() != embedding.data_ptr() and torch.equal(copied["other"], embedding[1:])
     embedding.add_(1.0)
     assert torch.equal(copied["head"], torch.arange(6.0).reshape(2, 3)) and copied["groups"] == [{"lr": 0.1}]
+
+
+def test_a_trained_sample_is_remembered_for_as_long_as_it_could_be_trained_on_again():
+    """The learner forgot the ids of all but its last 4 steps once they passed 8,192: at max_policy_lag 6
+    and 4,096 samples a step, a signed group copied back onto the topic 4 steps later was fresh enough
+    to train on, and was trained on again; with no staleness bound, 64 steps later."""
+    from crucible.services.learner.loop import RecentIds
+
+    def steps(n, first=0, size=4096):
+        return [[f"s{v}-{i}" for i in range(size)] for v in range(first, first + n)]
+
+    recent = RecentIds.for_lag([], 6)
+    for version, ids in enumerate(steps(8), start=1):
+        recent.add(ids, version)
+    assert "s0-0" in recent and "s1-5" in recent  # 8 steps back: a sample of version 0 is 8 versions old
+    recent.add(steps(1, 8)[0], 9)
+    assert "s0-0" not in recent and "s1-0" in recent  # now too stale to be trained on: forgotten
+    restored = RecentIds.for_lag(recent.saved(), 6)  # as a checkpoint keeps them
+    assert "s1-0" in restored and "s0-0" not in restored and restored.horizon == recent.horizon
+
+    unbounded = RecentIds.for_lag([["old-0"]], -1)  # a checkpoint of before: ids alone
+    assert "old-0" in unbounded and unbounded.horizon == 0
+    for version, ids in enumerate(steps(6, 1, size=2048), start=1):
+        unbounded.add(ids, version)
+    # Forgotten: the ids of the steps that made versions up to the horizon; every sample older than it
+    # may have been trained on, and the learner refuses them (max_policy_lag < 0).
+    assert "s1-0" not in unbounded and unbounded.horizon == 2 and "s3-0" in unbounded

@@ -96,7 +96,7 @@ def _host_copy(value, copied: dict):
 
 
 def save(settings: Settings, trainer, offsets: dict[int, int], trained_ids: list[str], reference_uri: str,
-         step_records: list[dict] | None = None, recent_ids: list[list[str]] | None = None,
+         step_records: list[dict] | None = None, recent_ids: dict | None = None,
          captured: Captured | None = None) -> Path | None:
     """`step_records` (rows.step_entry: the steps whose rows are not in the store yet) lets a learner
     restarted before they were written write them; `recent_ids` are the ids the last steps trained on.

@@ -170,25 +170,46 @@ def policy_message(settings: Settings, version: int, step: int, uri: str, result
 
 
 class RecentIds:
-    """The sample ids of the last steps, at least MIN_STEPS of them and otherwise at most MAX_IDS ids."""
+    """The ids of the samples the last steps trained on: the last `min_steps` steps' at least (a replay of
+    a sample is refused by its id for as long as it is fresh enough to be trained on: the learner makes
+    them max_policy_lag + 2), otherwise at most MAX_IDS ids. Every sample of a policy version from
+    `horizon` on that was trained on is remembered: with no staleness bound (max_policy_lag -1), one of
+    an older version may have been trained on in a step forgotten, and a replay cannot be told from it."""
 
-    MIN_STEPS, MAX_IDS = 4, 8192  # replays come within seconds of a restart; the list rides in every checkpoint
+    MIN_STEPS, MAX_IDS = 4, 8192  # replays come within seconds of a restart; the ids ride in every checkpoint
 
-    def __init__(self, steps: list[list[str]]):
-        self._steps: deque[list[str]] = deque(steps)
+    def __init__(self, saved: dict | list, min_steps: int = MIN_STEPS):
+        if isinstance(saved, dict):
+            steps, versions, self.horizon = saved.get("steps", []), saved.get("versions", []), saved.get("horizon", 0)
+        else:  # a checkpoint of a learner that kept the ids alone
+            steps, versions, self.horizon = saved, [], 0
+        if len(versions) != len(steps):
+            versions = [None] * len(steps)
+        self.min_steps = max(self.MIN_STEPS, min_steps)
+        self._steps: deque[tuple[int | None, list[str]]] = deque(zip(versions, steps))
         self._ids = {i for step in steps for i in step}
+
+    @classmethod
+    def for_lag(cls, saved: dict | list, max_policy_lag: int) -> "RecentIds":
+        """As a learner whose samples may lag `max_policy_lag` versions behind keeps them."""
+        return cls(saved, min_steps=max_policy_lag + 2 if max_policy_lag >= 0 else 0)
 
     def __contains__(self, sample_id: str) -> bool:
         return sample_id in self._ids
 
-    def add(self, ids: list[str]) -> None:
-        self._steps.append(ids)
+    def add(self, ids: list[str], version: int) -> None:
+        """The ids a step trained on; `version`: the one it made (every sample it trained is older)."""
+        self._steps.append((version, ids))
         self._ids.update(ids)
-        while len(self._steps) > self.MIN_STEPS and len(self._ids) > self.MAX_IDS:
-            self._ids.difference_update(self._steps.popleft())
+        while len(self._steps) > self.min_steps and len(self._ids) > self.MAX_IDS:
+            forgotten, old = self._steps.popleft()
+            self._ids.difference_update(old)
+            if forgotten is not None:
+                self.horizon = max(self.horizon, forgotten)
 
-    def steps(self) -> list[list[str]]:
-        return list(self._steps)
+    def saved(self) -> dict:
+        return {"steps": [ids for _, ids in self._steps], "versions": [v for v, _ in self._steps],
+                "horizon": self.horizon}
 
 
 class Learner:
@@ -212,7 +233,7 @@ class Learner:
         self.trained_past: dict[str, tuple[int, int]] = {}
         # The ids each recent step trained on: a sample published again (the aggregator delivers at least
         # once, and replays what it had not committed when it stopped) is not trained on twice...
-        self.recent = RecentIds(meta.get("recent_trained_ids", []))
+        self.recent = RecentIds.for_lag(meta.get("recent_trained_ids", []), settings.max_policy_lag)
         # ...and those the checkpoint names without their offsets, until the reader has caught up with
         # what was published before this start (they are all behind that).
         self.restored: set[str] = set(meta.get("trained_ids_past_offsets", []))
@@ -302,8 +323,11 @@ class Learner:
                 continue
             sample_id = incoming.message.id
             if sample_id in self.trained_past or sample_id in self.recent or sample_id in self.restored \
-                    or sample_id in self.training:
-                self.duplicates += 1  # trained on already: read again after a restart, or published twice
+                    or sample_id in self.training or (self.settings.max_policy_lag < 0
+                                                      and incoming.message.policy_version < self.recent.horizon):
+                # Trained on already: read again after a restart, or published twice; or (no staleness
+                # bound) older than every sample the learner remembers training on.
+                self.duplicates += 1
                 continue
             self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
                                      incoming.offset, incoming.context))
@@ -399,7 +423,7 @@ class Learner:
         self.trained_past = {i: (p, o) for i, (p, o) in self.trained_past.items()
                              if o >= positions.get((self.topic, p), 0)}
         samples = [m.sample.id for m in taken]
-        self.recent.add(samples)
+        self.recent.add(samples, trainer.version)
         self.training = set()  # recent holds them now
         if not self.unrecorded:
             self.unrecorded_since = time.monotonic()
@@ -415,7 +439,7 @@ class Learner:
         write = functools.partial(checkpoints.save, self.settings, trainer,
                                   {p: o for (t, p), o in positions.items() if t == self.topic},
                                   sorted({*self.trained_past, *self.restored}), self.reference_uri,
-                                  list(self.unrecorded), self.recent.steps(), captured)
+                                  list(self.unrecorded), self.recent.saved(), captured)
         folder = write if captured is not None else await asyncio.to_thread(write)
         result.metrics["checkpoint_ms"] = (time.perf_counter() - began) * 1000
         self.handing_over = asyncio.ensure_future(self._hand_over(
