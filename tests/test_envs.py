@@ -627,8 +627,12 @@ def test_a_python_cell_that_raised_is_part_of_the_state_and_one_that_ended_its_p
     python = envs.get("python")
     task = next(python.generate("train", seed=1))
     episode = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
-    for text, observation, failed in [("@python x = 5\nundefined_name", "stderr:\nTraceback (most recent call last):\n"
-                                                                        "  File \"<cell>\", line 2\nNameError", True),
+    from crucible.ml.envs.python_env import RAISED
+
+    for text, observation, failed in [("@python x = 5\nundefined_name", f"{RAISED}\nstderr:\nTraceback (most recent call "
+                                                                        "last):\n  File \"<cell>\", line 2\nNameError", True),
+                                      ("@python print('Traceback (most recent call last):'); import os; os._exit(3)",
+                                       "Traceback (most recent call last):\n[exit code 3]", True),
                                       ("@python while True: pass", "[the sandbox stopped the program: timeout]", True),
                                       ("@python import os; os._exit(1)", "[exit code 1]", True),
                                       ("@python import ctypes; ctypes.string_at(0)", "[exit code 139, signal 11]", True),
@@ -641,10 +645,27 @@ def test_a_python_cell_that_raised_is_part_of_the_state_and_one_that_ended_its_p
             episode.turns[-1].call.arguments_json = json.dumps(resolved.arguments)
         episode.turns[-1].observation, episode.turns[-1].call_failed = observation, failed
     # before the last cell: the one that raised, not the one stopped, nor the malformed call
-    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 5, python)] == ["x = 5\nundefined_name"]
-    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6, python)] == ["x = 5\nundefined_name", "print(x)"]
+    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6, python)] == ["x = 5\nundefined_name"]
+    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 7, python)] == ["x = 5\nundefined_name", "print(x)"]
     # an environment whose failed calls change nothing (events: a rejected event) replays none of them
-    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 6)] == ["print(x)"]
+    assert [c.arguments["code"] for c in ep.earlier_calls(episode, 7)] == ["print(x)"]
+
+
+@pytest.mark.sandbox
+async def test_whether_a_python_cell_raised_is_what_the_runner_reports_not_what_it_printed(execute):
+    """Decided from the observation's text, a raise after 2,000 characters of output was cut off and
+    taken for none (the cell's variables were gone at the next call: an honest model lost a quarter of
+    its reward), and a cell that printed a traceback and ended its process was taken for a raise (run
+    again first, it ended every later call)."""
+    python = envs.get("python")
+    task = first_task("python")
+    played = await ep.play(python, task, ["@python xs = [1, 2, 3, 4]\nprint('y' * 2500)\nraise ValueError('late')",
+                                          "@python print(sum(xs))", "10"], execute)
+    assert played.turns[0].call_failed and "ValueError" not in played.turns[0].observation[:2000]  # cut before it
+    assert played.turns[1].observation == "10", ep.transcript(played)
+    played = await ep.play(python, task, ["@python print('Traceback (most recent call last):'); import os; os._exit(3)",
+                                          "@python print(7)", "7"], execute)
+    assert played.turns[0].call_failed and played.turns[1].observation == "7", ep.transcript(played)
 
 
 def test_an_episode_never_outgrows_its_budget_or_its_models_context():

@@ -18,19 +18,27 @@ from crucible.ml.envs.base import Call, Environment, InstanceError, Observation,
 from crucible.ml.kinds import extract
 from crucible.v1 import execution_pb2
 
-TRACEBACK = "Traceback (most recent call last):"  # what Python writes for an exception nothing caught
+RAISED_EXIT = 70  # the runner's exit code for a cell that raised (EX_SOFTWARE)
+RAISED = "[the cell raised an exception]"  # what an observation of such a cell begins with (observe)
 # The program the sandbox runs: fixed code; the cells arrive as data on its stdin.
-RUNNER = """\
-import contextlib, io, json, sys
+RUNNER = f"""\
+import contextlib, io, json, sys, traceback
 _cells = json.loads(sys.stdin.read())
-_g = {"__name__": "__main__"}
+_g = {{"__name__": "__main__"}}
 for _c in _cells[:-1]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             exec(compile(_c, "<earlier cell>", "exec"), _g)
         except BaseException:
             pass
-exec(compile(_cells[-1], "<cell>", "exec"), _g)
+try:
+    exec(compile(_cells[-1], "<cell>", "exec"), _g)
+except SystemExit:
+    raise
+except BaseException:
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.exit({RAISED_EXIT})
 """
 
 QUESTIONS = [
@@ -89,13 +97,20 @@ class PythonInterpreter(Environment):
                                             timeout_s=10.0)
 
     def observe(self, task, earlier, call, result=None) -> Observation:
-        return program_output(result)
+        seen = program_output(result)
+        if result is not None and result.exit_code == RAISED_EXIT and not result.signal and not result.violation:
+            # Said first, from the result itself: no cut of a long output drops it (episode.py keeps an
+            # observation's start), and nothing the cell prints can say it.
+            return Observation(f"{RAISED}\n{seen.text}", failed=True)
+        return seen
 
     def keeps_failed(self, turn) -> bool:
         """A cell that raised ran up to the raise (what it set before is set, as in a notebook), and the
         runner runs it again so. One that ended its process otherwise (a signal, a limit, os._exit) is
-        left out: run again first, it would end every later call the same way."""
-        return TRACEBACK in turn.observation and not turn.observation.startswith("[the sandbox stopped")
+        left out: run again first, it would end every later call the same way. Decided by what the
+        runner reported (observe), never by the output: a traceback a cell printed was taken for a raise,
+        and a raise after 2,000 characters of output was cut off and taken for none."""
+        return turn.observation.startswith(RAISED)
 
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
         expected, given = self.instance(task)["answer"], answer_number(answer, task.prompt)
