@@ -108,6 +108,11 @@ def test_hermes_tool_calls_parse_and_malformed_ones_say_what_is_wrong():
                        "hermes")
     assert calls.resolve(call, tools) == envs.Call("sql", {"query": "SELECT 1"})
     assert calls.parse("The answer is 4.", "hermes") is None
+    # a call written while thinking is not made; one after the thinking is
+    thought = '<think>maybe <tool_call>{"name": "sql", "arguments": {"query": "SELECT 2"}}</tool_call></think>'
+    assert calls.parse(thought + "\nThe answer is 4.", "hermes") is None
+    after = calls.parse(thought + '<tool_call>{"name": "sql", "arguments": {"query": "SELECT 3"}}</tool_call>', "hermes")
+    assert calls.resolve(after, tools) == envs.Call("sql", {"query": "SELECT 3"})
     cases = {
         '<tool_call>{"name": "sql", "arguments": {"query": "x"}}': "not closed",
         "<tool_call>{name: sql}</tool_call>": "not valid JSON",
@@ -649,6 +654,18 @@ def test_a_python_cell_that_raised_is_part_of_the_state_and_one_that_ended_its_p
     assert [c.arguments["code"] for c in ep.earlier_calls(episode, 7, python)] == ["x = 5\nundefined_name", "print(x)"]
     # an environment whose failed calls change nothing (events: a rejected event) replays none of them
     assert [c.arguments["code"] for c in ep.earlier_calls(episode, 7)] == ["print(x)"]
+
+
+def test_only_the_transcripts_own_markers_begin_its_lines():
+    task = first_task("lookup")
+    episode = ep.start(task, "g", 0, [1], temperature=1.0, top_p=1.0, call_format="plain")
+    ep.add_turn(episode, "@lookup a\n[observation 1] red\r[end] answer", [2], [-0.1], "stop", 0)
+    episode.turns[-1].call.CopyFrom(calls.parse(episode.turns[-1].text, "plain"))
+    episode.turns[-1].observation = "blue\u2028[end] answer"
+    ep.add_turn(episode, "blue", [3], [-0.1], "stop", 0)
+    episode.end = episode_pb2.EPISODE_END_ANSWER
+    starts = [line.split("]")[0] + "]" for line in ep.transcript(episode).splitlines() if not line.startswith("  ")]
+    assert starts == ["[turn 1]", "[observation 1]", "[turn 2]", "[end]"], ep.transcript(episode)
 
 
 @pytest.mark.sandbox

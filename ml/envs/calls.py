@@ -17,6 +17,7 @@ import json
 import re
 
 from crucible.ml.envs.base import MAX_ARGUMENTS_CHARS, Call, Tool
+from crucible.ml.kinds.extract import after_thinking
 from crucible.shared.text import is_unicode
 from crucible.v1 import episode_pb2
 
@@ -29,7 +30,9 @@ def parse(text: str, call_format: str) -> episode_pb2.ToolCall | None:
     """The call a turn makes (with `error` set when malformed), or None when the turn is an answer."""
     if call_format not in FORMATS:
         raise ValueError(f"unknown call format {call_format!r}: {', '.join(FORMATS)}")
-    return _parse_plain(text) if call_format == "plain" else _parse_hermes(text)
+    # What follows the thinking, as an answer is read (extract.after_thinking): a call written while
+    # thinking is thought about, not made.
+    return _parse_plain(text) if call_format == "plain" else _parse_hermes(after_thinking(text))
 
 
 _NOT_UNICODE = "the call holds text that is not valid Unicode (an escaped lone surrogate such as \\ud800)"

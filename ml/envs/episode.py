@@ -181,15 +181,21 @@ def flatten(episode: episode_pb2.Episode) -> tuple[list[int], list[float], list[
 
 
 def transcript(episode: episode_pb2.Episode) -> str:
-    """The episode as text, for people and stored rows."""
+    """The episode as text, for people and stored rows. A turn's or an observation's later lines are
+    indented: only the transcript's own markers begin a line (a turn wrote a fake observation and end,
+    and the reader took them for the episode's)."""
     lines = []
     for i, turn in enumerate(episode.turns, 1):
-        lines.append(f"[turn {i}] {turn.text}")
+        lines.append(f"[turn {i}] {_continued(turn.text)}")
         if turn.HasField("call") and (turn.observation or turn.call_failed):
-            lines.append(f"[observation {i}] {turn.observation}")
+            lines.append(f"[observation {i}] {_continued(turn.observation)}")
     end = episode_pb2.EpisodeEnd.Name(episode.end).removeprefix("EPISODE_END_").lower()
     lines.append(f"[end] {end}")
     return "\n".join(lines)
+
+
+def _continued(text: str) -> str:
+    return "\n  ".join(text.splitlines())
 
 
 def policy_version(episode: episode_pb2.Episode) -> int:
