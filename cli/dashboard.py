@@ -232,9 +232,9 @@ function table(data, limit=60){
 function series(data){  // x = the first column; long format (x, name, value) is pivoted to one series per name
   const cols = data.columns, rows = data.rows;
   if (cols.length === 3 && rows.length && typeof rows[0][1] === "string"){
-    const by = {};
-    rows.forEach(([x, name, y]) => (by[name] = by[name] || []).push([x, y]));
-    return Object.entries(by);
+    const by = new Map();  // a series may be named anything stored: "__proto__" broke a plain object
+    rows.forEach(([x, name, y]) => { if (!by.has(name)) by.set(name, []); by.get(name).push([x, y]); });
+    return [...by.entries()];
   }
   return cols.slice(1).map((name, i) => [name, rows.map(r => [r[0], r[i + 1]])])
              .filter(([, pts]) => pts.some(([, y]) => typeof y === "number"));
