@@ -139,8 +139,8 @@ async def rescore(settings: Settings, *, run_id: str | None, grade_as: dict[str,
         except (json_format.ParseError, ValueError, RecursionError):
             report.tasks_unreadable += 1
             return
-        if not integrity.signed_correctly(task, signed_by_run):
-            report.tasks_unsigned += 1
+        if task.id != task_id or not integrity.signed_correctly(task, signed_by_run):  # (another task of the run's,
+            report.tasks_unsigned += 1                                                # stored under this id)
             return
         graded_as = grade_as.get(task.kind, task.kind)
         task.kind = graded_as  # regraded on purpose, by a process holding the key
@@ -232,8 +232,8 @@ def summary(report: RescoreReport, top: int = 10) -> list[str]:
         lines.append(f"  not rescored     : {report.tasks_unreadable} samples whose stored task does not read as a "
                      "task of this version of Crucible")
     if report.tasks_unsigned:
-        lines.append(f"  not rescored     : {report.tasks_unsigned} samples whose stored task the run did not sign "
-                     "(written to the store by someone else, or by a Crucible before run keys)")
+        lines.append(f"  not rescored     : {report.tasks_unsigned} samples whose stored task the run did not sign as "
+                     "theirs (written to the store by someone else, or by a Crucible before run keys)")
     if report.failed:
         lines.append(f"  not rescored     : {report.failed} samples the verifier refused")
     for task_id, n in report.changed_by_task.most_common(top):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from crucible.ml.policy.checkpoint import fresh_policy, save_checkpoint
 from crucible.ml.policy.model import Policy, PolicyConfig
 from crucible.ml.policy.sft import warm_start
 from crucible.ml.task_families import DEFAULT_OPS, format_examples
+from crucible.ml.tasks import task_problems
 from crucible.services.generator.batcher import Batcher
 from crucible.services.learner.groups import informative
 from crucible.services.learner.trainer import UNINFORMATIVE
@@ -313,11 +315,21 @@ def task_streams(recipe: Recipe, seed: int):
 def preflight(settings: Settings, recipe: Recipe) -> None:
     """What a run of `recipe` would refuse, found before anything starts (Kafka, the store, a service):
     its model, and every task source with the held-out tasks (files read, names known, a first task
-    made). Raises what train() would: ModelError, TaskFileError, ValueError."""
+    made). Raises what train() would: ModelError, TaskFileError, ValueError. A generated task the
+    generator would refuse is found here too (the first PREFLIGHT_TASKS, and every held-out one): a
+    source all of whose tasks are refused (a reasoning-gym generator whose scorer pays any answer)
+    left a run waiting for samples that never came."""
     if recipe.model.name != "builtin":
         models.resolve(recipe.model.name, settings)
-    train_tasks, _ = task_streams(recipe, recipe.algorithm.seed)
-    next(train_tasks)
+    train_tasks, heldout = task_streams(recipe, recipe.algorithm.seed)
+    for task in [*itertools.islice(train_tasks, PREFLIGHT_TASKS), *heldout]:
+        problems = task_problems(task)
+        if problems:
+            raise ValueError(f"task {task.id!r} ({task.kind}) of the recipe's task sources would be refused: "
+                             + "; ".join(problems))
+
+
+PREFLIGHT_TASKS = 32
 
 
 async def train(settings: Settings, recipe: Recipe, echo=print, resume: str = "") -> TrainReport:

@@ -43,6 +43,9 @@ from crucible.v1 import (alert_pb2, episode_pb2, evaluation_pb2, execution_pb2, 
                          trajectory_pb2, verdict_pb2)
 
 KEY_BYTES = 32
+# Said where a signature does not match: the likeliest honest cause.
+ANOTHER_KEY = ("the key of another deployment or another run: every service of a run, and whoever submits to "
+               "it, signs with the run's key (CRUCIBLE_RUN_ID names the run)")
 
 
 class IntegrityError(ValueError):
@@ -105,7 +108,11 @@ def deployment_key(settings) -> bytes:
 def _read_key_file(path: Path) -> bytes:
     """The key in `path`, or IntegrityError: a key others may read, or one too short to be a key (an
     empty file MACs with the empty key, which anyone can compute), is never used."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise IntegrityError(f"{path} cannot be read as the key ({exc.strerror}: a link is not taken; remove it "
+                             "for a new key)") from None
     with os.fdopen(fd) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
@@ -200,7 +207,7 @@ def check_task(task: task_pb2.Task, secret: bytes) -> None:
                              "Control.Submit or `crucible train`)")
     if not signed_correctly(task, secret):
         raise IntegrityError(f"task {task.id!r}: its signature does not match (changed after signing, or "
-                             "signed with another key)")
+                             f"signed with {ANOTHER_KEY})")
 
 
 def check_sampled(message: rollout_pb2.RolloutGroup | episode_pb2.Episode, secret: bytes) -> None:
@@ -214,7 +221,7 @@ def check_sampled(message: rollout_pb2.RolloutGroup | episode_pb2.Episode, secre
         raise IntegrityError(f"{what} is not signed: only {by} holding the deployment's key makes samples")
     if not signed_correctly(message, secret):
         raise IntegrityError(f"{what}: its signature does not match (changed after it was sent, or signed "
-                             "with another key)")
+                             f"with {ANOTHER_KEY})")
     try:
         check_task(message.task, secret)
     except IntegrityError as exc:

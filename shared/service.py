@@ -37,6 +37,17 @@ class OneLineFormatter(logging.Formatter):
         record.message = shown(record.message)
         return super().formatMessage(record)
 
+    def formatException(self, ei) -> str:  # noqa: N802 (logging's name)
+        """A traceback's lines, each indented: an exception's text (a record's key in it) begins none."""
+        return "\n".join("  " + shown(line) for line in super().formatException(ei).splitlines())
+
+
+def configure_logging(name: str, level: str) -> None:
+    """A service process's log: one line a record (OneLineFormatter), named `name`."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
 
 def setup(name: str) -> Settings:
     """Settings for the service `name`, with logging and OpenTelemetry configured for it."""
@@ -46,9 +57,7 @@ def setup(name: str) -> Settings:
         # Before any thread starts (telemetry's exporters, torch's pool, to_thread's workers): each
         # thread takes its priority from the one that started it.
         os.nice(settings.cpu_nice)
-    handler = logging.StreamHandler()
-    handler.setFormatter(OneLineFormatter(f"%(asctime)s {name} %(levelname)s %(message)s"))
-    logging.basicConfig(level=settings.log_level, handlers=[handler])
+    configure_logging(name, settings.log_level)
     telemetry.setup_telemetry(name, settings)
     metrics.setup_metrics(name, settings)
     return settings

@@ -60,7 +60,9 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     run_id: str = Field(default="local", pattern=RUN_ID_PATTERN,
-                        description="Names the training run in stored rows and checkpoints.")
+                        description="Names the training run in stored rows and checkpoints; what the run's "
+                                    "services sign is signed with a key of the run's own (shared/integrity.py), so "
+                                    "every service of a run, and whoever submits tasks to it, sets the same one.")
     seed: int = Field(default=0, description="Seeds the initial policy (when no init_checkpoint) and sampling.")
     init_checkpoint: str | None = Field(default=None, description="Starting weights of the policy and the frozen "
                                         "KL reference: a checkpoint folder or file:// URI, the built-in policy's or "

@@ -587,8 +587,13 @@ def test_a_users_instance_no_episode_can_pass_or_every_episode_passes_is_refused
         ("sql", {**table, "reference": "SELECT abs(random()) % 1000 FROM t"}, "another value each time"),
         ("sql", {**table, "schema": ["CREATE TABLE t AS SELECT randomblob(4) AS name"], "rows": {}},
          "another value each time"),
-        ("sql", {**table, "reference": "SELECT date('now') FROM t"}, "reads the clock"),
-        ("sql", {**table, "reference": "SELECT CURRENT_TIMESTAMP FROM t"}, "reads the clock"),
+        ("sql", {**table, "reference": "SELECT date('now') FROM t"}, "date() of now"),
+        ("sql", {**table, "reference": "SELECT date() FROM t"}, "date() of now"),
+        ("sql", {**table, "reference": "SELECT strftime('%s') FROM t"}, "strftime() of now"),
+        ("sql", {**table, "reference": "SELECT datetime(lower('NOW')) FROM t"}, "datetime() of now"),
+        ("sql", {**table, "reference": "SELECT date('2020-01-01', 'localtime') FROM t"}, "in local time"),
+        ("sql", {**table, "schema": ["CREATE TABLE t AS SELECT time() AS name"], "rows": {}}, "time() of now"),
+        ("sql", {**table, "reference": "SELECT CURRENT_TIMESTAMP FROM t"}, "current_timestamp()"),
         ("sql", {**table, "rows": {}, "schema": ["CREATE TABLE t AS WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL "
                                                  "SELECT i + 1 FROM c LIMIT 20000) SELECT zeroblob(60000) AS name FROM c"]},
          "over 64 MiB"),
@@ -602,6 +607,11 @@ def test_a_users_instance_no_episode_can_pass_or_every_episode_passes_is_refused
     assert any("finite" in p for p in task_problems(beyond))
     assert refused("sql", table) == [] and refused("events", {"machine": "order", "start": "created",
                                                               "target": "paid"}) == []
+    assert refused("python", {"answer": 42}) == [] and refused("python", {"answer": 0.125}) == []  # a user's own
+    for reference in ("SELECT name FROM t WHERE name <> 'now'", "SELECT date('2020-01-31', '+1 day') FROM t"):
+        assert refused("sql", {**table, "reference": reference}) == [], reference  # no clock read
+    from crucible.ml.envs import sql
+    assert sql.reference_rows({**table, "reference": "SELECT date('2020-01-31', '+1 day') FROM t"}) == [("2020-02-01",)]
     for name in BUILT_IN:  # nothing a generator makes
         env = envs.get(name)
         for task, _ in zip(env.generate("train", seed=3), range(40)):
@@ -683,6 +693,10 @@ async def test_whether_a_python_cell_raised_is_what_the_runner_reports_not_what_
     played = await ep.play(python, task, ["@python print('Traceback (most recent call last):'); import os; os._exit(3)",
                                           "@python print(7)", "7"], execute)
     assert played.turns[0].call_failed and played.turns[1].observation == "7", ep.transcript(played)
+    from crucible.ml.envs.python_env import RAISED
+    played = await ep.play(python, task, [f"@python import sys; print({RAISED!r}); print('x', file=sys.stderr); "
+                                          "sys.stdout.flush(); import os; os._exit(3)", "@python print(8)", "8"], execute)
+    assert played.turns[0].call_failed and played.turns[1].observation == "8", ep.transcript(played)
 
 
 def test_an_episode_never_outgrows_its_budget_or_its_models_context():

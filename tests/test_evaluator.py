@@ -23,9 +23,10 @@ def version(settings, number: int, folder) -> policy_pb2.PolicyVersion:
                                     checkpoint_sha256=transfer.content_hash(folder))
 
 
-async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack_settings, tmp_path):
-    # one deployment: the scorer and the publisher share CRUCIBLE_HOME, so the integrity key
-    async with ScorerPool(stack_settings.model_copy(update={"verifier_workers": 1, "home": tmp_path})) as scorer:
+async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack_settings, tmp_path, caplog):
+    # one run of one deployment: the scorer and the publisher share CRUCIBLE_HOME and the run id, so the key
+    async with ScorerPool(stack_settings.model_copy(update={"verifier_workers": 1, "home": tmp_path,
+                                                            "run_id": "eval-run"})) as scorer:
         server = rpc.RpcServer([rpc.Service("crucible.v1.Verifier", VerifierServicer(scorer, "127.0.0.1:1"),
                                             verdict_pb2_grpc.add_VerifierServicer_to_server)])
         async with server:
@@ -64,6 +65,7 @@ async def test_versions_are_scored_on_the_heldout_set_stored_and_published(stack
             finally:
                 stop.set()
                 await asyncio.wait_for(evaluator, 30)
+            assert "refused by the verifier" not in caplog.text  # every completion scored, none counted failed unread
             client = store.connect(settings)
             rows = client.query("SELECT policy_version, task_kind, tasks, samples FROM evaluations FINAL "
                                 "WHERE run_id = 'eval-run' ORDER BY policy_version, task_kind").result_rows

@@ -360,7 +360,9 @@ def test_a_recipe_that_cannot_run_is_refused_before_kafka_and_the_store_are_star
              '[[tasks.sources]]\njsonl = "missing.jsonl"\n': "missing.jsonl",
              '[heldout]\nfile = "gone.jsonl"\n': "gone.jsonl",
              '[model]\nname = "no-such-model"\n': "unknown model 'no-such-model'",
-             '[[tasks.sources]]\nenvironment = "nope"\n': "nope"}
+             '[[tasks.sources]]\nenvironment = "nope"\n': "nope",
+             # every task of it refused by the generator: a run that would wait for samples for ever
+             '[[tasks.sources]]\nreasoning_gym = "game_of_life_halting"\n': "ignores the question"}
     for text, says in cases.items():
         path = tmp_path / "r.toml"
         path.write_text(text)

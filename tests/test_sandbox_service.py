@@ -20,12 +20,13 @@ from tests.bus_helpers import publish_unsigned
 from tests.test_bus import read_raw
 
 pytestmark = pytest.mark.sandbox
-KEY = bytes(range(32))  # the integrity key results are sealed with here
+DEPLOYMENT_KEY = bytes(range(32))
+KEY = integrity.run_key(DEPLOYMENT_KEY, "local")  # the key of these tests' run: results are sealed with it
 
 
 def keyed(settings: Settings) -> Settings:
     """The settings of a process holding KEY (a generator: its producer signs the groups it sends)."""
-    return settings.model_copy(update={"integrity_key": SecretStr(KEY.hex())})
+    return settings.model_copy(update={"integrity_key": SecretStr(DEPLOYMENT_KEY.hex())})
 
 
 async def consume_rollouts(settings: Settings, pool: SandboxPool, group: str, records: int,

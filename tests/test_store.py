@@ -618,10 +618,13 @@ async def test_a_stored_task_that_does_not_read_is_one_sample_not_rescored_not_t
     integrity.sign_task(good, integrity.key(settings.model_copy(update={"run_id": "run-r"})))
     integrity.sign_task(other, integrity.key(settings.model_copy(update={"run_id": "run-q"})))
     rows = [task_row(t, "t" * 32, "run-r") for t in (good, odd, forged, other)]
+    swapped = task_row(good, "t" * 32, "run-r")  # a genuine task of the run, stored as another task's
+    swapped[TASK_COLUMNS.index("task_id")] = "swapped"
+    rows.append(swapped)
     rows[1][TASK_COLUMNS.index("task_json")] = '{"id": "odd", "kind": "exact", "fieldOfATomorrowsCrucible": 1}'
     store_client.insert(store.TASKS_TABLE, rows, column_names=TASK_COLUMNS)
     store_client.insert("trajectories", [[f"s-{t}", t, "exact", 0, "4", 1.0, {}, 0, "run-r", now]
-                                         for t in ("good", "odd", "forged", "other")],
+                                         for t in ("good", "odd", "forged", "other", "swapped")],
                         column_names=["trajectory_id", "task_id", "task_kind", "policy_version", "completion", "reward",
                                       "reward_components", "turns", "run_id", "created_at"])
     asked = []
@@ -634,6 +637,6 @@ async def test_a_stored_task_that_does_not_read_is_one_sample_not_rescored_not_t
 
     report = await rescore.rescore(settings, run_id="run-r", grade_as={}, verify=verify, verifier_settings=verifier,
                                    echo=lambda *_: None)
-    assert asked == ["good"] and report.rescored == 1 and report.tasks_unreadable == 1 and report.tasks_unsigned == 2
+    assert asked == ["good"] and report.rescored == 1 and report.tasks_unreadable == 1 and report.tasks_unsigned == 3
     assert any("does not read as a task" in line for line in rescore.summary(report))
-    assert any("2 samples whose stored task the run did not sign" in line for line in rescore.summary(report))
+    assert any("3 samples whose stored task the run did not sign" in line for line in rescore.summary(report))

@@ -335,4 +335,5 @@ def test_a_log_record_is_one_line_whatever_its_message_quotes():
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("crucible.test.oneline WARNING undecodable") and "all clear" in lines[0]
     assert "\x1b" not in stream.getvalue() and "\r" not in stream.getvalue()
-    assert lines[1] == "crucible.test.oneline ERROR failed on a\\nb" and lines[2].startswith("Traceback")
+    assert lines[1] == "crucible.test.oneline ERROR failed on a\\nb" and lines[2].startswith("  Traceback")
+    assert all(line.startswith("  ") for line in lines[2:])  # a traceback's lines begin none of a record's

@@ -33,8 +33,10 @@ HALF = task_pb2.Task(id="half", kind="math_answer", prompt="1 divided by 2?", gr
                      answer=task_pb2.ExpectedAnswer(answer="\\frac{1}{2}"))
 
 
-# The deployment's integrity key in these tests: tasks are signed with it, results sealed.
-KEY = bytes(range(32))
+# The deployment's integrity key in these tests, and the key of their run ("local", the default run id):
+# tasks are signed with it, results sealed.
+DEPLOYMENT_KEY = bytes(range(32))
+KEY = integrity.run_key(DEPLOYMENT_KEY, "local")
 
 
 def signed(task: task_pb2.Task) -> task_pb2.Task:
@@ -67,7 +69,7 @@ def group(group_id: str, task: task_pb2.Task, *completions: str) -> rollout_pb2.
 
 def keyed(settings: Settings) -> Settings:
     """The settings of a process holding KEY (its producer signs what it sends with it)."""
-    return settings.model_copy(update={"integrity_key": SecretStr(KEY.hex())})
+    return settings.model_copy(update={"integrity_key": SecretStr(DEPLOYMENT_KEY.hex())})
 
 
 def outcome(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
@@ -78,7 +80,7 @@ def outcome(*passed: bool, **fields) -> execution_pb2.ExecutionResult:
 
 @pytest_asyncio.fixture(scope="module")
 async def scorer():
-    async with ScorerPool(Settings(verifier_workers=2, integrity_key=KEY.hex())) as pool:
+    async with ScorerPool(Settings(verifier_workers=2, integrity_key=DEPLOYMENT_KEY.hex())) as pool:
         yield pool
 
 
@@ -413,7 +415,7 @@ async def test_verify_calls_made_at_once_travel_in_batches_and_each_gets_its_own
 
 async def test_a_completion_that_hangs_its_scorer_gets_a_failed_verdict():
     evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
-    async with ScorerPool(Settings(verifier_workers=1, integrity_key=KEY.hex()), timeout_s=1.0) as pool:
+    async with ScorerPool(Settings(verifier_workers=1, integrity_key=DEPLOYMENT_KEY.hex()), timeout_s=1.0) as pool:
         slow = await pool.verify(request("s", evil, "Answer: " + "a" * 40 + "!"))
         assert slow.reward == 0.0 and slow.components["scoring_failed"] == 1.0 and "longer than 1s" in slow.detail
         after = await pool.verify(request("t", evil, "Answer: aaa"))
@@ -424,7 +426,7 @@ async def test_a_group_scored_together_fails_only_the_completion_that_hangs():
     """A group travels to one scoring process in one frame; when one of its completions hangs that
     process, the others are still scored (each alone) and only the one at fault pays nothing."""
     evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
-    async with ScorerPool(Settings(verifier_workers=2, integrity_key=KEY.hex()), timeout_s=1.0) as pool:
+    async with ScorerPool(Settings(verifier_workers=2, integrity_key=DEPLOYMENT_KEY.hex()), timeout_s=1.0) as pool:
         fine = await pool.verify_group([request(f"f{i}", evil, "Answer: " + "a" * i) for i in range(1, 6)])
         assert [v.reward for v in fine] == [1.0] * 5 and [v.id for v in fine] == [f"f{i}/verdict" for i in range(1, 6)]
         mixed = await pool.verify_group([request("a", evil, "Answer: aa"), request("s", evil, "Answer: " + "a" * 40 + "!"),
@@ -442,7 +444,7 @@ async def test_requests_scored_each_on_its_own_cost_each_other_nothing():
     """verify_each (the batch call's scoring): a completion that hangs its scoring process, or a task
     nobody signed, costs only that request its verdict; the others are scored as they would be alone."""
     evil = task_pb2.Task(id="re", kind="regex", prompt="?", answer=task_pb2.ExpectedAnswer(answer="(a+)+$"))
-    async with ScorerPool(Settings(verifier_workers=2, integrity_key=KEY.hex()), timeout_s=1.0) as pool:
+    async with ScorerPool(Settings(verifier_workers=2, integrity_key=DEPLOYMENT_KEY.hex()), timeout_s=1.0) as pool:
         outcomes = await pool.verify_each([
             request("a", evil, "Answer: aa"), request("s", evil, "Answer: " + "a" * 40 + "!"),
             verdict_pb2.VerifyRequest(task=evil, rollout=rollout("u", "Answer: a")), request("b", evil, "Answer: b"),

@@ -102,6 +102,9 @@ class PythonInterpreter(Environment):
             # Said first, from the result itself: no cut of a long output drops it (episode.py keeps an
             # observation's start), and nothing the cell prints can say it.
             return Observation(f"{RAISED}\n{seen.text}", failed=True)
+        if seen.text.startswith(RAISED):  # the cell's own output, begun with the words: not the runner's
+            return Observation(f"[exit code {result.exit_code if result is not None else '?'}]\n{seen.text}",
+                               failed=seen.failed)
         return seen
 
     def keeps_failed(self, turn) -> bool:
@@ -109,7 +112,8 @@ class PythonInterpreter(Environment):
         runner runs it again so. One that ended its process otherwise (a signal, a limit, os._exit) is
         left out: run again first, it would end every later call the same way. Decided by what the
         runner reported (observe), never by the output: a traceback a cell printed was taken for a raise,
-        and a raise after 2,000 characters of output was cut off and taken for none."""
+        and a raise after 2,000 characters of output was cut off and taken for none. (A cell that ends
+        its process with the runner's own exit code is taken at its word: it harms its episode alone.)"""
         return turn.observation.startswith(RAISED)
 
     def check_answer(self, task, answer: str, calls: list[Call]) -> dict[str, float]:
@@ -136,7 +140,10 @@ class PythonInterpreter(Environment):
 
     def reference(self, task) -> list[str]:
         data = self.instance(task)
-        code = QUESTIONS[data["template"]][2].format(n=data["n"], k=data["k"])
+        if isinstance(data.get("template"), int) and 0 <= data["template"] < len(QUESTIONS):
+            code = QUESTIONS[data["template"]][2].format(n=data.get("n"), k=data.get("k"))
+        else:  # a user's question (its instance the answer alone): the answer, printed
+            code = f"print({data['answer']!r})"
         return ["@python " + json.dumps({"code": code}), str(data["answer"])]
 
 

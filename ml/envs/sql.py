@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sqlite3
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -95,9 +94,13 @@ REFERENCE_RESULT_BYTES = 8 << 20  # the reference's answer, as its values' text
 REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, and a cross join's could fill memory
 # Functions whose value changes from call to call: a database or an answer built with them differs between
 # the processes that build it (control, the generator, the verifier) and between an episode's calls, so
-# a right answer scored 0. The clock ('now', CURRENT_*) is refused by its text (check_instance).
-CHANGING_FUNCTIONS = frozenset({"random", "randomblob", "changes", "total_changes", "last_insert_rowid"})
-_CLOCK = re.compile(r"""['"]\s*now\s*['"]|\bcurrent_(?:timestamp|date|time)\b""", re.IGNORECASE)
+# a right answer scored 0. The date and time functions are taken as long as they read no clock (_dated).
+CHANGING_FUNCTIONS = frozenset({"random", "randomblob", "changes", "total_changes", "last_insert_rowid",
+                                "current_timestamp", "current_date", "current_time"})
+# Date and time functions, and where their time value is: with none, or 'now', they read the clock;
+# 'localtime' and 'utc' read the machine's time zone.
+DATE_FUNCTIONS = {"date": 0, "time": 0, "datetime": 0, "julianday": 0, "unixepoch": 0, "strftime": 1, "timediff": 0}
+_CLOCK_WORDS = frozenset({"now", "localtime", "utc"})
 
 
 def reference_rows(data: dict) -> list[tuple]:
@@ -151,11 +154,23 @@ def reference_result(data: dict) -> list[tuple]:
     builds = reads | {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_CREATE_INDEX,
                       sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_TRANSACTION}  # what creating the tables and filling them needs; never ATTACH
     changing: list[str] = []
+    own = sqlite3.connect(":memory:")  # SQLite's own date functions, for the calls that read no clock
+
+    def dated(name: str, at: int):
+        def call(*args):
+            if len(args) <= at or any(isinstance(a, str) and a.strip().lower() in _CLOCK_WORDS for a in args):
+                changing.append(f"{name}() of now or in local time")
+                raise sqlite3.DataError("reads the clock")
+            return own.execute(f"SELECT {name}({', '.join('?' * len(args))})", args).fetchone()[0]
+        return call
+
+    for name, at in DATE_FUNCTIONS.items():
+        db.create_function(name, -1, dated(name, at), deterministic=True)
 
     def allowed(permitted: set[int]):
         def authorize(action, first, second, *_):
             if action == sqlite3.SQLITE_FUNCTION and (second or "").lower() in CHANGING_FUNCTIONS:
-                changing.append(second.lower())
+                changing.append(f"{second.lower()}()")
                 return sqlite3.SQLITE_DENY
             return sqlite3.SQLITE_OK if action in permitted else sqlite3.SQLITE_DENY
         return authorize
@@ -179,15 +194,16 @@ def reference_result(data: dict) -> list[tuple]:
                 if size > REFERENCE_RESULT_BYTES:
                     raise sqlite3.DataError(f"the reference query's answer is over {REFERENCE_RESULT_BYTES >> 20} MiB")
             return rows
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
                 raise sqlite3.DataError(f"the database the schema builds is over {REFERENCE_DATABASE_BYTES >> 20} MiB") from None
             if changing:
-                raise sqlite3.DataError(f"{changing[0]}() gives another value each time it is called: the database "
+                raise sqlite3.DataError(f"{changing[0]} gives another value each time it is called: the database "
                                         "and the reference's answer must be the same wherever they are built") from None
             raise
     finally:
         db.close()
+        own.close()
 
 
 class SQL(Environment):
@@ -226,9 +242,6 @@ class SQL(Environment):
             raise InstanceError("sql: every table name in 'rows' must be an identifier")
         if not isinstance(reference, str) or not reference.strip():
             raise InstanceError("sql needs 'reference': the query whose result is the answer")
-        if any(_CLOCK.search(text) for text in [*schema, reference]):
-            raise InstanceError("sql: the schema or the reference reads the clock ('now', CURRENT_TIMESTAMP...): "
-                                "the database and the reference's answer must be the same wherever they are built")
 
     def job(self, task, earlier, call) -> execution_pb2.ExecuteRequest:
         data = self.instance(task)

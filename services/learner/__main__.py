@@ -55,8 +55,7 @@ async def main() -> None:
         if not ranks.main:
             # It stops when rank 0 says so (a SIGTERM from the launcher reaches rank 0 too, which tells it).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            logging.basicConfig(level=settings.log_level,
-                                format=f"%(asctime)s learner[{ranks.rank}] %(levelname)s %(message)s")
+            service.configure_logging(f"learner[{ranks.rank}]", settings.log_level)
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 await follow_on_another_machine(settings, ranks)
             else:

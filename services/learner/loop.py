@@ -312,10 +312,14 @@ class Learner:
         for incoming in fetched:
             problem = None if integrity.signed_correctly(incoming.message, self.secret) else (
                 f"trajectory {incoming.message.id[:200]!r} is not signed by a reward aggregator of this "
-                "deployment (integrity key): only the aggregator sets rewards and advantages")
+                f"run (unsigned, or signed with {integrity.ANOTHER_KEY}): only the aggregator sets rewards and advantages")
             signed = problem is None
             problem = problem or sample_problem(incoming.message, self.trainer.vocab_size, self.trainer.max_positions,
                                                  self.trainer.version)
+            if not problem and self.settings.max_policy_lag < 0 and incoming.message.policy_version < self.recent.horizon:
+                problem = (f"sampled at version {incoming.message.policy_version}, older than every step the learner "
+                           f"remembers training on (from version {self.recent.horizon}): with no staleness bound, a "
+                           "replay of a sample trained on cannot be told from it")
             if problem:
                 await self.reader.reject(incoming, problem)
                 if signed:  # the aggregator's: its group will not see it again
@@ -323,11 +327,8 @@ class Learner:
                 continue
             sample_id = incoming.message.id
             if sample_id in self.trained_past or sample_id in self.recent or sample_id in self.restored \
-                    or sample_id in self.training or (self.settings.max_policy_lag < 0
-                                                      and incoming.message.policy_version < self.recent.horizon):
-                # Trained on already: read again after a restart, or published twice; or (no staleness
-                # bound) older than every sample the learner remembers training on.
-                self.duplicates += 1
+                    or sample_id in self.training:
+                self.duplicates += 1  # trained on already: read again after a restart, or published twice
                 continue
             self.buffer.add(Buffered(incoming.message, incoming.topic, incoming.partition,
                                      incoming.offset, incoming.context))

@@ -73,6 +73,7 @@ ROWS_LINGER_S = 0.5
 # many the join waits for the oldest (a slow store slows the join instead of piling batches up). Batches
 # close 10 ms apart at the most: more than a linger's worth, so a store that keeps up never stalls it.
 MAX_WRITING = 64
+FLUSH_WAIT_S = 10.0
 
 
 @contextlib.contextmanager
@@ -159,6 +160,7 @@ class Aggregator:
         # the event its removal is made as): removed at once, a batch that failed to land lost the
         # verdicts of earlier batches (committed, their entry gone) when the restart read it again.
         self._leaving: dict[bytes, object] = {}
+        self._writing: list[asyncio.Future] = []  # the join's batches on their way to the bus and the store
         self.copies_skipped = 0
         app_id = app_id or f"{settings.consumer_group_prefix}reward-aggregator"
         datadir = settings.home / "faust" / app_id
@@ -200,7 +202,7 @@ class Aggregator:
         # verdicts arrive together (the verifier publishes a group's at once) never touches it, where
         # every verdict used to rewrite its group's entry and send it to the changelog. Offsets are
         # committed only after the batch has landed, so a crash replays it against the table as it was.
-        writing: list[asyncio.Future] = []  # batches' trajectories and rows on their way, oldest first
+        writing = self._writing  # batches' trajectories and rows on their way, oldest first
         async for events in batches(stream, JOIN_BATCH, JOIN_LINGER_S, JOIN_IDLE_S):
             completed: list[Emission] = []
             self._open = {}
@@ -235,9 +237,13 @@ class Aggregator:
             self.failed.set()
 
     async def flush(self) -> None:
-        """Writes the rows waiting for company now; returns once every insert begun has ended."""
+        """Writes the rows waiting for company now; returns once every insert begun has ended and the
+        batches on their way have landed (or FLUSH_WAIT_S has passed: those are read again at the next
+        start), so that a normal stop commits them."""
         if self.store is not None:
             await asyncio.gather(self.trajectory_rows.flush(), self.turn_rows.flush())
+        if self._writing:
+            await asyncio.wait(list(self._writing), timeout=FLUSH_WAIT_S)
         await asyncio.sleep(0.05)  # a moment for the batches they held back to be acked before faust's last commit
 
     def _store_open(self) -> list[bytes]:
@@ -251,6 +257,7 @@ class Aggregator:
                     self._leaving[key] = event
                     leaving.append(key)
                 continue
+            self._leaving.pop(key, None)  # opened anew (a copy `finished` had forgotten): it stays
             with _as_event(event):
                 self.groups[key] = _frozen(entry)
         return leaving
@@ -276,7 +283,7 @@ class Aggregator:
             return await self._dead_letter(event, headers, f"undecodable: {exc}")
         if not integrity.signed_correctly(record, self.secret):
             return await self._dead_letter(event, headers, "rejected: the verdicts are not signed by a verifier of "
-                                           "this deployment (integrity key): only a verifier sets rewards")
+                                           f"this run (unsigned, or signed with {integrity.ANOTHER_KEY}): only a verifier sets rewards")
         key = record.verdicts[0].sample.group_id.encode() if record.verdicts else b""
         expiring = self._expiring.get(key)
         if expiring is not None:  # its group timing out, being written: joined once that is done (it was
