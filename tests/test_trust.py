@@ -349,7 +349,8 @@ async def test_a_service_with_secrets_guards_its_port_seals_results_and_never_sh
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         async with rpc.channel(target, rpc.Security(token=token)) as channel:
             reply = await execution_pb2_grpc.SandboxStub(channel).Execute(job, timeout=60)
-        integrity.check_execution(reply.result, job, bytes.fromhex(key))  # sealed with the deployment's key
+        # sealed with its run's key ("local"), made from the deployment's
+        integrity.check_execution(reply.result, job, integrity.run_key(bytes.fromhex(key), "local"))
         with pytest.raises(integrity.IntegrityError):
             integrity.check_execution(reply.result, job, bytes(32))
         shown = reply.result.SerializeToString()
