@@ -691,8 +691,8 @@ class Reader:
                 return f"undecodable: {type(exc).__name__}: {str(exc)[:300]}"
         if (self._secret is not None and isinstance(message, integrity.SIGNED)
                 and not integrity.signed_correctly(message, self._secret)):
-            return (f"rejected: a {type(message).__name__} no service of this run signed (unsigned, or signed with {integrity.ANOTHER_KEY}): "
-                    "refused unread")
+            return (f"rejected: a {type(message).__name__} no service of this run signed (unsigned, or signed with "
+                    f"{integrity.ANOTHER_KEY}): refused unread")
         return Incoming(record.topic, record.partition, record.offset, record.key, message,
                         tuple(record.headers or ()), context or otel_context.get_current())
 

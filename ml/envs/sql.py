@@ -196,7 +196,8 @@ def reference_result(data: dict) -> list[tuple]:
             return rows
         except sqlite3.Error as exc:
             if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
-                raise sqlite3.DataError(f"the database the schema builds is over {REFERENCE_DATABASE_BYTES >> 20} MiB") from None
+                raise sqlite3.DataError(f"the database the schema builds is over "
+                                        f"{REFERENCE_DATABASE_BYTES >> 20} MiB") from None
             if changing:
                 raise sqlite3.DataError(f"{changing[0]} gives another value each time it is called: the database "
                                         "and the reference's answer must be the same wherever they are built") from None

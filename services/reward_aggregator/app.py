@@ -283,7 +283,8 @@ class Aggregator:
             return await self._dead_letter(event, headers, f"undecodable: {exc}")
         if not integrity.signed_correctly(record, self.secret):
             return await self._dead_letter(event, headers, "rejected: the verdicts are not signed by a verifier of "
-                                           f"this run (unsigned, or signed with {integrity.ANOTHER_KEY}): only a verifier sets rewards")
+                                           f"this run (unsigned, or signed with {integrity.ANOTHER_KEY}): only a "
+                                           "verifier sets rewards")
         key = record.verdicts[0].sample.group_id.encode() if record.verdicts else b""
         expiring = self._expiring.get(key)
         if expiring is not None:  # its group timing out, being written: joined once that is done (it was
