@@ -21,15 +21,20 @@ HEAD_DEADLINE_S = 15.0
 _GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError, socket.timeout)
 
 
-def addressed_to_us(host_header: str | None, bound_host: str) -> bool:
+def addressed_to_us(host_header: str | None, bound_host: str, *, any_address: bool = True) -> bool:
     """Whether a request's Host names this server. A page that DNS rebinding pointed at us sends its own
-    name, never an IP address or localhost; the port is not checked (an SSH tunnel changes it)."""
+    name, never an IP address or localhost; the port is not checked (an SSH tunnel changes it). With
+    `any_address=False` only the bound address, localhost and the loopback addresses name it: a page's
+    request to http://0.0.0.0 reaches a server on 127.0.0.1 on Linux, with no Fetch Metadata (0.0.0.0
+    is no "potentially trustworthy" address) and that Host."""
     match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]]+)(:[0-9]{1,5})?", host_header or "")
     if not match:
         return False
     name = match[1].lower()
-    if name in ("localhost", bound_host.lower()):
+    if name in ("localhost", bound_host.lower(), "127.0.0.1", "[::1]", f"[{bound_host.lower()}]"):
         return True
+    if not any_address:
+        return False
     try:
         ipaddress.ip_address(name.strip("[]"))
         return True

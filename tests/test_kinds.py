@@ -290,8 +290,10 @@ def test_reasoning_gym_pays_no_answer_that_ignores_the_question():
             task = task_pb2.Task(id="t", kind="reasoning_gym", prompt=entry["question"], group_size=1, generator=spec)
             assert task_problems(task) == [], (name, seed)
             assert score(task, f"<answer>{entry['answer']}</answer>").reward == 1.0
-            for junk in (NUMBER.sub("NaN", str(entry["answer"])), "NaN", "nan", "Infinity",
-                         NUMBER.sub("inf", str(entry["answer"]))):
+            count = len(NUMBER.findall(str(entry["answer"])))
+            for junk in (NUMBER.sub("NaN", str(entry["answer"])), "NaN", "nan", "Infinity", "ｎａｎ",
+                         NUMBER.sub("inf", str(entry["answer"])),
+                         "[" + ", ".join(['"\\u006ean"'] * count) + "]"):  # a scorer's json.loads reads it as nan
                 assert score(task, f"<answer>{junk}</answer>").reward == 0.0, (name, seed, junk)
     spec = task_pb2.GeneratorSpec(name="game_of_life_halting", seed=0)
     _, entry = instance(spec)

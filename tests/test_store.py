@@ -377,7 +377,8 @@ def test_a_request_a_web_page_makes_is_refused_and_changes_nothing(store_url, st
     host = urllib.parse.urlsplit(store_url).hostname
     for headers in ({"Origin": "http://localhost:9999"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
                     {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors"}, {"Host": "attacker.example"},
-                    {"Host": f"attacker.example:{urllib.parse.urlsplit(store_url).port}"}):
+                    {"Host": f"attacker.example:{urllib.parse.urlsplit(store_url).port}"},
+                    {"Host": f"0.0.0.0:{urllib.parse.urlsplit(store_url).port}"}):  # reaches 127.0.0.1, no Fetch Metadata
         status, reply, body = raw(store_url, b"", params=insert, headers=headers)
         assert (status, reply["X-ClickHouse-Exception-Code"]) == (403, "497"), (headers, status, body)
         status, _, body = raw(store_url, params={"query": "SELECT * FROM file('/etc/hostname', 'LineAsString')"},
@@ -390,6 +391,12 @@ def test_a_request_a_web_page_makes_is_refused_and_changes_nothing(store_url, st
         status, _, body = raw(store_url, b"", params=insert, headers=headers)
         assert status == 200, (headers, status, body)
     assert store_client.query("SELECT count() FROM web").result_rows == [(4,)]
+    # A GET is what a page's <img> sends, with no header saying so in some browsers: it reads no file, and
+    # sends nothing out, whatever readonly it asks for.
+    for params in ({}, {"readonly": "2"}, {"readonly": "1"}):
+        status, reply, body = raw(store_url, params={"query": "SELECT * FROM file('/etc/hostname', 'LineAsString')",
+                                                     **params})
+        assert reply["X-ClickHouse-Exception-Code"] == "164", (params, status, body)
 
 
 @pytest.mark.skipif(external_clickhouse_url() is not None, reason="checks how the store's own sessions are reused")

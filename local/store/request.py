@@ -87,14 +87,15 @@ def build_spec(pairs: list[tuple[str, str]], headers: Message, method: str) -> R
             spec.settings[key] = value
     spec.query_id = spec.query_id or str(uuid.uuid4())
     if method in ("GET", "HEAD"):
-        # As on a server: GET is read-only. readonly=2 still lets the request change other settings.
-        if "readonly" not in spec.settings:
-            spec.settings["readonly"] = "2"
-        elif spec.settings["readonly"].strip() == "0":
+        # As on a server: GET is read-only. Here readonly=1 whatever the request asks (its other settings are
+        # applied before it): at 2, chDB still runs file() and url(), and a GET is what a page's <img> sends,
+        # with no header saying so in some browsers (http://0.0.0.0, Safari before 16.4).
+        if spec.settings.get("readonly", "1").strip() == "0":
             raise StoreError(
                 READONLY,
                 "Cannot modify 'readonly' setting in readonly mode: an HTTP GET is read-only; use POST for modifying queries",
             )
+        spec.settings["readonly"] = "1"
     return spec
 
 

@@ -265,10 +265,11 @@ class StoreRequestHandler(RequestHandler):
             self.close_connection = True
             raise StoreError(ACCESS_DENIED, "The store does not answer requests made by web pages "
                              "(the request carries Origin or Sec-Fetch-Site)", http_status=403)
-        if not self.server.password and not addressed_to_us(self.headers.get("Host"), self.server.server_address[0]):
+        if not self.server.password and not addressed_to_us(self.headers.get("Host"), self.server.server_address[0],
+                                                            any_address=False):
             self.close_connection = True
             raise StoreError(ACCESS_DENIED, "The request's Host is not this store: without a password it answers "
-                             "requests addressed to its IP address or localhost only", http_status=403)
+                             "requests addressed to its own address or localhost only", http_status=403)
 
     def _open_body(self, method: str):
         """The request body's framing: chunked, Content-Length, or none."""

@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import re
+import unicodedata
 
 from crucible.v1 import execution_pb2, task_pb2
 from crucible.ml.kinds.extract import NUMBER, final_answer, hedges, numbers, value_of
@@ -122,9 +123,19 @@ def verdict(dataset, entry: dict, answer: str) -> tuple[float, bool, bool]:
     # Paid for a right answer only. reasoning-gym's default scorer gives an answer that contains the
     # right one len(right)/len(answer) ("26600" for 2660: 0.8), and some scorers take the first number
     # they find ("20 0 1 2 3" for 20: 1.0): neither is the answer. The scorer's value stays a component.
-    hedged = hedges(answer, expected) or (_NON_FINITE.search(answer) is not None
-                                           and _NON_FINITE.search(expected) is None)
+    hedged = hedges(answer, expected) or (_NON_FINITE.search(_as_read(answer)) is not None
+                                           and _NON_FINITE.search(_as_read(expected)) is None)
     return value, hedged, value >= 1.0 and not hedged
+
+
+def _as_read(text: str) -> str:
+    """The text as a scorer may read it: compatibility forms folded (ｎａｎ), JSON and Python escapes
+    decoded ("\\u006ean", which a scorer's json.loads reads as nan)."""
+    folded = unicodedata.normalize("NFKC", text)
+    return _ESCAPE.sub(lambda m: chr(int(m[1] or m[2] or m[3], 16)), folded)
+
+
+_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})|\\x([0-9a-fA-F]{2})|\\U([0-9a-fA-F]{8})")
 
 
 class ReasoningGymKind(Kind):
