@@ -594,6 +594,16 @@ def test_a_users_instance_no_episode_can_pass_or_every_episode_passes_is_refused
         ("sql", {**table, "reference": "SELECT date('2020-01-01', 'localtime') FROM t"}, "in local time"),
         ("sql", {**table, "schema": ["CREATE TABLE t AS SELECT time() AS name"], "rows": {}}, "time() of now"),
         ("sql", {**table, "reference": "SELECT CURRENT_TIMESTAMP FROM t"}, "current_timestamp()"),
+        ("sql", {**table, "reference": "SELECT strftime('%H:%M:%f', CAST('now' AS BLOB)) FROM t"}, "of now"),
+        ("sql", {**table, "rows": {}, "schema": ["CREATE TABLE t (name, at DEFAULT CURRENT_TIMESTAMP)",
+                                                 "INSERT INTO t (name) VALUES ('a')"],
+                 "reference": "SELECT name, at FROM t"}, "current_timestamp()"),  # evaluated at insert
+        ("sql", {**table, "rows": {}, "schema": ["CREATE TABLE t (name, r DEFAULT (random()))",
+                                                 "INSERT INTO t (name) VALUES ('a')"], "reference": "SELECT r FROM t"},
+         "random()"),
+        ("sql", {**table, "reference": "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c LIMIT 100000) "
+                                       "SELECT count(*) FROM (SELECT DISTINCT printf('%d%.60000c', i, 'x') FROM c)"},
+         "more than 256 MiB of memory"),
         ("sql", {**table, "rows": {}, "schema": ["CREATE TABLE t AS WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL "
                                                  "SELECT i + 1 FROM c LIMIT 20000) SELECT zeroblob(60000) AS name FROM c"]},
          "over 64 MiB"),

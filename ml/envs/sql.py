@@ -91,6 +91,9 @@ REFERENCE_VALUE_BYTES = 64 << 10  # the largest string or blob the reference's d
 REFERENCE_COLUMNS = 64  # of a table or a result
 REFERENCE_DATABASE_BYTES = 64 << 20  # the database the schema builds (CREATE TABLE ... AS a recursive query)
 REFERENCE_RESULT_BYTES = 8 << 20  # the reference's answer, as its values' text
+# All SQLite's memory in the process (a PRAGMA of the whole process: the only SQLite a service runs is this):
+# a DISTINCT over wide rows held 2 GB of temporary rows, which no database size limit bounds.
+REFERENCE_HEAP_BYTES = 256 << 20
 REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, and a cross join's could fill memory
 # Functions whose value changes from call to call: a database or an answer built with them differs between
 # the processes that build it (control, the generator, the verifier) and between an episode's calls, so
@@ -147,7 +150,8 @@ def reference_result(data: dict) -> list[tuple]:
     db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, REFERENCE_VALUE_BYTES)
     db.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, REFERENCE_COLUMNS)
     db.execute(f"PRAGMA max_page_count = {REFERENCE_DATABASE_BYTES // 4096}")
-    db.execute("PRAGMA temp_store = MEMORY")
+    db.execute(f"PRAGMA hard_heap_limit = {REFERENCE_HEAP_BYTES}")
+    db.execute("PRAGMA temp_store = MEMORY")  # sorts and DISTINCTs in memory, under that limit: not in files on disk
     deadline = time.monotonic() + REFERENCE_SECONDS
     db.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
@@ -158,7 +162,8 @@ def reference_result(data: dict) -> list[tuple]:
 
     def dated(name: str, at: int):
         def call(*args):
-            if len(args) <= at or any(isinstance(a, str) and a.strip().lower() in _CLOCK_WORDS for a in args):
+            words = [(a.decode(errors="replace") if isinstance(a, bytes) else a) for a in args]  # CAST('now' AS BLOB)
+            if len(args) <= at or any(isinstance(a, str) and a.strip().lower() in _CLOCK_WORDS for a in words):
                 changing.append(f"{name}() of now or in local time")
                 raise sqlite3.DataError("reads the clock")
             return own.execute(f"SELECT {name}({', '.join('?' * len(args))})", args).fetchone()[0]
@@ -166,6 +171,18 @@ def reference_result(data: dict) -> list[tuple]:
 
     for name, at in DATE_FUNCTIONS.items():
         db.create_function(name, -1, dated(name, at), deterministic=True)
+
+    def changes_each_time(name: str):
+        def call(*args):
+            changing.append(f"{name}()")
+            raise sqlite3.DataError("changes each time")
+        return call
+
+    # Replaced, not only refused by the authorizer: a column's DEFAULT (random()), or DEFAULT CURRENT_TIMESTAMP,
+    # is evaluated at insert time, and the authorizer is never asked about it.
+    for name in CHANGING_FUNCTIONS:
+        for arguments in (-1, 0, 1, 2):
+            db.create_function(name, arguments, changes_each_time(name))
 
     def allowed(permitted: set[int]):
         def authorize(action, first, second, *_):
@@ -194,6 +211,8 @@ def reference_result(data: dict) -> list[tuple]:
                 if size > REFERENCE_RESULT_BYTES:
                     raise sqlite3.DataError(f"the reference query's answer is over {REFERENCE_RESULT_BYTES >> 20} MiB")
             return rows
+        except MemoryError:
+            raise sqlite3.DataError(f"the reference needs more than {REFERENCE_HEAP_BYTES >> 20} MiB of memory") from None
         except sqlite3.Error as exc:
             if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
                 raise sqlite3.DataError(f"the database the schema builds is over "
