@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from crucible.cli import echo
 from crucible.cli import models as models_cmd
 from crucible.shared.procs import stop_processes
-from crucible.shared.settings import Settings, get_settings, shown_url
+from crucible.shared.settings import Settings, get_settings, run_id_problem, shown_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: cli/ sits at its top
 
@@ -490,10 +490,20 @@ def cmd_rescore(args, settings: Settings) -> int:
         echo(f"crucible rescore: {exc}")
         return 2
 
+    if args.verifier and not args.verifier_run:
+        echo("crucible rescore: --verifier needs --verifier-run, the run that verifier serves: the run's tasks are "
+             "signed anew for it, and for no other")
+        return 2
+    if args.verifier_run and (problem := run_id_problem(args.verifier_run)):
+        echo(f"crucible rescore: --verifier-run: {problem}")
+        return 2
+
     async def go() -> rescore.RescoreReport:
         if args.verifier:
+            verifier_settings = settings.model_copy(update={"run_id": args.verifier_run})
             async with evaluation.verifier(args.verifier) as verify:
-                return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify, echo=echo)
+                return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify,
+                                             verifier_settings=verifier_settings, echo=echo)
         async with rescore.local_verifier(settings, echo=echo) as (verify, verifier_settings):
             return await rescore.rescore(settings, run_id=args.run, grade_as=grade_as, verify=verify,
                                          verifier_settings=verifier_settings, echo=echo)
@@ -569,8 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="the run id (default: the newest run in the store)")
     p.add_argument("--grade-as", action="append", default=[], metavar="OLD=NEW",
                    help="grade tasks of kind OLD with kind NEW (repeatable), e.g. lenient_exact=exact")
-    p.add_argument("--verifier", help="a running Verifier at HOST:PORT (default: start one for this command); tasks are "
-                        "signed for the run CRUCIBLE_RUN_ID names, which must be the verifier's")
+    p.add_argument("--verifier", help="a running Verifier at HOST:PORT (default: start one for this command)")
+    p.add_argument("--verifier-run", help="with --verifier: the run it serves (its CRUCIBLE_RUN_ID), which the "
+                                          "tasks are signed for")
     p.set_defaults(func=cmd_rescore)
     models_cmd.add_parser(sub)
     return parser

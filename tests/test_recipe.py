@@ -371,6 +371,11 @@ def test_a_recipe_that_cannot_run_is_refused_before_kafka_and_the_store_are_star
         assert "cannot run this recipe" in out and says in out, (text, out)
     assert main.main(["rescore", "--run", "r1", "--grade-as", "exact=nonsense"]) == 2
     assert "not a task kind" in capsys.readouterr().out
+    # a verifier elsewhere: the run it serves is named (the run's tasks are signed for it), never assumed
+    assert main.main(["rescore", "--run", "r1", "--verifier", "127.0.0.1:1"]) == 2
+    assert "--verifier needs --verifier-run" in capsys.readouterr().out
+    assert main.main(["rescore", "--run", "r1", "--verifier", "127.0.0.1:1", "--verifier-run", "a b"]) == 2
+    assert "is not a run id" in capsys.readouterr().out
 
 
 def test_a_query_parameter_that_is_not_utf8_is_named_not_blamed_on_the_store(capsys):
