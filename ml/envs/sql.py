@@ -97,7 +97,7 @@ REFERENCE_HEAP_BYTES = 256 << 20
 REFERENCE_ROWS = 10_000  # an answer of more rows is no answer a model writes, and a cross join's could fill memory
 # Functions whose value changes from call to call: a database or an answer built with them differs between
 # the processes that build it (control, the generator, the verifier) and between an episode's calls, so
-# a right answer scored 0. The date and time functions are taken as long as they read no clock (_dated).
+# a right answer scored 0. The date and time functions are taken as long as they read no clock (reference_result).
 CHANGING_FUNCTIONS = frozenset({"random", "randomblob", "changes", "total_changes", "last_insert_rowid",
                                 "current_timestamp", "current_date", "current_time"})
 # Date and time functions, and where their time value is: with none, or 'now', they read the clock;
