@@ -11,8 +11,10 @@ from urllib.parse import urlparse
 
 from crucible.local.kafka import LocalKafka
 from crucible.local.store.launcher import wait_ready
+from crucible.shared import files
 from crucible.shared.procs import read_pid, terminate
 from crucible.shared.settings import Settings, get_settings, shown_url
+from crucible.shared.store import client as store_client
 
 
 class StackError(RuntimeError):
@@ -36,7 +38,13 @@ class LocalStore:
         if url.hostname not in ("127.0.0.1", "localhost"):
             raise StackError(f"CRUCIBLE_CLICKHOUSE_URL={shown_url(settings.clickhouse_url)} is not local: "
                              "the embedded store only serves on 127.0.0.1")
-        password = settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else ""
+        if settings.clickhouse_password is not None:
+            password = settings.clickhouse_password.get_secret_value()
+        else:  # one of its own, which every client of this CRUCIBLE_HOME reads (store.client.password): without
+            # one, any process of the machine could read the user's files through chDB's file() (a web page could,
+            # until the store refused them)
+            password = files.secret(settings.home / "secrets" / store_client.LOCAL_PASSWORD,
+                                    store_client.LOCAL_PASSWORD_BYTES)
         return cls(settings.home / "store", "127.0.0.1", url.port or 8123, settings.clickhouse_user, password)
 
     @property

@@ -3,6 +3,7 @@ under a temporary sibling name, then renamed into place)."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import stat
 import uuid
@@ -45,6 +46,52 @@ def sync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class SecretError(ValueError):
+    """A secret file that must not be used; the text says why (never its contents)."""
+
+
+def secret(path: Path, nbytes: int = 32) -> str:
+    """The secret in `path` (hex), made there first if there is none: `nbytes` random bytes, 0600, written
+    whole and fsynced before it has its name (a crash never leaves an empty secret behind it; whoever
+    links first wins, everyone reads the winner's). SecretError for a file others may read or write, a
+    link, or one shorter than `nbytes` bytes of hex (an empty key MACs with the empty key)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(nbytes))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        sync(path.parent)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise SecretError(f"{path} cannot be read ({exc.strerror}: a link is not taken; remove it for a new "
+                          "one)") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretError(f"{path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise SecretError(f"{path} may be read or written by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                              "chmod 600 it, or remove it for a new one")
+        text = f.read(4 * nbytes + 64).strip()
+    try:
+        if len(bytes.fromhex(text)) >= nbytes:
+            return text
+    except ValueError:
+        pass
+    raise SecretError(f"{path} is damaged (not {nbytes} or more bytes of hex): remove it for a new one, and "
+                      "restart every service of the deployment")
 
 
 class Unreadable(ValueError):

@@ -33,9 +33,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import os
-import secrets
-import stat
 from pathlib import Path
 
 from crucible.shared import files, messages
@@ -84,50 +81,11 @@ def deployment_key(settings) -> bytes:
     cached = _cache.get(str(settings.home))  # asked for every task published: no path worked out then
     if cached:
         return cached
-    path = Path(settings.home) / "secrets" / "integrity.key"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".integrity.key.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(KEY_BYTES))
-            f.flush()
-            os.fsync(f.fileno())  # whole before it has its name: a crash never leaves an empty key behind it
-        try:
-            os.link(tmp, path)  # atomic: whoever links first wins, everyone reads the winner's key
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-        files.sync(path.parent)
-    value = _read_key_file(path)
+    try:  # whoever reads it can mint rewards: files.secret refuses one others may read
+        value = bytes.fromhex(files.secret(Path(settings.home) / "secrets" / "integrity.key", KEY_BYTES))
+    except files.SecretError as exc:
+        raise IntegrityError(str(exc)) from None
     _cache[str(settings.home)] = value
-    return value
-
-
-def _read_key_file(path: Path) -> bytes:
-    """The key in `path`, or IntegrityError: a key others may read, or one too short to be a key (an
-    empty file MACs with the empty key, which anyone can compute), is never used."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise IntegrityError(f"{path} cannot be read as the key ({exc.strerror}: a link is not taken; remove it "
-                             "for a new key)") from None
-    with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise IntegrityError(f"{path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise IntegrityError(f"{path} may be read or written by others (mode {stat.S_IMODE(st.st_mode):o}): "
-                                 "whoever reads it can mint rewards. chmod 600 it, or remove it for a new key")
-        text = f.read(4 * KEY_BYTES + 64).strip()
-    try:
-        value = bytes.fromhex(text)
-    except ValueError:
-        value = b""
-    if len(value) < KEY_BYTES:
-        raise IntegrityError(f"{path} is damaged (not {KEY_BYTES} or more bytes of hex): remove it for a new key, "
-                             "and restart every service of the deployment")
     return value
 
 

@@ -529,6 +529,31 @@ def test_a_store_with_a_password_refuses_queries_without_it_and_beyond_loopback_
     assert exposed.proc.wait(timeout=60) == 1 and "without a password" in exposed.log()
 
 
+def test_the_embedded_store_has_a_password_of_its_own_that_every_client_of_its_home_uses(tmp_path):
+    """Without one, any process of the machine (and, until the store refused them, any web page) could
+    read the user's files through chDB's file(): the integrity key among them."""
+    from pydantic import SecretStr
+
+    from crucible.local.stack import LocalStore
+    from crucible.shared.procs import free_port
+    from crucible.shared.store import connect
+
+    settings = Settings(home=tmp_path / "home", clickhouse_url=f"http://127.0.0.1:{free_port()}")
+    local = LocalStore.from_settings(settings)
+    secret = tmp_path / "home" / "secrets" / "store.password"
+    assert local.password and secret.read_text() == local.password and oct(secret.stat().st_mode & 0o777) == "0o600"
+    local.start(echo=lambda *_: None)
+    try:
+        status, reply, _ = raw(local.url, b"SELECT * FROM file('/etc/hostname', 'LineAsString')")
+        assert (status, reply["X-ClickHouse-Exception-Code"]) == (403, "516")  # another process, no password
+        assert connect(settings, database="default").query("SELECT 3").result_rows == [(3,)]  # this home's client
+        with pytest.raises(Exception, match="516|Authentication failed"):
+            connect(settings.model_copy(update={"clickhouse_password": SecretStr("")}), database="default").query("SELECT 4")
+        assert LocalStore.from_settings(settings).password == local.password  # the same on every start
+    finally:
+        local.stop()
+
+
 def test_a_write_waits_out_a_store_restart_and_lands_once(tmp_path):
     import threading
 

@@ -6,6 +6,7 @@ CRUCIBLE_CLICKHOUSE_URL (http://127.0.0.1:8123 for the local store by default).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -14,6 +15,7 @@ from clickhouse_connect.driver import options
 from clickhouse_connect.driver.binding import quote_identifier
 from clickhouse_connect.driver.client import Client
 
+from crucible.shared import files
 from crucible.shared.settings import Settings, get_settings, shown_url
 
 _DEFAULT_PORTS = {"http": 8123, "https": 8443}
@@ -53,11 +55,29 @@ def _no_dataframes() -> None:
             setattr(options, name, None)  # what clickhouse-connect itself sets where the package is not installed
 
 
+LOCAL_PASSWORD = "store.password"  # under CRUCIBLE_HOME/secrets: the embedded store's, made by local/stack.py
+
+
+def password(settings: Settings, host: str | None) -> str:
+    """The store's password: CRUCIBLE_CLICKHOUSE_PASSWORD where it is set (an empty one too); else, for a
+    store on this machine, the one the embedded store was started with from this CRUCIBLE_HOME (a store
+    without a password takes any), else none."""
+    if settings.clickhouse_password is not None:
+        return settings.clickhouse_password.get_secret_value()
+    path = Path(settings.home) / "secrets" / LOCAL_PASSWORD
+    if host in ("127.0.0.1", "localhost", "::1") and path.exists():
+        return files.secret(path, LOCAL_PASSWORD_BYTES)
+    return ""
+
+
+LOCAL_PASSWORD_BYTES = 16
+
+
 def _client(endpoint: dict[str, Any], settings: Settings, database: str, **kwargs: Any) -> Client:
     _no_dataframes()
     params: dict[str, Any] = {
         "username": settings.clickhouse_user,
-        "password": settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else "",
+        "password": password(settings, endpoint["host"]),
         # A session id would make the server reject two threads sharing one client; Crucible's
         # clients are shared, and nothing relies on session state.
         "autogenerate_session_id": False,
