@@ -12,6 +12,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from crucible.shared.procs import loopback
+
 log = logging.getLogger(__name__)
 
 # A request's line and headers arrive within this, however slowly they trickle in (a socket timeout
@@ -31,7 +33,7 @@ def addressed_to_us(host_header: str | None, bound_host: str, *, any_address: bo
     if not match:
         return False
     name = match[1].lower()
-    if name in ("localhost", bound_host.lower(), "127.0.0.1", "[::1]", f"[{bound_host.lower()}]"):
+    if name.strip("[]") == bound_host.lower() or loopback(name):
         return True
     if not any_address:
         return False

@@ -1,6 +1,7 @@
 """Local processes: free ports, liveness, and one way to stop them (SIGTERM, a deadline, SIGKILL)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -40,6 +41,16 @@ def keep_freed_memory() -> bool:
     taken = [mallopt(param, value) == 1 for param, value in (
         (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1))]
     return all(taken)  # each one asked for, whether or not another was refused
+
+
+def loopback(host: str | None) -> bool:
+    """Whether a host name or address is this machine's loopback (localhost, 127/8, ::1, bracketed or not)."""
+    if not host:
+        return False
+    try:
+        return host.lower() == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

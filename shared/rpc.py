@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import hmac
 import inspect
-import ipaddress
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from crucible.shared import telemetry
+from crucible.shared import procs, telemetry
 from crucible.shared.settings import shown_url
 
 log = logging.getLogger(__name__)
@@ -61,15 +60,6 @@ class Security:
         return cls(token=settings.rpc_token.get_secret_value() if settings.rpc_token else "",
                    tls_cert=read(settings.rpc_tls_cert), tls_key=read(settings.rpc_tls_key),
                    tls_ca=read(settings.rpc_tls_ca), allow_insecure=settings.rpc_allow_insecure)
-
-
-def _loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -296,7 +286,7 @@ class RpcServer:
         self.depends_on = list(depends_on)
         self.unreachable: dict[str, str] = {}  # dependency -> its address, while it does not answer
         self._probe: asyncio.Task | None = None
-        if not security.token and not _loopback(host) and not security.allow_insecure:
+        if not security.token and not procs.loopback(host) and not security.allow_insecure:
             raise PermissionError(f"refusing to serve gRPC on {host} without a token: set CRUCIBLE_RPC_TOKEN (and "
                                   "CRUCIBLE_RPC_TLS_CERT/KEY), or CRUCIBLE_RPC_ALLOW_INSECURE=1 on a trusted network")
         self.services = list(services)

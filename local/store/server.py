@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import base64
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ from crucible.local.store.errors import (
 from crucible.local.store.lock import DataDirLock, DataDirLocked
 from crucible.local.store.request import RequestSpec, build_spec, parse_multipart, parse_query_string
 from crucible.shared.http_server import BoundedThreadingHTTPServer, RequestHandler, addressed_to_us, sent_by_a_web_page
+from crucible.shared.procs import loopback
 from crucible.shared.store.sqltext import split_insert
 
 log = logging.getLogger("crucible.store")
@@ -466,13 +466,6 @@ def _decode_sql(fn):
 # -- the process -------------------------------------------------------------------------------
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m crucible.local.store.server",
@@ -493,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s store %(levelname)s %(message)s")
     data_dir = args.data.expanduser().resolve()
-    if not os.environ.get("CRUCIBLE_STORE_PASSWORD") and not _loopback(args.host):
+    if not os.environ.get("CRUCIBLE_STORE_PASSWORD") and not loopback(args.host):
         print(f"crucible store: refusing to listen on {args.host} without a password (set CRUCIBLE_STORE_PASSWORD)",
               file=sys.stderr, flush=True)
         return 1
@@ -541,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
         host, port = server.server_address[:2]
         print(f"store ready on http://{host}:{port} data={data_dir} pid={os.getpid()}", file=sys.stderr, flush=True)
-        if host not in ("127.0.0.1", "::1", "localhost"):
+        if not loopback(host):
             log.warning("listening on %s: the store has no authentication; anyone who can reach it can run SQL", host)
         try:
             server.serve_forever(poll_interval=0.2)

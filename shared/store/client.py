@@ -16,6 +16,7 @@ from clickhouse_connect.driver.binding import quote_identifier
 from clickhouse_connect.driver.client import Client
 
 from crucible.shared import files
+from crucible.shared.procs import loopback
 from crucible.shared.settings import Settings, get_settings, shown_url
 
 _DEFAULT_PORTS = {"http": 8123, "https": 8443}
@@ -65,7 +66,7 @@ def password(settings: Settings, host: str | None) -> str:
     if settings.clickhouse_password is not None:
         return settings.clickhouse_password.get_secret_value()
     path = Path(settings.home) / "secrets" / LOCAL_PASSWORD
-    if host in ("127.0.0.1", "localhost", "::1") and path.exists():
+    if loopback(host) and path.exists():
         return files.secret(path, LOCAL_PASSWORD_BYTES)
     return ""
 
