@@ -102,3 +102,22 @@ def test_more_tests_passed_because_the_tasks_have_more_tests_is_not_a_hack():
         return verdict(i, passed=ok, components={"tests_passed": round(share * total), "tests_total": total,
                                                   "timed_out": float(i >= 300 and rng.random() < 0.3)})
     assert stream(WindowDetectors("run", window=100), 600, honest) == []
+
+
+def test_an_episodes_calls_run_in_the_sandbox_count_as_runs_and_their_violations_are_seen():
+    """A multi-turn episode's verdict carries no execution of its own: its calls that ran in the sandbox
+    are the runs (each with its time and violation), and calls of tools that run elsewhere are none."""
+    rng = random.Random(3)
+
+    def episode(i, stopped: bool):
+        v = verdict(i, passed=False)
+        for n in range(3):
+            turn = v.episode.turns.add(sandboxed=n < 2, execution_ms=rng.uniform(8, 12))
+            if stopped and n == 0:
+                turn.violation = execution_pb2.VIOLATION_MEMORY
+        return v
+
+    detectors = WindowDetectors("run", window=100)
+    kinds = [(i // 100, a.kind) for i, a in stream(detectors, 300, lambda i: episode(i, stopped=i >= 200))]
+    assert kinds == [(2, "sandbox_timeouts")]
+    assert detectors.baseline.ran == 200 and detectors.baseline.violations == 0  # two runs an episode, not three

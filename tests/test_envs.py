@@ -183,6 +183,29 @@ async def test_actions_that_try_to_escape_the_sandbox_get_a_clear_observation(at
 
 
 @pytest.mark.sandbox
+async def test_an_escape_tried_in_any_call_pays_nothing_and_is_named_and_a_limit_hit_is_no_escape(execute):
+    """A forbidden system call in a call's program is tampering, as in a tested run: the right answer after
+    it is not paid, and the verdict names the call. A program stopped at a limit is a failed call, no more."""
+    env, task = envs.get("python"), first_task("python")
+    reference = env.reference(task)
+    escape = "@python " + json.dumps({"code": "import socket; socket.socket(socket.AF_INET).connect(('10.0.0.1', 80))"})
+    tried = await ep.play(env, task, [escape, *reference], execute)
+    first = tried.turns[0]
+    assert first.sandboxed and first.violation == execution_pb2.VIOLATION_FORBIDDEN_SYSCALL, first
+    score = env.score(task, tried)
+    assert score.components["answer_correct"] == 1.0  # the answer is right...
+    assert score.tampered and score.reward == 0.0 and score.patterns == ("forbidden_syscall",)  # ...and unpaid
+    assert "turn 1" in score.detail and score.components["tampered"] == 1.0
+    spun = await ep.play(env, task, ["@python " + json.dumps({"code": "while True: pass"}), *reference], execute)
+    assert spun.turns[0].violation in (execution_pb2.VIOLATION_TIMEOUT, execution_pb2.VIOLATION_CPU)
+    score = env.score(task, spun)
+    assert not score.tampered and 0 < score.reward < 1.0 and score.components["failed_calls"] == 1.0
+    honest = await ep.play(env, task, reference, execute)
+    assert all(t.sandboxed and not t.violation for t in honest.turns if t.HasField("call"))
+    assert not env.score(task, honest).tampered
+
+
+@pytest.mark.sandbox
 async def test_sql_state_lasts_for_the_episode_and_writes_outside_it_are_impossible(execute):
     env, task = envs.get("sql"), first_task("sql")
     turns = ["@sql DELETE FROM employees", "@sql SELECT COUNT(*) FROM employees",

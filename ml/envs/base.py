@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from crucible.ml.kinds import extract
+from crucible.ml.kinds import extract, tamper_scan
 from crucible.ml.kinds.registry import Score
 from crucible.shared.text import is_unicode, valid_text
 from crucible.v1 import episode_pb2, execution_pb2, task_pb2
@@ -180,14 +180,16 @@ class Environment(ABC):
         right answer reached without a failed call, less for each failed call, 0 otherwise."""
         from crucible.ml.envs.episode import carried_out
 
-        calls, failed = [], 0
-        for turn in episode.turns:
+        calls, failed, signals = [], 0, []
+        for number, turn in enumerate(episode.turns, 1):
             if not carried_out(turn):
                 continue  # an answer, or a call the episode ended before (the turn limit): it changed nothing
             if turn.call_failed or turn.call.error:
                 failed += 1
             else:
                 calls.append(Call(turn.call.name, json.loads(turn.call.arguments_json or "{}")))
+            signals += [(pattern, f"turn {number}: {detail}")
+                        for pattern, detail in tamper_scan.scan_run(turn.violation, turn.violation_detail)]
         answered = episode.end in (episode_pb2.EPISODE_END_ANSWER, episode_pb2.EPISODE_END_DONE)
         answer = self.answer_of(episode.turns[-1].text if answered and episode.turns else "")
         components = {"answer_correct": 0.0}
@@ -195,11 +197,15 @@ class Environment(ABC):
             components.update(self.check_answer(task, answer, calls))
         correct = components["answer_correct"] >= 1.0
         components.update({"tool_calls": float(len(calls) + failed), "failed_calls": float(failed),
-                           "turns": float(len(episode.turns)), "answered": float(answered)})
+                           "turns": float(len(episode.turns)), "answered": float(answered),
+                           "tampered": float(bool(signals))})
         reward = max(0.0, 1.0 - 0.25 * failed) if correct else 0.0
         detail = {episode_pb2.EPISODE_END_TURN_LIMIT: "the turn limit was reached before an answer",
                   episode_pb2.EPISODE_END_TOKEN_LIMIT: "the token limit was reached before an answer"}.get(episode.end, "")
-        return Score(components, reward, detail=detail)
+        if signals:  # an escape tried in any call pays nothing, whatever the answer (as a tested run's would)
+            detail = "; ".join(filter(None, [detail, "tampering: " + "; ".join(f"{p}: {d}" for p, d in signals[:5])]))
+        return Score(components, reward, tampered=bool(signals), patterns=tuple(dict.fromkeys(p for p, _ in signals)),
+                     detail=detail[:2000])
 
     # --- tasks ------------------------------------------------------------------------------------
     @abstractmethod

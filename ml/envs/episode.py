@@ -22,6 +22,7 @@ from crucible.v1 import episode_pb2, execution_pb2, rollout_pb2, task_pb2
 
 Execute = Callable[[execution_pb2.ExecuteRequest], Awaitable[execution_pb2.ExecutionResult]]
 FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
+VIOLATION_DETAIL_CHARS = 300
 
 
 def start(task: task_pb2.Task, group_id: str, index: int, prompt_ids: list[int], *, temperature: float,
@@ -148,6 +149,10 @@ async def act(env: Environment, episode: episode_pb2.Episode, execute: Execute) 
         earlier = earlier_calls(episode, len(episode.turns) - 1, env)
         tool = next(t for t in env.tools if t.name == resolved.name)
         result = await execute(env.job(episode.task, earlier, resolved)) if tool.sandboxed else None
+        if result is not None and not result.not_run:  # what the sandbox said of the run, for the verdict
+            turn.sandboxed = True
+            turn.violation = result.violation
+            turn.violation_detail = result.violation_detail[:VIOLATION_DETAIL_CHARS]
         observation = env.observe(episode.task, earlier, resolved, result)
     turn.observation = cut(observation.text) or "(nothing)"  # never empty: an empty one is a call not carried out
     turn.call_failed = observation.failed

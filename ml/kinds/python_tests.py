@@ -298,9 +298,7 @@ class PythonTestsKind(Kind):
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             compiled = 0.0
         signals = [tamper_patterns.known(t.pattern, t.detail) for t in execution.tamper]
-        if execution.violation == execution_pb2.VIOLATION_FORBIDDEN_SYSCALL:
-            # Sockets, ptrace, namespaces, stealing descriptors: nothing a solution needs, all an escape wants.
-            signals.append(("forbidden_syscall", execution.violation_detail or "a forbidden system call"))
+        signals += tamper_scan.scan_run(execution.violation, execution.violation_detail)
         signals += tamper_scan.scan_source(code, first_line)
         signals += tamper_scan.scan_output(execution.stdout, execution.stderr)
         # Counted against the declared tests: the task's own (read here), and any more the harness

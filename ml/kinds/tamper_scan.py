@@ -16,6 +16,8 @@ import ast
 import json
 import re
 
+from crucible.v1 import execution_pb2
+
 # unittest's API names: assigning one of these on anything but `self` is patching a test framework.
 # (Its assert* names are camelCase, with the old alias `assert_`; its fail* ones failIf*, failUnless* and
 # failureException: `job.assert_ok` or an automaton's `node.failLink` is no test machinery.)
@@ -41,6 +43,15 @@ _FAKE_OUTPUT = [
     re.compile(r"^\s*(test\w*|check)[ \t]*(\.\.\.|:)[ \t]*(ok|passed)[\s.!]*$", re.IGNORECASE),
 ]
 MAX_SCANNED_OUTPUT = 256 * 1024
+
+
+def scan_run(violation: int, detail: str) -> list[tuple[str, str]]:
+    """What the sandbox's reason for stopping a run says of it: a forbidden system call (a socket,
+    ptrace, a namespace, another process's descriptors: nothing a solution or an environment's call
+    needs, all an escape wants) is tampering, in whichever process of the job it was made."""
+    if violation == execution_pb2.VIOLATION_FORBIDDEN_SYSCALL:
+        return [("forbidden_syscall", detail or "a forbidden system call")]
+    return []
 
 
 def scan_output(stdout: bytes, stderr: bytes) -> list[tuple[str, str]]:

@@ -8,8 +8,9 @@ own thresholds:
 - `component_without_correctness`: a reward component's mean rose by `component_gain` or more
   since the baseline while the solved share rose by less than `correctness_gain` (the policy
   found a component it can raise without solving the task: format, length, partial tests...);
-- `sandbox_timeouts`: the share of sandbox runs stopped for a violation (timeout, memory, CPU,
-  output) rose by `violation_gain` or more since the baseline;
+- `sandbox_timeouts`: the share of sandbox runs (an episode's calls run there each count as one)
+  stopped for a violation (timeout, memory, CPU, output) rose by `violation_gain` or more since the
+  baseline;
 - `sandbox_slowdown`: sandbox runs take `slowdown_factor` times as long as in the baseline.
 
 A detector that fired stays quiet until it has recovered for a whole window (one incident, one
@@ -58,11 +59,17 @@ class Window:
             if value > 0 and not v.sample.passed:
                 self._example(f"component:{name}", v.sample.id)
         if v.HasField("execution") and not v.execution.not_run:
-            self.ran += 1
-            self.run_ms += v.execution.duration_ms
-            if v.execution.violation:
-                self.violations += 1
-                self._example("violation", v.sample.id)
+            self._ran(v.execution.duration_ms, v.execution.violation, v.sample.id)
+        for turn in v.episode.turns:  # an episode's calls run in the sandbox: a run each
+            if turn.sandboxed:
+                self._ran(turn.execution_ms, turn.violation, v.sample.id)
+
+    def _ran(self, ms: float, violation: int, sample_id: str) -> None:
+        self.ran += 1
+        self.run_ms += ms
+        if violation:
+            self.violations += 1
+            self._example("violation", sample_id)
 
     def _example(self, what: str, sample_id: str) -> None:
         if len(self.examples[what]) < 5:

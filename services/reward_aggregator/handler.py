@@ -20,7 +20,7 @@ TRAJECTORY_COLUMNS = [
 ]
 TURN_COLUMNS = ["trajectory_id", "task_id", "group_id", "turn", "task_kind", "policy_version", "action", "tool",
                 "arguments", "call_error", "call_failed", "observation", "tokens", "observation_tokens",
-                "execution_ms", "created_at"]
+                "execution_ms", "created_at", "violation"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def turn_rows(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory) -> list[list
     created = t.created_at.ToDatetime(tzinfo=dt.timezone.utc)
     return [[t.id, t.task_id, t.group_id, i, v.task_kind, turn.policy_version, turn.text, turn.call.name,
              turn.call.arguments_json, turn.call.error, turn.call_failed, turn.observation, len(turn.token_ids),
-             len(turn.observation_token_ids), turn.execution_ms, created]
+             len(turn.observation_token_ids), turn.execution_ms, created, _violation_name(turn.violation)]
             for i, turn in enumerate(v.episode.turns, 1)]
 
 

@@ -74,7 +74,8 @@ QUERIES = {q.name: q for q in [
           "round(max_rss_bytes / 1048576, 1) AS rss_mb, exit_code, violation "
           "FROM trajectories FINAL WHERE duration_ms > 0 UNION ALL "
           "SELECT trajectory_id, task_kind, turn, round(execution_ms, 1) AS ms, 0 AS cpu_s, 0 AS rss_mb, 0 AS exit_code, "
-          "if(call_failed, 'call_failed', '') AS violation FROM episode_turns FINAL WHERE execution_ms > 0"
+          "if(violation != '', violation, if(call_failed, 'call_failed', '')) AS violation FROM episode_turns FINAL "
+          "WHERE execution_ms > 0"
           ") ORDER BY ms DESC LIMIT 20"),
     Query("task", "every sample of one task: groups, rewards, advantages",
           "SELECT group_id, sample_index, trajectory_id, policy_version AS version, round(reward, 4) AS reward, "

@@ -23,23 +23,24 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from crucible.v1 import execution_pb2 as crucible_dot_v1_dot_execution__pb2
 from crucible.v1 import rollout_pb2 as crucible_dot_v1_dot_rollout__pb2
 from crucible.v1 import task_pb2 as crucible_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/episode.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x63rucible/v1/rollout.proto\x1a\x16\x63rucible/v1/task.proto\"\x83\x03\n\x07\x45pisode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x1f\n\x04task\x18\x05 \x01(\x0b\x32\x11.crucible.v1.Task\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12 \n\x05turns\x18\x07 \x03(\x0b\x32\x11.crucible.v1.Turn\x12\x13\n\x0btemperature\x18\x08 \x01(\x01\x12\r\n\x05top_p\x18\t \x01(\x01\x12$\n\x03\x65nd\x18\n \x01(\x0e\x32\x17.crucible.v1.EpisodeEnd\x12\x14\n\x0cgenerator_id\x18\x0b \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\x11\n\tsample_ms\x18\r \x01(\x01\x12\x13\n\x0b\x63\x61ll_format\x18\x0e \x01(\t\x12.\n\ncreated_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tsignature\x18\x10 \x01(\x0c\"\x87\x02\n\x04Turn\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.crucible.v1.FinishReason\x12#\n\x04\x63\x61ll\x18\x06 \x01(\x0b\x32\x15.crucible.v1.ToolCall\x12\x13\n\x0bobservation\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61ll_failed\x18\x08 \x01(\x08\x12\x1d\n\x15observation_token_ids\x18\t \x03(\x05\x12\x14\n\x0c\x65xecution_ms\x18\n \x01(\x01\"?\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t*\x90\x01\n\nEpisodeEnd\x12\x1b\n\x17\x45PISODE_END_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45PISODE_END_ANSWER\x10\x01\x12\x1a\n\x16\x45PISODE_END_TURN_LIMIT\x10\x02\x12\x1b\n\x17\x45PISODE_END_TOKEN_LIMIT\x10\x03\x12\x14\n\x10\x45PISODE_END_DONE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63rucible/v1/episode.proto\x12\x0b\x63rucible.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1b\x63rucible/v1/execution.proto\x1a\x19\x63rucible/v1/rollout.proto\x1a\x16\x63rucible/v1/task.proto\"\x83\x03\n\x07\x45pisode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x1f\n\x04task\x18\x05 \x01(\x0b\x32\x11.crucible.v1.Task\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12 \n\x05turns\x18\x07 \x03(\x0b\x32\x11.crucible.v1.Turn\x12\x13\n\x0btemperature\x18\x08 \x01(\x01\x12\r\n\x05top_p\x18\t \x01(\x01\x12$\n\x03\x65nd\x18\n \x01(\x0e\x32\x17.crucible.v1.EpisodeEnd\x12\x14\n\x0cgenerator_id\x18\x0b \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\x11\n\tsample_ms\x18\r \x01(\x01\x12\x13\n\x0b\x63\x61ll_format\x18\x0e \x01(\t\x12.\n\ncreated_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tsignature\x18\x10 \x01(\x0c\"\xdf\x02\n\x04Turn\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.crucible.v1.FinishReason\x12#\n\x04\x63\x61ll\x18\x06 \x01(\x0b\x32\x15.crucible.v1.ToolCall\x12\x13\n\x0bobservation\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61ll_failed\x18\x08 \x01(\x08\x12\x1d\n\x15observation_token_ids\x18\t \x03(\x05\x12\x14\n\x0c\x65xecution_ms\x18\n \x01(\x01\x12\x11\n\tsandboxed\x18\x0b \x01(\x08\x12)\n\tviolation\x18\x0c \x01(\x0e\x32\x16.crucible.v1.Violation\x12\x18\n\x10violation_detail\x18\r \x01(\t\"?\n\x08ToolCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t*\x90\x01\n\nEpisodeEnd\x12\x1b\n\x17\x45PISODE_END_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45PISODE_END_ANSWER\x10\x01\x12\x1a\n\x16\x45PISODE_END_TURN_LIMIT\x10\x02\x12\x1b\n\x17\x45PISODE_END_TOKEN_LIMIT\x10\x03\x12\x14\n\x10\x45PISODE_END_DONE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crucible.v1.episode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EPISODEEND']._serialized_start=848
-  _globals['_EPISODEEND']._serialized_end=992
-  _globals['_EPISODE']._serialized_start=127
-  _globals['_EPISODE']._serialized_end=514
-  _globals['_TURN']._serialized_start=517
-  _globals['_TURN']._serialized_end=780
-  _globals['_TOOLCALL']._serialized_start=782
-  _globals['_TOOLCALL']._serialized_end=845
+  _globals['_EPISODEEND']._serialized_start=965
+  _globals['_EPISODEEND']._serialized_end=1109
+  _globals['_EPISODE']._serialized_start=156
+  _globals['_EPISODE']._serialized_end=543
+  _globals['_TURN']._serialized_start=546
+  _globals['_TURN']._serialized_end=897
+  _globals['_TOOLCALL']._serialized_start=899
+  _globals['_TOOLCALL']._serialized_end=962
 # @@protoc_insertion_point(module_scope)

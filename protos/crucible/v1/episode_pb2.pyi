@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from crucible.v1 import execution_pb2 as _execution_pb2
 from crucible.v1 import rollout_pb2 as _rollout_pb2
 from crucible.v1 import task_pb2 as _task_pb2
 from google.protobuf.internal import containers as _containers
@@ -62,7 +63,7 @@ class Episode(_message.Message):
     def __init__(self, id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., group_size: _Optional[int] = ..., task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., end: _Optional[_Union[EpisodeEnd, str]] = ..., generator_id: _Optional[str] = ..., backend: _Optional[str] = ..., sample_ms: _Optional[float] = ..., call_format: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "policy_version", "finish_reason", "call", "observation", "call_failed", "observation_token_ids", "execution_ms")
+    __slots__ = ("token_ids", "logprobs", "text", "policy_version", "finish_reason", "call", "observation", "call_failed", "observation_token_ids", "execution_ms", "sandboxed", "violation", "violation_detail")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +74,9 @@ class Turn(_message.Message):
     CALL_FAILED_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_MS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOXED_FIELD_NUMBER: _ClassVar[int]
+    VIOLATION_FIELD_NUMBER: _ClassVar[int]
+    VIOLATION_DETAIL_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
@@ -83,7 +87,10 @@ class Turn(_message.Message):
     call_failed: bool
     observation_token_ids: _containers.RepeatedScalarFieldContainer[int]
     execution_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., call: _Optional[_Union[ToolCall, _Mapping]] = ..., observation: _Optional[str] = ..., call_failed: _Optional[bool] = ..., observation_token_ids: _Optional[_Iterable[int]] = ..., execution_ms: _Optional[float] = ...) -> None: ...
+    sandboxed: bool
+    violation: _execution_pb2.Violation
+    violation_detail: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., call: _Optional[_Union[ToolCall, _Mapping]] = ..., observation: _Optional[str] = ..., call_failed: _Optional[bool] = ..., observation_token_ids: _Optional[_Iterable[int]] = ..., execution_ms: _Optional[float] = ..., sandboxed: _Optional[bool] = ..., violation: _Optional[_Union[_execution_pb2.Violation, str]] = ..., violation_detail: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("name", "arguments_json", "error")
