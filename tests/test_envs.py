@@ -132,6 +132,24 @@ def test_hermes_tool_calls_parse_and_malformed_ones_say_what_is_wrong():
 
 
 @pytest.mark.sandbox
+async def test_a_turn_that_writes_several_calls_makes_the_first_and_is_told_the_rest_were_not_made(execute):
+    env, task = envs.get("python"), first_task("python")
+
+    def call(code: str) -> str:
+        return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+
+    episode = await ep.play(env, task, ["Two at once.\n" + call("print(6 * 7)") + "\n" + call("print(1 / 0)")
+                                        + call("print(3)")], execute, call_format="hermes")
+    observation = episode.turns[0].observation
+    assert observation.startswith("42") and not episode.turns[0].call_failed, observation
+    assert observation.endswith("only the first was made; the 2 after it were not]"), observation
+    one = await ep.play(env, task, [call("print(6 * 7)")], execute, call_format="hermes")
+    assert one.turns[0].observation.strip() == "42"  # one call: nothing said
+    assert calls.calls_ignored("<think>" + call("1") + "</think>" + call("2"), "hermes") == 0  # one made, one thought
+    assert calls.calls_ignored("@python print(1) @python print(2)", "plain") == 0  # a plain turn is one call
+
+
+@pytest.mark.sandbox
 async def test_over_long_output_is_cut_and_says_so(execute):
     env, task = envs.get("python"), first_task("python")
     episode = await ep.play(env, task, ['@python print("x" * 100000)', "0"], execute)

@@ -9,7 +9,10 @@ Two formats, chosen per episode by the policy that samples it:
 
 A turn with no call is the episode's answer. A turn that tries to call and gets it wrong (broken
 JSON, no name, an unknown tool, missing or extra arguments) is a call with an `error`: the
-environment answers it with an observation saying what was wrong, and the episode goes on.
+environment answers it with an observation saying what was wrong, and the episode goes on. A turn makes
+one call: a Hermes turn that writes several makes the first, and its observation ends saying how many
+after it were not made (before, they were dropped without a word, and the model read the answer to one
+call as the answer to all).
 """
 from __future__ import annotations
 
@@ -81,6 +84,14 @@ def _parse_hermes(text: str) -> episode_pb2.ToolCall | None:
     if not isinstance(arguments, dict):
         return episode_pb2.ToolCall(name=name[:100], error='"arguments" must be a JSON object')
     return _call(name, arguments)  # one call a turn: the first
+
+
+def calls_ignored(text: str, call_format: str) -> int:
+    """How many calls a turn wrote after the one it makes (one call a turn: the first), so that its
+    observation can say so; a plain turn is one call whatever it holds."""
+    if call_format != "hermes":
+        return 0
+    return max(0, len(_HERMES.findall(after_thinking(text))) - 1)
 
 
 def _parse_plain(text: str) -> episode_pb2.ToolCall | None:
