@@ -931,11 +931,11 @@ class Consumer(Reader):
         await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
 
     async def _run_in_order(self, records: list[ConsumerRecord], decoded: list[Message | None]) -> list[asyncio.Future]:
-        """Handles records one after another, each under its consumer span (_process); returns the
+        """Handles records one after another, each under its consumer span (a sampled trace's) or its
+        trace's context carried on (an unsampled one's: telemetry.carried, no span made); returns the
         delivery futures of their outputs. A run of records with the same headers (one producer's, in
-        one trace) is read for its trace context once; where that trace is unsampled (its context
-        carried on, no span made: telemetry.carried), the run is handled under it, made current once
-        for them all rather than once each."""
+        one trace) is read for its trace context once, and an unsampled run is handled under that
+        context, made current once for them all rather than once each."""
         pending: list[asyncio.Future] = []
         handle, parent_from_headers = self._handle, telemetry.parent_from_headers  # (looked up once a batch)
         start, count = 0, len(records)

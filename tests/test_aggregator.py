@@ -374,3 +374,16 @@ async def test_the_sweep_reads_each_open_group_once_not_every_second(tmp_path, m
     for _ in range(3):
         await agg._sweep()
     assert len(thawed) == 100
+
+
+def test_an_episodes_turn_rows_carry_why_the_sandbox_stopped_a_call_even_a_violation_this_build_does_not_know():
+    """Protobuf enums are open: a newer sandbox's violation is stored by its number, not a failed row."""
+    from crucible.services.reward_aggregator.handler import TURN_COLUMNS, turn_rows
+    from crucible.v1 import execution_pb2
+
+    v = verdict_pb2.Verdict(sample=trajectory_pb2.Trajectory(id="e/0"))
+    v.episode.turns.add(sandboxed=True, violation=execution_pb2.VIOLATION_FORBIDDEN_SYSCALL)
+    v.episode.turns.add(sandboxed=True, violation=99)
+    v.episode.turns.add(text="the answer")
+    rows = turn_rows(v, v.sample)
+    assert [dict(zip(TURN_COLUMNS, r))["violation"] for r in rows] == ["forbidden_syscall", "violation_99", ""]

@@ -106,18 +106,23 @@ def test_more_tests_passed_because_the_tasks_have_more_tests_is_not_a_hack():
 
 def test_an_episodes_calls_run_in_the_sandbox_count_as_runs_and_their_violations_are_seen():
     """A multi-turn episode's verdict carries no execution of its own: its calls that ran in the sandbox
-    are the runs (each with its time and violation), and calls of tools that run elsewhere are none."""
+    are runs for the share stopped for a violation, and calls of tools that run elsewhere are none. A
+    call's time is not a run's (it holds the wait for the pool, and an environment may replay earlier calls
+    in each): episodes whose calls take longer raise no slowdown."""
     rng = random.Random(3)
 
-    def episode(i, stopped: bool):
+    def episode(i, stopped: bool, slow: bool):
         v = verdict(i, passed=False)
         for n in range(3):
-            turn = v.episode.turns.add(sandboxed=n < 2, execution_ms=rng.uniform(8, 12))
-            if stopped and n == 0:
+            turn = v.episode.turns.add(sandboxed=n < 2, execution_ms=rng.uniform(8, 12) * (20 if slow else 1))
+            if stopped and n < 2:  # both its sandboxed calls stopped
                 turn.violation = execution_pb2.VIOLATION_MEMORY
         return v
 
     detectors = WindowDetectors("run", window=100)
-    kinds = [(i // 100, a.kind) for i, a in stream(detectors, 300, lambda i: episode(i, stopped=i >= 200))]
-    assert kinds == [(2, "sandbox_timeouts")]
-    assert detectors.baseline.ran == 200 and detectors.baseline.violations == 0  # two runs an episode, not three
+    alerts = stream(detectors, 400, lambda i: episode(i, stopped=200 <= i < 300, slow=i >= 100) if i % 2
+                    else clean(rng)(i))
+    assert [(i // 100, a.kind) for i, a in alerts] == [(2, "sandbox_timeouts")]
+    examples = alerts[0][1].details["examples"].split(",")
+    assert len(examples) == len(set(examples)) == 5  # an episode named once, however many of its calls stopped
+    assert detectors.baseline.ran == 150 and detectors.baseline.timed == 50  # two runs an episode, not three

@@ -132,7 +132,7 @@ def test_hermes_tool_calls_parse_and_malformed_ones_say_what_is_wrong():
 
 
 @pytest.mark.sandbox
-async def test_a_turn_that_writes_several_calls_makes_the_first_and_is_told_the_rest_were_not_made(execute):
+async def test_a_turn_that_writes_several_calls_reads_the_first_and_is_told_so(execute):
     env, task = envs.get("python"), first_task("python")
 
     def call(code: str) -> str:
@@ -142,9 +142,13 @@ async def test_a_turn_that_writes_several_calls_makes_the_first_and_is_told_the_
                                         + call("print(3)")], execute, call_format="hermes")
     observation = episode.turns[0].observation
     assert observation.startswith("42") and not episode.turns[0].call_failed, observation
-    assert observation.endswith("only the first was made; the 2 after it were not]"), observation
-    one = await ep.play(env, task, [call("print(6 * 7)")], execute, call_format="hermes")
-    assert one.turns[0].observation.strip() == "42"  # one call: nothing said
+    assert observation.endswith("this turn wrote 3, and only the first was read]"), observation
+    one = await ep.play(env, task, [call("print(6 * 7)") + " (the <tool_call> tag above ran it)"], execute,
+                        call_format="hermes")
+    assert one.turns[0].observation.strip() == "42"  # one call (a tag named in prose is none): nothing said
+    broken = await ep.play(env, task, ["<tool_call>{no json</tool_call>" + call("print(1)")], execute,
+                           call_format="hermes")
+    assert broken.turns[0].call_failed and broken.turns[0].observation.endswith("only the first was read]")
     assert calls.calls_ignored("<think>" + call("1") + "</think>" + call("2"), "hermes") == 0  # one made, one thought
     assert calls.calls_ignored("@python print(1) @python print(2)", "plain") == 0  # a plain turn is one call
 

@@ -10,9 +10,8 @@ Two formats, chosen per episode by the policy that samples it:
 A turn with no call is the episode's answer. A turn that tries to call and gets it wrong (broken
 JSON, no name, an unknown tool, missing or extra arguments) is a call with an `error`: the
 environment answers it with an observation saying what was wrong, and the episode goes on. A turn makes
-one call: a Hermes turn that writes several makes the first, and its observation ends saying how many
-after it were not made (before, they were dropped without a word, and the model read the answer to one
-call as the answer to all).
+one call: a Hermes turn that writes several reads the first, and its observation ends saying so (before,
+the others were dropped without a word, and the model read the answer to one call as the answer to all).
 """
 from __future__ import annotations
 
@@ -87,11 +86,12 @@ def _parse_hermes(text: str) -> episode_pb2.ToolCall | None:
 
 
 def calls_ignored(text: str, call_format: str) -> int:
-    """How many calls a turn wrote after the one it makes (one call a turn: the first), so that its
-    observation can say so; a plain turn is one call whatever it holds."""
+    """How many calls a turn wrote after the one it makes (one call a turn: the first, made or refused),
+    so that its observation can say so: each closed <tool_call> after the first (a tag named in prose
+    is none); a plain turn is one call whatever it holds."""
     if call_format != "hermes":
         return 0
-    return max(0, len(_HERMES.findall(after_thinking(text))) - 1)
+    return sum(1 for match in list(_HERMES.finditer(after_thinking(text)))[1:] if match.group(2))
 
 
 def _parse_plain(text: str) -> episode_pb2.ToolCall | None:

@@ -157,7 +157,7 @@ async def act(env: Environment, episode: episode_pb2.Episode, execute: Execute) 
     turn.observation = cut(observation.text) or "(nothing)"  # never empty: an empty one is a call not carried out
     ignored = call_parser.calls_ignored(turn.text, episode.call_format)
     if ignored:  # said last: an environment may read the observation's start (python_env.RAISED)
-        turn.observation += f"\n[one call a turn: only the first was made; the {ignored} after it were not]"
+        turn.observation += f"\n[one call a turn: this turn wrote {ignored + 1}, and only the first was read]"
     turn.call_failed = observation.failed
     turn.execution_ms = (time.perf_counter() - started) * 1000
     if observation.done:

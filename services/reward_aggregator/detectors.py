@@ -11,7 +11,7 @@ own thresholds:
 - `sandbox_timeouts`: the share of sandbox runs (an episode's calls run there each count as one)
   stopped for a violation (timeout, memory, CPU, output) rose by `violation_gain` or more since the
   baseline;
-- `sandbox_slowdown`: sandbox runs take `slowdown_factor` times as long as in the baseline.
+- `sandbox_slowdown`: single-turn sandbox runs take `slowdown_factor` times as long as in the baseline.
 
 A detector that fired stays quiet until it has recovered for a whole window (one incident, one
 alert). Each alert names the window, the values compared and example trajectory ids.
@@ -37,9 +37,10 @@ class Window:
     count: int = 0
     passed: int = 0
     tampered: int = 0
-    ran: int = 0
-    violations: int = 0
-    run_ms: float = 0.0
+    ran: int = 0         # sandbox runs: a single-turn sample's, and each of an episode's calls run there
+    violations: int = 0  # ... of them stopped for a violation
+    timed: int = 0       # single-turn runs, whose duration_ms is the sandbox's own time for the job
+    run_ms: float = 0.0  # ... their time
     components: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     seen: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
@@ -59,20 +60,24 @@ class Window:
             if value > 0 and not v.sample.passed:
                 self._example(f"component:{name}", v.sample.id)
         if v.HasField("execution") and not v.execution.not_run:
-            self._ran(v.execution.duration_ms, v.execution.violation, v.sample.id)
-        for turn in v.episode.turns:  # an episode's calls run in the sandbox: a run each
+            self._ran(v.execution.violation, v.sample.id)
+            self.timed += 1
+            self.run_ms += v.execution.duration_ms
+        # An episode's calls run in the sandbox are runs too, for the share stopped; not for the time a run
+        # takes: a turn's time is its whole call's (waiting for the pool included), and an environment may
+        # replay earlier calls in each (python: every earlier cell), so it grows with the turn.
+        for turn in v.episode.turns:
             if turn.sandboxed:
-                self._ran(turn.execution_ms, turn.violation, v.sample.id)
+                self._ran(turn.violation, v.sample.id)
 
-    def _ran(self, ms: float, violation: int, sample_id: str) -> None:
+    def _ran(self, violation: int, sample_id: str) -> None:
         self.ran += 1
-        self.run_ms += ms
         if violation:
             self.violations += 1
             self._example("violation", sample_id)
 
     def _example(self, what: str, sample_id: str) -> None:
-        if len(self.examples[what]) < 5:
+        if len(self.examples[what]) < 5 and sample_id not in self.examples[what]:
             self.examples[what].append(sample_id)
 
     def mean(self, component: str) -> float:
@@ -135,7 +140,8 @@ class WindowDetectors:
                 firing["sandbox_timeouts"] = (
                     f"sandbox runs stopped for a violation went {before:.1%} -> {after:.1%}",
                     {"before": f"{before:.4f}", "after": f"{after:.4f}", "runs": str(now.ran)}, now.examples["violation"])
-            slow_before, slow_after = base.run_ms / base.ran, now.run_ms / now.ran
+        if now.timed and base.timed:
+            slow_before, slow_after = base.run_ms / base.timed, now.run_ms / now.timed
             if slow_before > 0 and slow_after >= self.slowdown_factor * slow_before:
                 firing["sandbox_slowdown"] = (
                     f"sandbox runs take {slow_after:.0f} ms on average, {slow_after / slow_before:.1f}x the "

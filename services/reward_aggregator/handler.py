@@ -134,7 +134,14 @@ def turn_rows(v: verdict_pb2.Verdict, t: trajectory_pb2.Trajectory) -> list[list
 
 
 def _violation_name(value: int) -> str:
-    return execution_pb2.Violation.Name(value).removeprefix("VIOLATION_").lower() if value else ""
+    """A violation's stored name; one this build does not know (a newer sandbox's: protobuf enums are open)
+    is stored by its number rather than failing the row."""
+    if not value:
+        return ""
+    try:
+        return execution_pb2.Violation.Name(value).removeprefix("VIOLATION_").lower()
+    except ValueError:
+        return f"violation_{value}"
 
 
 
