@@ -7,7 +7,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from crucible.shared.settings import RunConfig
-from crucible.v1 import trajectory_pb2, verdict_pb2
+from crucible.v1 import alert_pb2, trajectory_pb2, verdict_pb2
 from crucible.services.reward_aggregator.__main__ import run
 from crucible.services.reward_aggregator.handler import RewardConfig, group_trajectories
 from crucible.shared import bus, messages, store
@@ -374,6 +374,44 @@ async def test_the_sweep_reads_each_open_group_once_not_every_second(tmp_path, m
     for _ in range(3):
         await agg._sweep()
     assert len(thawed) == 100
+
+
+@pytest.mark.kafka
+@pytest.mark.store
+async def test_a_restarted_aggregator_judges_against_the_runs_baseline_not_the_first_window_after_it(stack_settings):
+    """The detectors' baseline is the run's first window. A restart used to make the first window after
+    it the baseline: a policy that learnt a hack meanwhile was judged against itself, and never alerted."""
+    settings = stack_settings.model_copy(update={"detect_window": 8, "group_timeout_s": 30.0})
+    sent = 0
+
+    async def serve(groups: list[list[verdict_pb2.Verdict]]):
+        nonlocal sent
+        stop = asyncio.Event()
+        service = asyncio.create_task(run(settings, stop, timer_interval_s=0.5))
+        try:
+            async with bus.Producer(settings) as producer:
+                for vs in groups:
+                    await producer.send_and_wait("verdicts", verdict_pb2.VerdictGroup(verdicts=vs),
+                                                 key=vs[0].sample.group_id)
+            sent += sum(map(len, groups))
+            await read_raw(settings, "trajectories", sent, timeout=60)
+        finally:
+            stop.set()
+        return await asyncio.wait_for(service, 30)
+
+    def window(tag: str, format_ok) -> list[list[verdict_pb2.Verdict]]:  # half solved, as before and after
+        return [[verdict(f"{tag}{g}", i, 2, float(i == 0), components={"answer_correct": float(i == 0),
+                                                                      "format_ok": format_ok(g, i)})
+                 for i in range(2)] for g in range(4)]
+
+    first = await serve(window("a", lambda g, i: float(g % 2)))  # format right half the time
+    assert first.detectors.windows == 1 and first.detectors.baseline.mean("format_ok") == 0.5
+    second = await serve(window("b", lambda g, i: 1.0))  # format always right, nothing more solved
+    assert second.detectors.windows == 2
+    assert second.detectors.baseline.counts() == first.detectors.baseline.counts()
+    alerts = [messages.decode(r.value, alert_pb2.Alert) for r in await read_raw(settings, "alerts", 1, timeout=30)]
+    assert [(a.kind, a.details["component"], a.details["window"]) for a in alerts] == [
+        ("component_without_correctness", "format_ok", "2")]
 
 
 def test_an_episodes_turn_rows_carry_why_the_sandbox_stopped_a_call_even_a_violation_this_build_does_not_know():

@@ -69,6 +69,8 @@ JOIN_BATCH, JOIN_LINGER_S, JOIN_IDLE_S = 256, 0.05, 0.005
 # three a step, and at 0.25 s one a step. Nobody waits for these rows (their verdicts' acks do, off the
 # join's path).
 ROWS_LINGER_S = 0.5
+# The window detectors' state, one row a run (migration 0014), written after each window they judge.
+DETECTOR_STATE, DETECTOR_STATE_COLUMNS = "detector_state", ["run_id", "windows", "state"]
 # Batches whose trajectories and rows may still be on their way while later batches are joined; at this
 # many the join waits for the oldest (a slow store slows the join instead of piling batches up). Batches
 # close 10 ms apart at the most: more than a linger's worth, so a store that keeps up never stalls it.
@@ -135,6 +137,8 @@ class Aggregator:
         self.detectors = WindowDetectors(settings.run_id, window=settings.detect_window,
                                          tamper_rate=settings.detect_tamper_rate,
                                          component_gain=settings.detect_component_gain)
+        if store_client is not None:
+            self._restore_detectors()
         self.cooldown = alert_rows.Cooldown(settings.detect_cooldown_s)
         self.groups_emitted = 0
         self.incomplete_emitted = 0
@@ -440,7 +444,12 @@ class Aggregator:
         """The verdict's own alerts (tamper, canary) and the window detectors' (detectors.py): each goes
         to crucible.alerts, the alerts table and, with its evidence, the current span as an event."""
         found = [a for a in alerts_for(verdict, self.settings.run_id, self.config) if self._admit(a)]
+        windows = self.detectors.windows
         found += self.detectors.observe(verdict)
+        if self.detectors.windows != windows and self.store is not None:  # a window judged: kept for a restart
+            await asyncio.to_thread(writes.insert, self.store, DETECTOR_STATE, [
+                [self.settings.run_id, self.detectors.windows, json.dumps(self.detectors.state())]],
+                DETECTOR_STATE_COLUMNS)
         if not found:
             return
         span = trace.get_current_span()
@@ -453,6 +462,14 @@ class Aggregator:
             log.warning("alert %s: %s", a.kind, a.message)
             await self.producer.send_and_wait("alerts", a, key=a.kind)
         self.alerts_raised += len(found)
+
+    def _restore_detectors(self) -> None:
+        """The detectors as the run's last aggregator left them (a run id's, in the store), if any."""
+        rows = self.store.query(f"SELECT state FROM {DETECTOR_STATE} FINAL WHERE run_id = {{run:String}}",
+                                parameters={"run": self.settings.run_id}).result_rows
+        if rows:
+            self.detectors.restore(json.loads(rows[0][0]))
+            log.info("detectors resumed after %d windows, against the run's baseline", self.detectors.windows)
 
     def _admit(self, alert: alert_pb2.Alert) -> bool:
         """A per-sample alert starts an incident, or is counted in the one under way (Cooldown)."""

@@ -80,6 +80,19 @@ class Window:
         if len(self.examples[what]) < 5 and sample_id not in self.examples[what]:
             self.examples[what].append(sample_id)
 
+    def counts(self) -> dict:
+        """What the window counted (its examples aside), as plain data: a baseline kept across restarts."""
+        return {"count": self.count, "passed": self.passed, "tampered": self.tampered, "ran": self.ran,
+                "violations": self.violations, "timed": self.timed, "run_ms": self.run_ms,
+                "components": dict(self.components), "seen": dict(self.seen)}
+
+    @classmethod
+    def of_counts(cls, counts: dict) -> "Window":
+        window = cls(**{k: counts[k] for k in ("count", "passed", "tampered", "ran", "violations", "timed", "run_ms")})
+        window.components.update(counts["components"])
+        window.seen.update(counts["seen"])
+        return window
+
     def mean(self, component: str) -> float:
         return self.components[component] / self.seen[component] if self.seen[component] else 0.0
 
@@ -101,6 +114,20 @@ class WindowDetectors:
     current: Window = field(default_factory=Window)
     incidents: alerts.Incidents = field(default_factory=alerts.Incidents)
     windows: int = 0
+
+    def state(self) -> dict:
+        """What a restarted aggregator needs to go on judging as before: the baseline (else the first
+        window after a restart, of a policy that may have learnt a hack meanwhile, became the baseline,
+        and the hack was never alerted), how many windows were judged (alerts are named by it: a new
+        one took an old one's name, and the store kept one of them) and which incidents are under way
+        (alerted once already)."""
+        return {"windows": self.windows, "baseline": self.baseline.counts() if self.baseline else None,
+                "active": sorted(self.incidents.active)}
+
+    def restore(self, state: dict) -> None:
+        self.windows = int(state["windows"])
+        self.baseline = Window.of_counts(state["baseline"]) if state.get("baseline") else None
+        self.incidents.active = set(state.get("active", ()))
 
     def observe(self, verdict: verdict_pb2.Verdict) -> list[alert_pb2.Alert]:
         """Adds one verdict; at the end of each window, the alerts that window raises (else [])."""
