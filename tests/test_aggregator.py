@@ -412,6 +412,12 @@ async def test_a_restarted_aggregator_judges_against_the_runs_baseline_not_the_f
     alerts = [messages.decode(r.value, alert_pb2.Alert) for r in await read_raw(settings, "alerts", 1, timeout=30)]
     assert [(a.kind, a.details["component"], a.details["window"]) for a in alerts] == [
         ("component_without_correctness", "format_ok", "2")]
+    # A state no aggregator of this build wrote (damaged, or a newer one's): it starts, from a new baseline.
+    client = store.connect(settings)
+    client.insert("detector_state", [[settings.run_id, 9, '{"windows": 9, "baseline": {"count": "x"}}']],
+                  column_names=["run_id", "windows", "state"])
+    third = await serve(window("c", lambda g, i: 1.0))
+    assert third.detectors.windows == 1 and third.detectors.baseline.mean("format_ok") == 1.0
 
 
 def test_an_episodes_turn_rows_carry_why_the_sandbox_stopped_a_call_even_a_violation_this_build_does_not_know():

@@ -134,9 +134,7 @@ class Aggregator:
                                                       linger_s=ROWS_LINGER_S)
             self.turn_rows = writes.BatchedRows(store_client, "episode_turns", TURN_COLUMNS, linger_s=ROWS_LINGER_S)
         self.config = RewardConfig.of(settings.run_config())
-        self.detectors = WindowDetectors(settings.run_id, window=settings.detect_window,
-                                         tamper_rate=settings.detect_tamper_rate,
-                                         component_gain=settings.detect_component_gain)
+        self.detectors = self._new_detectors()
         if store_client is not None:
             self._restore_detectors()
         self.cooldown = alert_rows.Cooldown(settings.detect_cooldown_s)
@@ -463,13 +461,25 @@ class Aggregator:
             await self.producer.send_and_wait("alerts", a, key=a.kind)
         self.alerts_raised += len(found)
 
+    def _new_detectors(self) -> WindowDetectors:
+        s = self.settings
+        return WindowDetectors(s.run_id, window=s.detect_window, tamper_rate=s.detect_tamper_rate,
+                               component_gain=s.detect_component_gain)
+
     def _restore_detectors(self) -> None:
         """The detectors as the run's last aggregator left them (a run id's, in the store), if any."""
         rows = self.store.query(f"SELECT state FROM {DETECTOR_STATE} FINAL WHERE run_id = {{run:String}}",
                                 parameters={"run": self.settings.run_id}).result_rows
-        if rows:
+        if not rows:
+            return
+        try:
             self.detectors.restore(json.loads(rows[0][0]))
-            log.info("detectors resumed after %d windows, against the run's baseline", self.detectors.windows)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a row no aggregator of this build wrote
+            self.detectors = self._new_detectors()  # (restore may have set part of the old one)
+            log.warning("the detectors' stored state for run %r does not read (%s: %s): they judge against a new "
+                        "baseline, the next window", self.settings.run_id, type(exc).__name__, str(exc)[:200])
+            return
+        log.info("detectors resumed after %d windows, against the run's baseline", self.detectors.windows)
 
     def _admit(self, alert: alert_pb2.Alert) -> bool:
         """A per-sample alert starts an incident, or is counted in the one under way (Cooldown)."""
