@@ -174,7 +174,11 @@ def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Me
             indices.append(i)
     for topic, indices in by_topic.items():
         if len(indices) > 1:
-            decoded = messages.decode_protobuf_many([records[i].value for i in indices], schemas[topic])
+            whole = len(indices) == len(records)  # (the usual batch: one topic, every record as published)
+            values = [r.value for r in records] if whole else [records[i].value for i in indices]
+            decoded = messages.decode_protobuf_many(values, schemas[topic])
+            if whole and decoded is not None:
+                return decoded
             for i, message in zip(indices, decoded or ()):
                 out[i] = message
     return out
