@@ -973,17 +973,13 @@ class Consumer(Reader):
         it); returns the delivery futures of their outputs. One coroutine for the run, not one a record:
         in the loop every consumed record passes through, that was a fifth of its handling."""
         pending: list[asyncio.Future] = []
-        handler, decode, checks = self.handler, self._decoded, self._secret is not None
+        handler, decode = self.handler, self._decoded
         context = context or otel_context.get_current()
         for record, message in zip(records, decoded):
-            if message is not None and not checks:  # _decoded's answer for it, without the call
-                incoming = Incoming(record.topic, record.partition, record.offset, record.key, message,
-                                    tuple(record.headers or ()), context)
-            else:
-                incoming = decode(record, message, context)
-                if isinstance(incoming, str):
-                    await self._undecodable(record, incoming)
-                    continue
+            incoming = decode(record, message, context)
+            if isinstance(incoming, str):
+                await self._undecodable(record, incoming)
+                continue
             try:
                 outputs = await handler(incoming)
             except Exception as exc:
