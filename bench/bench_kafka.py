@@ -13,9 +13,10 @@ formatting), then measures in the same run:
     (every one gets a consumer span, encoded as the store writer encodes it, then dropped: there
     is no store here) and records whose trace is not (head sampling upstream: only the trace
     context is carried on).
-The four readers take turns, `--rounds` times, each round in fresh consumer groups, and the medians are
-printed: each rate, its ratio to the bare baseline, and the reader's own CPU a message (the part of a
-rate that is the client's, whatever the broker and the machine's other tenants do meanwhile).
+The four readers take turns, `--rounds` times (the order reversed every other round), each round in fresh
+consumer groups, and the medians are printed: each rate, its ratio to the bare baseline, and the reader's
+own CPU a message (the part of a rate that is the client's, whatever the broker and the machine's other
+tenants do meanwhile).
 Not a test: nothing gates on it.
 """
 from __future__ import annotations
@@ -150,7 +151,11 @@ async def run(settings: Settings, n: int, rounds: int = 3) -> None:
     }
     taken: dict[str, list[Reading]] = {name: [] for name in readers}
     for r in range(rounds):
-        for name, read in readers.items():
+        # In the opposite order every other round: a reader's place in a round moves its reading (in an A/B
+        # of two bus readers, whichever read first in a round took more CPU a record, up to a fifth), so a
+        # fixed order favoured whoever came later.
+        order = list(readers.items())
+        for name, read in order if r % 2 == 0 else order[::-1]:
             taken[name].append(await read(r))
             # The spans of a sampled run still queued are encoded now, not during the next reading.
             trace.get_tracer_provider().force_flush()
