@@ -8,7 +8,9 @@ formatting), then measures in the same run:
     tasks, keyed, schema and trace headers, idempotent, acks=all), traces sampled and not;
   - consume: bare aiokafka getmany, on the bare records and on the bus's own (keyed, with schema,
     content-type and traceparent headers, in the bus producer's larger batches: against these, what
-    the bus adds to reading the very same records), vs the bus Consumer (decode, handler span,
+    the bus adds to reading the very same records), vs the bus Consumer (each fetched batch's CRC-32C
+    checked with the processor's CRC instruction, shared/fetch_crc.py, where aiokafka's own check is
+    table-driven; decode, handler span,
     commit per batch after outputs are acknowledged), twice: records whose trace is sampled
     (every one gets a consumer span, encoded as the store writer encodes it, then dropped: there
     is no store here) and records whose trace is not (head sampling upstream: only the trace

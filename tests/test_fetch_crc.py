@@ -1,0 +1,136 @@
+"""Fetched batches' CRC-32C checked in hardware (shared/fetch_crc.py): a sound fetch is unpacked without
+aiokafka's own check, a corrupt one is refused at the batch that fails, as aiokafka refuses it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from aiokafka.consumer import fetcher
+from aiokafka.errors import CorruptRecordException
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.record.legacy_records import LegacyRecordBatchBuilder
+from aiokafka.structs import TopicPartition
+
+from crucible.v1 import task_pb2
+from crucible.shared import bus, fetch_crc
+
+TP = TopicPartition("t", 0)
+READ_COMMITTED = 1
+
+
+def batch(first_offset: int, count: int) -> bytes:
+    builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=0, producer_id=-1,
+                                        producer_epoch=-1, base_sequence=-1, batch_size=1 << 20)
+    for i in range(count):
+        builder.append(i, timestamp=1_700_000_000_000 + i, key=b"k%d" % (first_offset + i), value=os.urandom(300),
+                       headers=[("schema", b"crucible.v1.Task")])
+    data = bytearray(builder.build())
+    data[0:8] = first_offset.to_bytes(8, "big")  # the batch's base offset (outside the sum)
+    return bytes(data)
+
+
+def unpack(data: bytes, check_crcs) -> tuple[object, list, Exception | None]:
+    """The fetch's records as a reader gets them: those before a failure, and the failure."""
+    records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), [], 0, None, None, check_crcs, READ_COMMITTED)
+    got = []
+    try:
+        for record in records:
+            got.append(record)
+    except CorruptRecordException as exc:
+        return records, got, exc
+    return records, got, None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed():
+    assert fetch_crc.available(), "google-crc32c's C extension and aiokafka's fetcher hooks are there"
+
+
+def test_a_sound_fetch_is_checked_here_and_unpacked_without_aiokafkas_own_check():
+    data = batch(0, 7) + batch(7, 5) + batch(12, 9)
+    records, got, failure = unpack(data, fetch_crc.HARDWARE)
+    assert failure is None
+    assert records._check_crcs is False  # aiokafka's table-driven sum is not run a second time
+    assert [r.offset for r in got] == list(range(21))
+    _, stock, _ = unpack(data, True)
+    assert [(r.key, r.value, r.headers) for r in got] == [(r.key, r.value, r.headers) for r in stock]
+
+
+@pytest.mark.parametrize("where", ["header", "record", "last byte"])
+def test_a_corrupt_batch_is_refused_where_it_fails_after_the_sound_batches_before_it(where):
+    first, second, third = batch(0, 4), batch(4, 6), batch(10, 3)
+    at = len(first) + {"header": fetch_crc.CRC_FROM + 3, "record": 200, "last byte": len(second) - 1}[where]
+    data = bytearray(first + second + third)
+    data[at] ^= 0x10
+    records, got, failure = unpack(bytes(data), fetch_crc.HARDWARE)
+    assert isinstance(failure, CorruptRecordException)
+    assert records._check_crcs is True  # handed to aiokafka's check, which names the failing batch
+    assert [r.offset for r in got] == [0, 1, 2, 3]
+    _, stock, stock_failure = unpack(bytes(data), True)
+    assert isinstance(stock_failure, CorruptRecordException) and len(stock) == len(got)
+
+
+def test_a_wrong_sum_field_is_refused_too():
+    data = bytearray(batch(0, 3))
+    data[fetch_crc.CRC_AT] ^= 0x01
+    assert not fetch_crc.batches_sound(bytes(data), __import__("google_crc32c").value)
+    _, got, failure = unpack(bytes(data), fetch_crc.HARDWARE)
+    assert got == [] and isinstance(failure, CorruptRecordException)
+
+
+def test_a_batch_cut_short_by_the_fetch_limit_is_left_for_the_next_fetch():
+    data = batch(0, 5) + batch(5, 5)[:-40]
+    records, got, failure = unpack(data, fetch_crc.HARDWARE)
+    assert failure is None and records._check_crcs is False
+    assert [r.offset for r in got] == [0, 1, 2, 3, 4]
+    assert fetch_crc.batches_sound(data[:fetch_crc.LOG_OVERHEAD - 1], __import__("google_crc32c").value)
+
+
+def test_a_format_this_does_not_check_goes_to_aiokafkas_check():
+    builder = LegacyRecordBatchBuilder(magic=1, compression_type=0, batch_size=1 << 20)
+    for i in range(3):
+        builder.append(i, timestamp=1_700_000_000_000, key=None, value=b"v%d" % i)
+    legacy = bytes(builder.build())
+    records, got, failure = unpack(legacy, fetch_crc.HARDWARE)
+    assert records._check_crcs is True and failure is None and [r.value for r in got] == [b"v0", b"v1", b"v2"]
+    broken = bytearray(legacy)
+    broken[-1] ^= 0x01
+    _, _, failure = unpack(bytes(broken), fetch_crc.HARDWARE)
+    assert isinstance(failure, CorruptRecordException)
+
+
+def test_readers_that_do_not_ask_are_unchanged():
+    data = bytearray(batch(0, 3))
+    data[100] ^= 0x01
+    for check_crcs, refused in ((True, True), (False, False)):
+        records, _, failure = unpack(bytes(data), check_crcs)
+        assert records._check_crcs is check_crcs and (failure is not None) is refused
+
+
+@pytest.mark.kafka
+async def test_a_bus_reader_has_every_fetch_checked_in_hardware(settings, monkeypatch):
+    checked = []
+    sound = fetch_crc.batches_sound
+
+    def spy(data, crc32c):
+        checked.append(sound(data, crc32c))
+        return checked[-1]
+
+    monkeypatch.setattr(fetch_crc, "batches_sound", spy)
+    await bus.ensure_topics(["crc"], settings=settings)
+    tasks = [task_pb2.Task(id=f"crc-{i}", kind="exact", prompt="p" * 500) for i in range(40)]
+    async with bus.Producer(settings) as producer:
+        for task in tasks:
+            await producer.send("crc", task, key=task.id)
+    seen = []
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+
+    async with bus.Consumer(["crc"], "crc-reader", handler, settings=settings, schemas={"crc": task_pb2.Task}) as consumer:
+        assert consumer._consumer._fetcher._check_crcs is fetch_crc.HARDWARE
+        for _ in range(3):
+            if len(seen) < len(tasks):
+                await consumer.run(max_records=len(tasks) - len(seen), idle_timeout_s=10)
+    assert sorted(seen) == sorted(t.id for t in tasks)
+    assert checked and all(checked)
