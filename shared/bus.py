@@ -54,6 +54,9 @@ COMMIT_LINGER_S = 0.015
 COMMIT_LINGER_MAX_S = 0.25
 # How long a consumer that fails or is cancelled waits for its last batch's commit, still in flight, to land.
 COMMIT_SETTLE_S = 2.0
+# A consumer's batches whose offsets may wait for the commit on its way before it waits for that commit
+# (Consumer.run): what a crash can make it read again, beside the batch in hand.
+COMMIT_BATCHES_BEHIND = 4
 FETCH_WAIT_MS = 5000
 # How long Reader.at_end gives the position to pass a commit marker after the last record, and how
 # often it looks meanwhile.
@@ -807,10 +810,13 @@ class Consumer(Reader):
     async def run(self, *, max_records: int | None = None, idle_timeout_s: float | None = None) -> int:
         """Handles records until stopped, `max_records` are done, or nothing arrives for `idle_timeout_s`.
 
-        Offsets are committed once per fetched batch, after every output of the
-        batch is acknowledged by the broker, while the next batch is handled: a
-        crash replays at most two batches (at-least-once; downstream writes are
-        idempotent), and nothing is lost.
+        A batch's offsets are committed after every output of the batch is acknowledged
+        by the broker, while the next batches are handled: one commit at a time, each
+        taking every batch handled since the last one began (a commit is a broker round
+        trip that here took twice a batch's handling), and never more than
+        COMMIT_BATCHES_BEHIND batches uncommitted. A crash replays at most those and
+        the batch in hand (at-least-once; downstream writes are idempotent), and nothing
+        is lost.
         A transactional consumer sends a batch's outputs (dead letters included) and its
         offsets in one transaction instead: exactly once, for hops whose work is not
         repeatable (sampling the next turn of an episode).
@@ -818,15 +824,13 @@ class Consumer(Reader):
         done = 0
         loop = asyncio.get_running_loop()
         idle_since = loop.time()
-        committing: asyncio.Task | None = None  # the last batch's commit, still on its way to the broker
+        commits = Commits(self.commit)
         try:
             while not self._stopping.is_set():
                 limit = self.batch_size if max_records is None else min(self.batch_size, max_records - done)
                 records = await self.fetch_raw(max_records=limit)
                 if not records:
-                    if committing is not None:
-                        previous, committing = committing, None
-                        await previous
+                    await commits.flush()
                     if idle_timeout_s is not None and loop.time() - idle_since > idle_timeout_s:
                         break
                     continue
@@ -844,20 +848,13 @@ class Consumer(Reader):
                     BATCH_MS.record((time.perf_counter() - started) * 1000, {"group": self.group_id or ""})
                 done += len(records)
                 if offsets:
-                    # Commits stay in order, one at a time: the next batch is handled while this one's
-                    # commit travels (a broker round trip that took a third of a bare consumer's time).
-                    if committing is not None:
-                        previous, committing = committing, None
-                        await previous
-                    committing = asyncio.ensure_future(self.commit(offsets))
+                    await commits.owe(offsets)
                 if max_records is not None and done >= max_records:
                     break
         except BaseException:
-            if committing is not None:
-                await _settle(committing)
+            await commits.settle()
             raise
-        if committing is not None:
-            await committing
+        await commits.flush()
         return done
 
     async def _run_batch(self, records: list[ConsumerRecord], offsets: dict[tuple[str, int], int] | None = None
@@ -1027,6 +1024,47 @@ class Consumer(Reader):
             outbox.extend(self.producer.prepare(o.topic, o.message, o.key) for o in outputs)
             return []
         return [await self.producer.send(o.topic, o.message, o.key) for o in outputs]
+
+
+class Commits:
+    """A consumer's offset commits: in order, one at a time, each taking the offsets of every batch
+    handled since the one before it was sent."""
+
+    def __init__(self, commit: Callable[[dict[tuple[str, int], int]], Awaitable[None]]):
+        self._commit = commit
+        self._in_flight: asyncio.Future | None = None
+        self._owed: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset, not yet sent
+        self._behind = 0  # batches whose offsets are owed
+
+    async def owe(self, offsets: dict[tuple[str, int], int]) -> None:
+        """A batch handled, its outputs acknowledged: its offsets go with the next commit, sent now unless
+        one is on its way (then with the one after it; waiting for it only with COMMIT_BATCHES_BEHIND owed)."""
+        self._owed.update(offsets)
+        self._behind += 1
+        if self._in_flight is not None and not self._in_flight.done() and self._behind < COMMIT_BATCHES_BEHIND:
+            return
+        await self._send()
+
+    async def flush(self) -> None:
+        """Every owed offset committed (the commit on its way, then the rest)."""
+        if self._owed:
+            await self._send()
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            await in_flight
+
+    async def settle(self) -> None:
+        """After a failure: the commit on its way gets a moment to land (_settle); what is owed is read
+        again."""
+        if self._in_flight is not None:
+            await _settle(self._in_flight)
+
+    async def _send(self) -> None:
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            await in_flight  # in order: a commit's failure is raised here, before anything later is sent
+        owed, self._owed, self._behind = self._owed, {}, 0
+        self._in_flight = asyncio.ensure_future(self._commit(owed))
 
 
 async def _settle(commit: asyncio.Task) -> None:

@@ -209,8 +209,8 @@ async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settin
     async def handler(incoming):
         seen.append(incoming.message.id)
 
-    # Batches of 7: each batch's commit travels while the next is handled, and the last one lands
-    # before run() returns.
+    # Batches of 7: commits travel while the next batches are handled, and the last one lands before
+    # run() returns.
     async with bus.Consumer(["tasks"], "restart", handler, settings=settings, batch_size=7) as first:
         await collect(first, 25)
     assert len(seen) == 25
@@ -220,6 +220,53 @@ async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settin
         assert await second.run(idle_timeout_s=1.5) == 0  # and there is nothing more
     assert sorted(seen, key=lambda s: int(s[1:])) == [f"t{i}" for i in range(n)]
     assert len(set(seen)) == n
+
+
+async def test_batches_handled_while_a_commit_travels_go_with_the_next_commit_and_never_too_many(settings):
+    """One commit at a time: the batches handled while it travels are committed together by the next,
+    and a commit that does not come back holds the consumer after COMMIT_BATCHES_BEHIND more batches
+    (what a crash would make it read again), not later."""
+    await bus.ensure_topics(["tasks"], settings=settings)
+    n = 60
+    async with bus.Producer(settings) as producer:
+        for i in range(n):
+            await producer.send("tasks", task_pb2.Task(id=f"c{i}", kind="exact", group_size=1), key=f"c{i}")
+        await producer.flush()
+    seen: list[str] = []
+    sent: list[dict] = []
+    release = asyncio.Event()
+
+    async def handler(incoming):
+        seen.append(incoming.message.id)
+
+    async with bus.Consumer(["tasks"], "coalesced", handler, settings=settings, batch_size=5) as consumer:
+        real_commit = consumer.commit
+
+        async def slow(offsets=None):
+            sent.append(dict(offsets))
+            if len(sent) == 1:
+                await release.wait()  # the first commit does not come back until released
+            await real_commit(offsets)
+
+        consumer.commit = slow
+        run = asyncio.ensure_future(consumer.run(max_records=n))
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if len(seen) >= 5 * (1 + bus.COMMIT_BATCHES_BEHIND):
+                break
+        await asyncio.sleep(0.5)
+        assert len(seen) == 5 * (1 + bus.COMMIT_BATCHES_BEHIND)  # held there, not before, not after
+        assert len(sent) == 1
+        release.set()
+        assert await asyncio.wait_for(run, 20) == n
+    (topic_partition, first), = sent[0].items()
+    assert first == 5
+    # The second commit carried the four batches owed while the first travelled, at the last one's offset.
+    assert sent[1] == {topic_partition: 5 * (1 + bus.COMMIT_BATCHES_BEHIND)}
+    assert sent[-1] == {topic_partition: n} and len(sent) < n // 5
+    async with bus.Consumer(["tasks"], "coalesced", handler, settings=settings) as again:
+        assert await again.run(idle_timeout_s=1.5) == 0  # everything was committed
+    assert seen == [f"c{i}" for i in range(n)]
 
 
 async def test_a_cancelled_run_is_not_held_by_a_commit_that_hangs_and_loses_nothing(settings):
