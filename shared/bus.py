@@ -1028,7 +1028,7 @@ class Consumer(Reader):
 
 class Commits:
     """A consumer's offset commits: in order, one at a time, each taking the offsets of every batch
-    handled since the one before it was sent."""
+    handled since the one before it was sent; what is owed when one lands is sent then."""
 
     def __init__(self, commit: Callable[[dict[tuple[str, int], int]], Awaitable[None]]):
         self._commit = commit
@@ -1056,6 +1056,7 @@ class Commits:
     async def settle(self) -> None:
         """After a failure: the commit on its way gets a moment to land (_settle); what is owed is read
         again."""
+        self._owed = {}
         if self._in_flight is not None:
             await _settle(self._in_flight)
 
@@ -1063,8 +1064,18 @@ class Commits:
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             await in_flight  # in order: a commit's failure is raised here, before anything later is sent
+        self._launch()
+
+    def _launch(self) -> None:
         owed, self._owed, self._behind = self._owed, {}, 0
         self._in_flight = asyncio.ensure_future(self._commit(owed))
+        self._in_flight.add_done_callback(self._landed)
+
+    def _landed(self, commit: asyncio.Future) -> None:
+        """A commit landed: what was owed meanwhile goes now, not with the next batch or the next idle
+        fetch. A commit that failed stays, for the next owe() or flush() to raise."""
+        if commit is self._in_flight and self._owed and not commit.cancelled() and commit.exception() is None:
+            self._launch()
 
 
 async def _settle(commit: asyncio.Task) -> None:
