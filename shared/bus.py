@@ -54,8 +54,9 @@ COMMIT_LINGER_S = 0.015
 COMMIT_LINGER_MAX_S = 0.25
 # How long a consumer that fails or is cancelled waits for its last batch's commit, still in flight, to land.
 COMMIT_SETTLE_S = 2.0
-# A consumer's batches whose offsets may wait for the commit on its way before it waits for that commit
-# (Consumer.run): what a crash can make it read again, beside the batch in hand.
+# A consumer's batches whose offsets may be uncommitted, on their way to the broker or waiting for the commit
+# on its way, before the consumer waits for that commit (Consumer.run, Commits): what a crash can make it
+# read again, beside the batch in hand.
 COMMIT_BATCHES_BEHIND = 4
 FETCH_WAIT_MS = 5000
 # How long Reader.at_end gives the position to pass a commit marker after the last record, and how
@@ -813,10 +814,10 @@ class Consumer(Reader):
         A batch's offsets are committed after every output of the batch is acknowledged
         by the broker, while the next batches are handled: one commit at a time, each
         taking every batch handled since the last one began (a commit is a broker round
-        trip that here took twice a batch's handling), and never more than
-        COMMIT_BATCHES_BEHIND batches uncommitted. A crash replays at most those and
-        the batch in hand (at-least-once; downstream writes are idempotent), and nothing
-        is lost.
+        trip that here took twice a batch's handling), and no more than
+        COMMIT_BATCHES_BEHIND batches uncommitted, on their way or owed (Commits). A
+        crash replays at most those and the batch in hand (at-least-once; downstream
+        writes are idempotent), and nothing is lost.
         A transactional consumer sends a batch's outputs (dead letters included) and its
         offsets in one transaction instead: exactly once, for hops whose work is not
         repeatable (sampling the next turn of an episode).
@@ -1028,20 +1029,24 @@ class Consumer(Reader):
 
 class Commits:
     """A consumer's offset commits: in order, one at a time, each taking the offsets of every batch
-    handled since the one before it was sent; what is owed when one lands is sent then."""
+    handled since the one before it was sent; what is owed when one lands is sent then. At most
+    COMMIT_BATCHES_BEHIND batches are uncommitted (on their way or owed) when owe() returns."""
 
     def __init__(self, commit: Callable[[dict[tuple[str, int], int]], Awaitable[None]]):
         self._commit = commit
         self._in_flight: asyncio.Future | None = None
+        self._in_flight_batches = 0  # the batches whose offsets the commit on its way carries
         self._owed: dict[tuple[str, int], int] = {}  # (topic, partition) -> next offset, not yet sent
         self._behind = 0  # batches whose offsets are owed
+        self._waiting = False  # someone awaits the commit on its way (and sends what is owed after it)
 
     async def owe(self, offsets: dict[tuple[str, int], int]) -> None:
         """A batch handled, its outputs acknowledged: its offsets go with the next commit, sent now unless
-        one is on its way (then with the one after it; waiting for it only with COMMIT_BATCHES_BEHIND owed)."""
+        one is on its way (then when it lands, waited for here only past COMMIT_BATCHES_BEHIND)."""
         self._owed.update(offsets)
         self._behind += 1
-        if self._in_flight is not None and not self._in_flight.done() and self._behind < COMMIT_BATCHES_BEHIND:
+        if (self._in_flight is not None and not self._in_flight.done()
+                and self._in_flight_batches + self._behind <= COMMIT_BATCHES_BEHIND):
             return
         await self._send()
 
@@ -1050,31 +1055,47 @@ class Commits:
         if self._owed:
             await self._send()
         if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            await in_flight
+            await self._landing()
 
     async def settle(self) -> None:
         """After a failure: the commit on its way gets a moment to land (_settle); what is owed is read
         again."""
-        self._owed = {}
+        self._owed, self._behind = {}, 0
         if self._in_flight is not None:
             await _settle(self._in_flight)
 
     async def _send(self) -> None:
         if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            await in_flight  # in order: a commit's failure is raised here, before anything later is sent
+            await self._landing()  # in order: a commit's failure is raised here, before anything later is sent
         self._launch()
 
+    async def _landing(self) -> None:
+        """Waits for the commit on its way. Shielded: a wait cancelled (the service stopping) leaves it
+        on its way, for settle() to give a moment."""
+        self._waiting = True
+        try:
+            await asyncio.shield(self._in_flight)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self._in_flight = None  # raised here, and so not logged again by settle()
+            raise
+        finally:
+            self._waiting = False
+        self._in_flight = None
+
     def _launch(self) -> None:
-        owed, self._owed, self._behind = self._owed, {}, 0
+        owed, self._owed = self._owed, {}
+        self._in_flight_batches, self._behind = self._behind, 0
         self._in_flight = asyncio.ensure_future(self._commit(owed))
         self._in_flight.add_done_callback(self._landed)
 
     def _landed(self, commit: asyncio.Future) -> None:
         """A commit landed: what was owed meanwhile goes now, not with the next batch or the next idle
-        fetch. A commit that failed stays, for the next owe() or flush() to raise."""
-        if commit is self._in_flight and self._owed and not commit.cancelled() and commit.exception() is None:
+        fetch (unless a caller waiting for it sends it). A commit that failed stays, for the next owe()
+        or flush() to raise."""
+        if (commit is self._in_flight and not self._waiting and self._owed and not commit.cancelled()
+                and commit.exception() is None):
             self._launch()
 
 

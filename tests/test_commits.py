@@ -64,6 +64,33 @@ async def test_the_consumer_waits_for_a_commit_that_does_not_land_after_so_many_
     broker.land(0)
     await asyncio.wait_for(held, 1)
     assert broker.sent[1] == {("t", 0): 99}
+    # That commit carries COMMIT_BATCHES_BEHIND batches: the next batch waits for it, so that no more than
+    # that many are ever uncommitted (what a crash reads again), counting those on their way.
+    await ticks()
+    held = asyncio.ensure_future(commits.owe({("t", 0): 100}))
+    await ticks()
+    assert not held.done()
+    broker.land(1)
+    await asyncio.wait_for(held, 1)
+    assert broker.sent[2] == {("t", 0): 100}
+
+
+async def test_a_wait_for_a_commit_cancelled_leaves_the_commit_on_its_way_for_settle():
+    broker = Broker()
+    commits = bus.Commits(broker.commit)
+    await commits.owe({("t", 0): 1})
+    await ticks()
+    waiting = asyncio.ensure_future(commits.flush())
+    await ticks()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not broker.landing[0].done()  # still on its way: the service stopping gives it a moment
+    settling = asyncio.ensure_future(commits.settle())
+    await ticks()
+    broker.land(0)
+    await asyncio.wait_for(settling, 1)
+    assert broker.landing[0].done() and not broker.landing[0].cancelled()
 
 
 async def test_a_failed_commit_is_raised_before_anything_later_is_sent_and_flush_raises_it_too():
@@ -80,7 +107,7 @@ async def test_a_failed_commit_is_raised_before_anything_later_is_sent_and_flush
     assert len(broker.sent) == 1
 
 
-async def test_after_a_failure_what_was_owed_is_dropped_and_read_again_not_committed_later():
+async def test_a_run_that_fails_drops_what_it_owes_and_the_commit_landing_after_sends_nothing_more():
     broker = Broker()
     commits = bus.Commits(broker.commit)
     await commits.owe({("t", 0): 1})
