@@ -10,12 +10,12 @@ formatting), then measures in the same run:
     own (keyed, with schema, content-type and traceparent headers, in the bus producer's larger
     batches: against these, what the bus adds to reading the very same records); bare aiokafka on
     the bus's records committing as the bus does (one commit at a time, taking every batch handled
-    while the one before travelled: bus.Commits), the like-for-like baseline; vs the bus Consumer (each fetched batch's CRC-32C checked with
-    the processor's CRC instruction, shared/fetch_crc.py, where aiokafka's own check is
-    table-driven; decode, handler span, commits after outputs are acknowledged, as run() makes
-    them), twice: records whose trace is sampled (every one gets a consumer span, encoded as the
-    store writer encodes it, then dropped: there is no store here) and records whose trace is not
-    (head sampling upstream: only the trace context is carried on).
+    while the one before travelled: bus.Commits), the like-for-like baseline; vs the bus Consumer
+    (each fetched batch's CRC-32C checked with the processor's CRC instruction, shared/fetch_crc.py,
+    where aiokafka's own check is table-driven; decode, handler span, commits after outputs are
+    acknowledged, as run() makes them), twice: records whose trace is sampled (every one gets a
+    consumer span, encoded as the store writer encodes it, then dropped: there is no store here)
+    and records whose trace is not (head sampling upstream: only the trace context is carried on).
 The five readers take turns, `--rounds` times (the order reversed every other round), each round in fresh
 consumer groups, and the medians are printed: each rate, its ratio to the bare baseline, and the reader's
 own CPU a message (the part of a rate that is the client's, whatever the broker and the machine's other
@@ -176,10 +176,10 @@ async def run(settings: Settings, n: int, rounds: int = 3) -> None:
     print(f"consume: medians of {rounds} alternated rounds; the bus unsampled against bare aiokafka round by round: "
           + ", ".join(f"{u[0] / b[0]:.2f}" for u, b in zip(taken["bus_u"], taken["bare"])))
     print(f"consume  bare aiokafka : {bare_c:10.0f} msg/s  {cpu['bare']:5.2f} us of CPU a message (a commit after each batch)")
-    print(f"consume  bare aiokafka : {rate['bare_coalesced']:10.0f} msg/s  {cpu['bare_coalesced']:5.2f} us  ratio to bare "
-          f"{rate['bare_coalesced'] / bare_c:.2f} (the bus's records, committed as the bus commits them: one commit at a "
-          f"time, taking every batch handled meanwhile; the bus, unsampled, reads them at "
-          f"{bus_u / rate['bare_coalesced']:.2f}x this)")
+    coalesced = rate["bare_coalesced"]
+    print(f"consume  bare aiokafka : {coalesced:10.0f} msg/s  {cpu['bare_coalesced']:5.2f} us  ratio to bare "
+          f"{coalesced / bare_c:.2f} (the bus's records, committed as the bus commits them: one commit at a "
+          f"time, taking every batch handled meanwhile; the bus, unsampled, reads them at {bus_u / coalesced:.2f}x this)")
     print(f"consume  bare aiokafka : {bare_same:10.0f} msg/s  {cpu['bare_same']:5.2f} us  ratio to bare {bare_same / bare_c:.2f} "
           f"(the bus's records: keyed, three headers, larger batches; the bus, unsampled, reads them at "
           f"{bus_u / bare_same:.2f}x this)")

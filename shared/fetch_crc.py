@@ -86,7 +86,8 @@ def _install() -> bool:
         def __init__(self, data: bytes):
             records = memory_records(data)
             self.data = data
-            self.has_next, self.next_batch, self.size_in_bytes = records.has_next, records.next_batch, records.size_in_bytes
+            self.has_next, self.next_batch = records.has_next, records.next_batch
+            self.size_in_bytes = records.size_in_bytes
 
     class CheckedPartitionRecords(partition_records):
         def __init__(self, tp, records, aborted_transactions, fetch_offset, key_deserializer, value_deserializer,

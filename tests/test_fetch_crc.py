@@ -127,7 +127,8 @@ async def test_a_bus_reader_has_every_fetch_checked_in_hardware(settings, monkey
     async def handler(incoming):
         seen.append(incoming.message.id)
 
-    async with bus.Consumer(["crc"], "crc-reader", handler, settings=settings, schemas={"crc": task_pb2.Task}) as consumer:
+    async with bus.Consumer(["crc"], "crc-reader", handler, settings=settings,
+                            schemas={"crc": task_pb2.Task}) as consumer:
         assert consumer._consumer._fetcher._check_crcs is fetch_crc.HARDWARE
         for _ in range(3):
             if len(seen) < len(tasks):
