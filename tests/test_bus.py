@@ -68,6 +68,16 @@ async def collect(consumer: bus.Consumer, n: int, timeout: float = 30.0) -> None
     await asyncio.wait_for(consumer.run(max_records=n), timeout)
 
 
+async def publish_tasks(settings, prefix: str, n: int) -> None:
+    """Tasks `<prefix>0` .. `<prefix>{n-1}` on the tasks topic, each keyed by its id."""
+    await bus.ensure_topics(["tasks"], settings=settings)
+    async with bus.Producer(settings) as producer:
+        for i in range(n):
+            task = task_pb2.Task(id=f"{prefix}{i}", kind="exact", group_size=1)
+            await producer.send("tasks", task, key=task.id)
+        await producer.flush()
+
+
 async def read_raw(settings, topic: str, n: int, timeout: float = 20.0):
     """Reads `n` records from the start of a topic with a plain aiokafka consumer."""
     consumer = AIOKafkaConsumer(settings.topic(topic), bootstrap_servers=settings.kafka_bootstrap,
@@ -196,13 +206,8 @@ async def test_a_record_too_large_to_send_again_is_dead_lettered_cut_and_the_con
 
 
 async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settings):
-    await bus.ensure_topics(["tasks"], settings=settings)
     n = 60
-    async with bus.Producer(settings) as producer:
-        for i in range(n):
-            await producer.send("tasks", task_pb2.Task(id=f"t{i}", kind="exact", prompt=str(i), group_size=1),
-                                key=f"t{i}")
-        await producer.flush()
+    await publish_tasks(settings, "t", n)
 
     seen: list[str] = []
 
@@ -224,14 +229,10 @@ async def test_committed_offsets_survive_restart_nothing_lost_or_repeated(settin
 
 async def test_batches_handled_while_a_commit_travels_go_with_the_next_commit_and_never_too_many(settings):
     """One commit at a time: the batches handled while it travels are committed together by the next,
-    and a commit that does not come back holds the consumer after COMMIT_BATCHES_BEHIND more batches
-    (what a crash would make it read again), not later."""
-    await bus.ensure_topics(["tasks"], settings=settings)
+    and a commit that does not come back holds the consumer once COMMIT_BATCHES_BEHIND batches are
+    uncommitted, counting its own (what a crash would make it read again, with the batch in hand)."""
     n = 60
-    async with bus.Producer(settings) as producer:
-        for i in range(n):
-            await producer.send("tasks", task_pb2.Task(id=f"c{i}", kind="exact", group_size=1), key=f"c{i}")
-        await producer.flush()
+    await publish_tasks(settings, "c", n)
     seen: list[str] = []
     sent: list[dict] = []
     release = asyncio.Event()
@@ -273,12 +274,8 @@ async def test_a_cancelled_run_is_not_held_by_a_commit_that_hangs_and_loses_noth
     """A batch's commit travels while the next batch is handled. When run() is cancelled (a service
     stopping) with a commit that does not come back (a broker gone), run() still ends, cancelled,
     after a bounded wait; what was not committed is read again by the next consumer."""
-    await bus.ensure_topics(["tasks"], settings=settings)
     n = 30
-    async with bus.Producer(settings) as producer:
-        for i in range(n):
-            await producer.send("tasks", task_pb2.Task(id=f"h{i}", kind="exact", group_size=1), key=f"h{i}")
-        await producer.flush()
+    await publish_tasks(settings, "h", n)
     seen: list[str] = []
     hung = asyncio.Event()
     stall = [True]
