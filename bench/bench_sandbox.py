@@ -12,6 +12,8 @@ HumanEval solution with its tests:
              calls the candidate's process over a pipe (harness.py); and, as a second row, each
              check as one plain program (the very file the bare runs execute: an untested job,
              one process).
+The four measurements (two bare, two sandboxed) take turns, `--rounds` times, the order reversed every
+other round (none always first), and medians are printed.
 Each sandbox measurement starts a pool and, before its clock, has every worker serve a few jobs
 of the kind measured in each of its slots (WARM_JOBS_PER_WORKER): a running service's pool, not a
 cold one (a pool's start and first jobs: bench_sandbox_cold_start.py).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import statistics
 import subprocess
@@ -197,22 +200,31 @@ def main() -> None:
             bare_lat = {name: [] for name in BASELINES}
             bare_cpu = {name: [] for name in BASELINES}
             sb_rates, sb_lat, sb_cpu, plain_rates, plain_lat, plain_cpu = [], [], [], [], [], []
-            for _ in range(args.rounds):
-                for name, command in BASELINES.items():
-                    rate, lat, cpu = bare(problems, workers, Path(tmp), command)
-                    bare_rates[name].append(rate)
-                    bare_lat[name] += lat
-                    bare_cpu[name].append(cpu)
+            isolation = ""
+
+            def bare_round(name: str, command: list[str]) -> None:
+                rate, lat, cpu = bare(problems, workers, Path(tmp), command)
+                bare_rates[name].append(rate)
+                bare_lat[name] += lat
+                bare_cpu[name].append(cpu)
+
+            def sandbox_round(tested: bool) -> None:
+                nonlocal isolation
                 # Throughput with a small backlog per worker; latency with one job per worker, as
                 # the bare runs have (a backlog would add queueing time, not sandbox time).
-                rate, _, isolation, cpu = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers))
-                sb_rates.append(rate)
-                sb_cpu.append(cpu)
-                sb_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers))[1]
-                rate, _, _, cpu = asyncio.run(sandboxed(problems, workers, in_flight=2 * workers, tested=False))
-                plain_rates.append(rate)
-                plain_cpu.append(cpu)
-                plain_lat += asyncio.run(sandboxed(problems, workers, in_flight=workers, tested=False))[1]
+                rate, _, isolation, cpu = asyncio.run(sandboxed(problems, workers, 2 * workers, tested))
+                lat = asyncio.run(sandboxed(problems, workers, workers, tested))[1]
+                rates, cpus, lats = (sb_rates, sb_cpu, sb_lat) if tested else (plain_rates, plain_cpu, plain_lat)
+                rates.append(rate)
+                cpus.append(cpu)
+                lats += lat
+
+            measurements = [*(functools.partial(bare_round, name, command) for name, command in BASELINES.items()),
+                            functools.partial(sandbox_round, True), functools.partial(sandbox_round, False)]
+            for r in range(args.rounds):
+                # In the opposite order every other round: no measurement always runs first (or last) in a round.
+                for measure in measurements if r % 2 == 0 else measurements[::-1]:
+                    measure()
             s, plain = statistics.median(sb_rates), statistics.median(plain_rates)
             s_cpu, p_cpu = statistics.median(sb_cpu), statistics.median(plain_cpu)
             per_call = asyncio.run(call_cost(workers))
