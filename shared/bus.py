@@ -766,10 +766,15 @@ class Reader:
         return False
 
     async def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
-        """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far."""
+        """Commits the given positions ((topic, partition) -> next offset), or everything fetched so far,
+        of the partitions this reader still holds: one a rebalance gave to another member is read again
+        by that member from its last commit (at-least-once), where committing it would fail the commit."""
         offsets = self.positions if offsets is None else offsets
         if offsets and self.group_id is not None:
-            await self._consumer.commit({TopicPartition(t, p): o for (t, p), o in offsets.items()})
+            held = self._consumer.assignment()
+            ours = {tp: o for tp, o in ((TopicPartition(t, p), o) for (t, p), o in offsets.items()) if tp in held}
+            if ours:
+                await self._consumer.commit(ours)
 
 
 class Consumer(Reader):

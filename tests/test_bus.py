@@ -270,6 +270,18 @@ async def test_batches_handled_while_a_commit_travels_go_with_the_next_commit_an
     assert seen == [f"c{i}" for i in range(n)]
 
 
+async def test_offsets_of_a_partition_no_longer_held_are_left_to_its_new_owner_and_the_rest_committed(settings):
+    """Offsets owed for a partition a rebalance took away (its records are read again by the member that
+    has it now) do not fail the commit of the partitions still held."""
+    await publish_tasks(settings, "r", 3)
+    async with bus.Reader(["tasks"], "rebalanced", settings=settings) as reader:
+        records = await reader.fetch_raw(max_records=3, timeout_ms=10_000)
+        assert len(records) == 3
+        topic = records[0].topic
+        await reader.commit({(topic, 0): 2, (topic, 7): 5, (settings.topic("rollouts"), 0): 9})
+        assert await reader._consumer.committed(TopicPartition(topic, 0)) == 2
+
+
 async def test_a_cancelled_run_is_not_held_by_a_commit_that_hangs_and_loses_nothing(settings):
     """A batch's commit travels while the next batch is handled. When run() is cancelled (a service
     stopping) with a commit that does not come back (a broker gone), run() still ends, cancelled,
