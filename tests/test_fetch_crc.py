@@ -3,6 +3,8 @@ aiokafka's own check, a corrupt one is refused at the batch that fails, as aioka
 from __future__ import annotations
 
 import os
+import random
+import struct
 
 import pytest
 from aiokafka.consumer import fetcher
@@ -105,6 +107,45 @@ def test_readers_that_do_not_ask_are_unchanged():
     for check_crcs, refused in ((True, True), (False, False)):
         records, _, failure = unpack(bytes(data), check_crcs)
         assert records._check_crcs is check_crcs and (failure is not None) is refused
+
+
+def outcome(data: bytes, check_crcs) -> tuple:
+    """What a reader gets of a fetch: its records, how unpacking ended, and where the next fetch starts."""
+    try:
+        records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), [], 0, None, None, check_crcs,
+                                           READ_COMMITTED)
+        got = []
+        for record in records:
+            got.append((record.offset, record.key, record.value, record.headers))
+    except Exception as exc:  # (aiokafka's own errors on lengths it cannot read, alike either way)
+        return type(exc).__name__, str(exc)[:80]
+    return got, records.next_fetch_offset
+
+
+def test_damaged_fetches_end_as_they_end_under_aiokafkas_own_check():
+    """Flipped bits, cut fetches, rewritten lengths and formats: whatever aiokafka's check hands over,
+    raises or skips, the hardware check does the same (it may be cheaper, never more lenient)."""
+    rng = random.Random(64)
+    for _ in range(400):
+        parts, first = [], 0
+        for _ in range(rng.randint(1, 4)):
+            count = rng.randint(1, 5)
+            parts.append(batch(first, count))
+            first += count
+        data = bytearray(b"".join(parts))
+        damage = rng.random()
+        if damage < 0.4:
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif damage < 0.6:
+            data = data[:rng.randrange(len(data) + 1)]
+        elif damage < 0.8:
+            at = sum(len(p) for p in parts[:rng.randrange(len(parts))])
+            struct.pack_into(">i", data, at + 8, rng.choice([-1, -12, 0, 1, 48, 49, 2**31 - 1, -2**31,
+                                                              rng.randrange(400)]))
+        else:
+            data[fetch_crc.MAGIC_AT] = rng.choice([0, 1, 3, 255])
+        assert outcome(bytes(data), fetch_crc.HARDWARE) == outcome(bytes(data), True)
 
 
 @pytest.mark.kafka
