@@ -772,7 +772,7 @@ class Reader:
         offsets = self.positions if offsets is None else offsets
         if offsets and self.group_id is not None:
             held = self._consumer.assignment()
-            ours = {tp: o for tp, o in ((TopicPartition(t, p), o) for (t, p), o in offsets.items()) if tp in held}
+            ours = {tp: o for (t, p), o in offsets.items() if (tp := TopicPartition(t, p)) in held}
             if ours:
                 await self._consumer.commit(ours)
 
