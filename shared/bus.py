@@ -154,32 +154,47 @@ def decode_record(value: bytes | None, headers: Sequence[tuple[str, bytes]] | No
     return messages.decode(value, schema, schema=_text(named), content_type=_text(content_type))
 
 
-def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Message]]) -> list[Message | None]:
+def header_runs(records: Sequence[ConsumerRecord]) -> list[tuple[int, int]]:
+    """(start, end) of each run of records with one topic and equal headers, in order: what is read from
+    headers (the schema they name, the trace context) is read once a run. A fetched batch of one
+    producer's records in one trace is one run; records of traces of their own are runs of one."""
+    runs, start, count = [], 0, len(records)
+    while start < count:
+        first = records[start]
+        topic, headers = first.topic, first.headers
+        end = start + 1
+        while end < count and (record := records[end]).headers == headers and record.topic == topic:
+            end += 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def decode_records(records: Sequence[ConsumerRecord], schemas: dict[str, type[Message]],
+                   runs: list[tuple[int, int]] | None = None) -> list[Message | None]:
     """The messages of records as publish_headers writes them (protobuf, their topic's schema named),
     a topic's decoded together in one parse (messages.decode_protobuf_many); None for any other
     record, and for every record of a topic where one of them does not decode cleanly: decode_record
-    decodes those one by one, and says which cannot be decoded and why."""
+    decodes those one by one, and says which cannot be decoded and why. `runs`: header_runs(records),
+    where the caller has them."""
     out: list[Message | None] = [None] * len(records)
-    by_topic: dict[str, list[int]] = {}
-    # _as_published's test as two comparisons of headers (no call a record, in the loop every consumed
-    # record passes through), the topic's looked up where it changes (a fetched batch holds runs of one
-    # partition each).
+    by_topic: dict[str, list[tuple[int, int]]] = {}
+    # _as_published's test once a run of equal headers (in the loop every consumed record passes through,
+    # a test a record was a tenth of its handling).
     prefixes = {topic: _published_prefix(schema) for topic, schema in schemas.items()}
-    topic = indices = first = second = None
-    for i, record in enumerate(records):
-        if record.topic != topic:
-            topic = record.topic
-            prefix = prefixes.get(topic)
-            indices = None if prefix is None else by_topic.setdefault(topic, [])
-            first, second = prefix or (None, None)
-        headers = record.headers
-        if (indices is not None and record.value is not None and headers and len(headers) > 1
-                and headers[0] == first and headers[1] == second):
-            indices.append(i)
-    for topic, indices in by_topic.items():
+    for start, end in header_runs(records) if runs is None else runs:
+        first = records[start]
+        prefix, headers = prefixes.get(first.topic), first.headers
+        if prefix is not None and headers and len(headers) > 1 and headers[0] == prefix[0] and headers[1] == prefix[1]:
+            by_topic.setdefault(first.topic, []).append((start, end))
+    for topic, spans in by_topic.items():
+        whole = spans[0] == (0, len(records)) or sum(end - start for start, end in spans) == len(records)
+        indices = range(len(records)) if whole else [i for start, end in spans for i in range(start, end)]
+        values = [r.value for r in records] if whole else [records[i].value for i in indices]
+        if not all(values):  # a tombstone among them (or an empty value): the others decoded together
+            indices = [i for i in indices if records[i].value is not None]
+            values, whole = [records[i].value for i in indices], False
         if len(indices) > 1:
-            whole = len(indices) == len(records)  # (the usual batch: one topic, every record as published)
-            values = [r.value for r in records] if whole else [records[i].value for i in indices]
             decoded = messages.decode_protobuf_many(values, schemas[topic])
             if whole and decoded is not None:
                 return decoded
@@ -681,11 +696,12 @@ class Reader:
     async def decode(self, record: ConsumerRecord, message: Message | None = None) -> Incoming | None:
         """The record decoded (inside the caller's consumer span), or None once it is dead-lettered;
         `message`: its value decoded already (decode_records)."""
-        incoming = self._decoded(record, message)
-        if isinstance(incoming, str):
-            await self._undecodable(record, incoming)
+        message = self._checked(record, message)
+        if isinstance(message, str):
+            await self._undecodable(record, message)
             return None
-        return incoming
+        return Incoming(record.topic, record.partition, record.offset, record.key, message,
+                        tuple(record.headers or ()), otel_context.get_current())
 
     async def _undecodable(self, record: ConsumerRecord, reason: str) -> None:
         if self.undecodable_owned:
@@ -695,11 +711,11 @@ class Reader:
                      record.partition, record.offset, reason)
             self.skipped += 1
 
-    def _decoded(self, record: ConsumerRecord, message: Message | None = None,
-                 context: otel_context.Context | None = None) -> Incoming | str:
-        """The record decoded (inside the caller's consumer span, whose context is `context` or the
-        current one) unless `message` is its value decoded already, or why it cannot be (a dead
-        letter's reason). Not a coroutine: a record that decodes, nearly every one, awaits nothing."""
+    def _checked(self, record: ConsumerRecord, message: Message | None = None) -> Message | str:
+        """The record's message: `message`, its value decoded already (decode_records), or its value
+        decoded here; checked for a signature of this run where the reader is `trusted`. Or why it
+        cannot be used (a dead letter's reason). Not a coroutine: a record that decodes, nearly every
+        one, awaits nothing."""
         if message is None:
             try:
                 message = decode_record(record.value, record.headers, self.schemas[record.topic])
@@ -711,8 +727,7 @@ class Reader:
                 and not integrity.signed_correctly(message, self._secret)):
             return (f"rejected: a {type(message).__name__} no service of this run signed (unsigned, or signed with "
                     f"{integrity.ANOTHER_KEY}): refused unread")
-        return Incoming(record.topic, record.partition, record.offset, record.key, message,
-                        tuple(record.headers or ()), context or otel_context.get_current())
+        return message
 
     async def reject(self, incoming: Incoming, reason: str) -> None:
         """Dead-letters a record that decoded but cannot be used (the reader's own check), with the reason."""
@@ -871,12 +886,13 @@ class Consumer(Reader):
         if offsets is None:
             offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
         pending: list[asyncio.Future] = []
-        decoded = decode_records(records, self.schemas)
+        runs = header_runs(records)
+        decoded = decode_records(records, self.schemas, runs)
         if self.transactional:
             await self._run_transactional(records, decoded)
             return {}
         if self.concurrency <= 1:
-            pending = await self._run_in_order(records, decoded)
+            pending = await self._run_in_order(records, decoded, runs)
         else:
             slots = asyncio.Semaphore(self.concurrency)
 
@@ -940,20 +956,17 @@ class Consumer(Reader):
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
 
-    async def _run_in_order(self, records: list[ConsumerRecord], decoded: list[Message | None]) -> list[asyncio.Future]:
+    async def _run_in_order(self, records: list[ConsumerRecord], decoded: list[Message | None],
+                            runs: list[tuple[int, int]]) -> list[asyncio.Future]:
         """Handles records one after another, each under its consumer span (a sampled trace's) or its
         trace's context carried on (an unsampled one's: telemetry.carried, no span made); returns the
-        delivery futures of their outputs. A run of records with the same headers (one producer's, in
-        one trace) is read for its trace context once, and an unsampled run is handled under that
-        context, made current once for them all rather than once each."""
+        delivery futures of their outputs. A run of records with equal headers (header_runs: one
+        producer's, in one trace) is read for its trace context once, and an unsampled run is handled
+        under that context, made current once for them all rather than once each."""
         pending: list[asyncio.Future] = []
         handle, parent_from_headers = self._handle, telemetry.parent_from_headers  # (looked up once a batch)
-        start, count = 0, len(records)
-        while start < count:
+        for start, end in runs:
             headers = records[start].headers
-            end = start + 1
-            while end < count and records[end].headers == headers:
-                end += 1
             parent = parent_from_headers(headers)
             scope = telemetry.carried(parent)
             if scope is not None:
@@ -963,7 +976,6 @@ class Consumer(Reader):
                 for record, message in zip(records[start:end], decoded[start:end]):
                     with consume_span(record.topic, record.partition, record.offset, headers, parent=parent):
                         pending += await handle((record,), (message,))
-            start = end
         return pending
 
     async def _process(self, record: ConsumerRecord, message: Message | None) -> Sequence[asyncio.Future]:
@@ -974,18 +986,22 @@ class Consumer(Reader):
 
     async def _handle(self, records: Sequence[ConsumerRecord], decoded: Sequence[Message | None],
                       context: otel_context.Context | None = None) -> list[asyncio.Future]:
-        """Decodes (where `decoded` has None) and handles records one after another, all under one
-        consumer span or carried context, made current by the caller (`context`, where the caller has
-        it); returns the delivery futures of their outputs. One coroutine for the run, not one a record:
-        in the loop every consumed record passes through, that was a fifth of its handling."""
+        """Decodes (where `decoded` has None) and handles a run of records with equal headers one after
+        another, all under one consumer span or carried context, made current by the caller (`context`,
+        where the caller has it); returns the delivery futures of their outputs. One coroutine for the
+        run, not one a record: in the loop every consumed record passes through, that was a fifth of its
+        handling."""
         pending: list[asyncio.Future] = []
-        handler, decode = self.handler, self._decoded
+        handler, checked, checking = self.handler, self._checked, self._secret is not None
         context = context or otel_context.get_current()
+        headers = tuple(records[0].headers or ()) if records else ()  # (equal: one tuple for the run)
         for record, message in zip(records, decoded):
-            incoming = decode(record, message, context)
-            if isinstance(incoming, str):
-                await self._undecodable(record, incoming)
-                continue
+            if message is None or checking:  # (decoded already, nothing to check: nearly every record)
+                message = checked(record, message)
+                if isinstance(message, str):
+                    await self._undecodable(record, message)
+                    continue
+            incoming = Incoming(record.topic, record.partition, record.offset, record.key, message, headers, context)
             try:
                 outputs = await handler(incoming)
             except Exception as exc:

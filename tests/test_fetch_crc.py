@@ -2,10 +2,12 @@
 aiokafka's own check, a corrupt one is refused at the batch that fails, as aiokafka refuses it."""
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import struct
 
+import google_crc32c
 import pytest
 from aiokafka.consumer import fetcher
 from aiokafka.errors import CorruptRecordException
@@ -109,14 +111,24 @@ def test_readers_that_do_not_ask_are_unchanged():
         assert records._check_crcs is check_crcs and (failure is not None) is refused
 
 
-def outcome(data: bytes, check_crcs) -> tuple:
-    """What a reader gets of a fetch: its records, how unpacking ended, and where the next fetch starts."""
+def outcome(data: bytes, check_crcs, aborted=(), fetch_offset: int = 0, isolation: int = READ_COMMITTED,
+            take: int | None = None) -> tuple:
+    """What a reader gets of a fetch: its records (every field), how unpacking ended, and where the next
+    fetch starts; `take`: as aiokafka's getone (1) or getall hands them over, that many at a time (else all
+    at once)."""
     try:
-        records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), [], 0, None, None, check_crcs,
-                                           READ_COMMITTED)
+        records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), list(aborted), fetch_offset, None, None,
+                                           check_crcs, isolation)
         got = []
-        for record in records:
-            got.append((record.offset, record.key, record.value, record.headers))
+        if take is None:
+            got += records
+        elif take == 1:  # as getone takes them
+            while (record := next(records, None)) is not None:
+                got.append(record)
+        else:  # as getall takes them, a loop over the records left each time
+            while len(chunk := list(itertools.islice(records, take))) == take:
+                got += chunk
+            got += chunk
     except Exception as exc:  # (aiokafka's own errors on lengths it cannot read, alike either way)
         return type(exc).__name__, str(exc)[:80]
     return got, records.next_fetch_offset
@@ -146,6 +158,73 @@ def test_damaged_fetches_end_as_they_end_under_aiokafkas_own_check():
         else:
             data[fetch_crc.MAGIC_AT] = rng.choice([0, 1, 3, 255])
         assert outcome(bytes(data), fetch_crc.HARDWARE) == outcome(bytes(data), True)
+
+
+def transactional(first_offset: int, count: int, producer_id: int, marker: str | None = None) -> bytes:
+    """A batch of a transaction's records, or (`marker`: "commit", "abort") its control batch."""
+    builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=1, producer_id=producer_id,
+                                        producer_epoch=0, base_sequence=0 if marker is None else -1,
+                                        batch_size=1 << 20)
+    if marker is None:
+        for i in range(count):
+            builder.append(i, timestamp=1_700_000_000_000 + i, key=None if i % 3 else b"k%d" % i,
+                           value=None if i % 4 == 3 else os.urandom(50), headers=[("h", b"%d" % i)] * (i % 2))
+    else:  # a control record: version and type (0 abort, 1 commit) as its key
+        builder.append(0, timestamp=1_700_000_000_000, key=struct.pack(">hh", 0, marker == "commit"),
+                       value=struct.pack(">hi", 0, 0), headers=[])
+    data = bytearray(builder.build())
+    data[0:8] = first_offset.to_bytes(8, "big")
+    if marker is not None:
+        data[fetch_crc.CRC_FROM + 1] |= 0x20  # the attributes' control flag, then the sum over them again
+        struct.pack_into(">I", data, fetch_crc.CRC_AT, google_crc32c.value(bytes(data[fetch_crc.CRC_FROM:])))
+    return bytes(data)
+
+
+def test_records_are_made_as_aiokafka_makes_them_across_transactions_and_markers():
+    """A bus reader's records are made here in one step (fetch_crc's plain unpacking), not by aiokafka:
+    over fetches of committed and aborted transactions, control batches, plain batches, offsets inside a
+    batch, both isolation levels, iterated or taken a few at a time, every field of every record and
+    the next fetch's offset are aiokafka's own."""
+    rng = random.Random(65)
+    for _ in range(300):
+        parts, first, aborted = [], 0, []
+        open_: dict[int, int] = {}  # producer id -> its open transaction's first offset
+        for _ in range(rng.randint(1, 8)):
+            producer = rng.choice([1, 2, 3])
+            kind = rng.random()
+            if kind < 0.2:
+                count = rng.randint(1, 4)
+                parts.append(batch(first, count))
+            elif kind < 0.6 or producer not in open_:
+                count = rng.randint(1, 6)
+                open_.setdefault(producer, first)
+                parts.append(transactional(first, count, producer))
+            else:
+                count, marker = 1, rng.choice(["commit", "abort"])
+                if marker == "abort":
+                    aborted.append((producer, open_[producer]))
+                del open_[producer]
+                parts.append(transactional(first, 1, producer, marker))
+            first += count
+        data = b"".join(parts)
+        fetch_offset = rng.choice([0, rng.randrange(first + 1)])
+        isolation = rng.choice([READ_COMMITTED, 0])
+        take = rng.choice([None, 1, 3])
+        ours = outcome(data, fetch_crc.HARDWARE, aborted, fetch_offset, isolation, take)
+        assert ours == outcome(data, True, aborted, fetch_offset, isolation, take)
+        assert isinstance(ours[0], list) and ours[1] >= fetch_offset
+    # (the fetches held records, aborted ones too, for these to compare: the last one's)
+    assert any(r.key is None for r in ours[0]) or not ours[0]
+
+
+def test_records_are_made_here_only_for_plain_readers():
+    data = batch(0, 4)
+    for deserializer, check_crcs, plain in ((None, fetch_crc.HARDWARE, True), (bytes, fetch_crc.HARDWARE, False),
+                                            (None, True, False)):
+        records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), [], 0, deserializer, None, check_crcs,
+                                           READ_COMMITTED)
+        assert records._plain is plain
+        assert [r.offset for r in records] == [0, 1, 2, 3]
 
 
 @pytest.mark.kafka

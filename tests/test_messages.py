@@ -119,3 +119,44 @@ def test_a_batch_decodes_together_as_each_value_alone():
     assert decoded[:6] == [None] * 6 and decoded[6:] == verdicts
     with pytest.raises(messages.MessageDecodeError, match="field #99"):
         bus.decode_record(poisoned[2].value, poisoned[2].headers, task_pb2.Task)
+
+
+def test_records_are_decoded_together_whatever_runs_their_headers_make():
+    """decode_records reads headers once a run of equal ones (bus.header_runs): shuffled topics, trace
+    contexts, tombstones and empty values inside runs, records as published or not; every record as
+    published with a value is decoded, as it decodes alone, and no other is."""
+    import random
+
+    from crucible.shared import bus
+
+    rng = random.Random(65)
+    schemas = {"tasks": task_pb2.Task, "verdicts": verdict_pb2.Verdict}
+    published = {topic: bus.publish_headers(schema()) for topic, schema in schemas.items()}
+    for _ in range(200):
+        records = []
+        for offset in range(rng.randint(1, 30)):
+            topic = rng.choice(list(schemas))
+            message = schemas[topic](id=f"m{offset}")
+            value = rng.choice([messages.encode(message)] * 6 + [None, b""])
+            headers = rng.choice([published[topic]] * 4 + [
+                [*published[topic], ("traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01")],
+                published["verdicts" if topic == "tasks" else "tasks"], [(bus.H_CONTENT_TYPE, b"x")], []])
+            records.append(_record(topic, offset, value, list(headers)))
+        runs = bus.header_runs(records)
+        assert [i for start, end in runs for i in range(start, end)] == list(range(len(records)))
+        for start, end in runs:
+            assert all(r.headers == records[start].headers and r.topic == records[start].topic
+                       for r in records[start:end])
+        for (_, end), (start, _) in zip(runs, runs[1:]):
+            assert (records[end - 1].headers, records[end - 1].topic) != (records[start].headers, records[start].topic)
+        decoded = bus.decode_records(records, schemas)
+        as_published = [bus._as_published(r.value, r.headers, schemas[r.topic]) for r in records]
+        for topic in schemas:
+            mine = [i for i, r in enumerate(records) if r.topic == topic and as_published[i]]
+            for i, r in enumerate(records):
+                if r.topic != topic:
+                    continue
+                if i in mine and len(mine) > 1:
+                    assert decoded[i] == bus.decode_record(r.value, r.headers, schemas[topic])
+                else:  # decoded alone, later (or refused there)
+                    assert decoded[i] is None
