@@ -8,7 +8,6 @@ lowerCamel or snake_case).
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 
 from google.protobuf import json_format
@@ -128,7 +127,10 @@ def decode_protobuf_many(values: list[bytes], expected: type[Message]) -> list[M
     if not values or max(lengths) > MAX_MESSAGE_BYTES or sum(lengths) > MAX_BATCH_BYTES:
         return None  # (a batch this large is copied once more here: each is decoded alone instead)
     holder = _holder(expected)()
-    data = b"".join(itertools.chain.from_iterable(zip(map(_item_prefix, lengths), values)))
+    parts = [b""] * (2 * len(values))  # each value after its item's prefix
+    parts[::2] = map(_ITEM_PREFIXES.__getitem__, lengths)
+    parts[1::2] = values
+    data = b"".join(parts)
     try:
         holder.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError):
@@ -141,10 +143,18 @@ def decode_protobuf_many(values: list[bytes], expected: type[Message]) -> list[M
     return list(holder.items)
 
 
-@functools.lru_cache(maxsize=4096)
-def _item_prefix(length: int) -> bytes:
-    """Field 1, length-delimited (the holder's `items`), and the item's length as a varint."""
-    return varint(1 << 3 | 2) + varint(length)
+class _ItemPrefixes(dict):
+    """length -> field 1, length-delimited (the holder's `items`), and an item of that length's length as a
+    varint; made where first asked (a lookup in C where it was made before), at most 4096 kept."""
+
+    def __missing__(self, length: int) -> bytes:
+        if len(self) >= 4096:
+            self.clear()
+        prefix = self[length] = varint(1 << 3 | 2) + varint(length)
+        return prefix
+
+
+_ITEM_PREFIXES = _ItemPrefixes()
 
 
 def varint(value: int) -> bytes:
