@@ -986,9 +986,10 @@ class Consumer(Reader):
 
     async def _handle(self, records: Sequence[ConsumerRecord], decoded: Sequence[Message | None],
                       context: otel_context.Context | None = None) -> list[asyncio.Future]:
-        """Decodes (where `decoded` has None) and handles a run of records with equal headers one after
-        another, all under one consumer span or carried context, made current by the caller (`context`,
-        where the caller has it); returns the delivery futures of their outputs. One coroutine for the
+        """Decodes (where `decoded` has None) and handles a run of records with equal headers (header_runs'
+        run, or one record: every Incoming gets the first record's) one after another, all under one
+        consumer span or carried context, made current by the caller (`context`, where the caller has
+        it); returns the delivery futures of their outputs. One coroutine for the
         run, not one a record: in the loop every consumed record passes through, that was a fifth of its
         handling."""
         pending: list[asyncio.Future] = []

@@ -114,24 +114,26 @@ def test_readers_that_do_not_ask_are_unchanged():
 def outcome(data: bytes, check_crcs, aborted=(), fetch_offset: int = 0, isolation: int = READ_COMMITTED,
             take: int | None = None) -> tuple:
     """What a reader gets of a fetch: its records (every field), how unpacking ended, and where the next
-    fetch starts; `take`: as aiokafka's getone (1) or getall hands them over, that many at a time (else all
-    at once)."""
+    fetch starts after each take (a consumer's position, what it commits); `take`: as aiokafka's getone
+    (1) or getall hands them over, that many at a time (else all at once)."""
     try:
         records = fetcher.PartitionRecords(TP, fetcher.MemoryRecords(data), list(aborted), fetch_offset, None, None,
                                            check_crcs, isolation)
-        got = []
+        got, positions = [], []
         if take is None:
             got += records
         elif take == 1:  # as getone takes them
             while (record := next(records, None)) is not None:
                 got.append(record)
+                positions.append(records.next_fetch_offset)
         else:  # as getall takes them, a loop over the records left each time
             while len(chunk := list(itertools.islice(records, take))) == take:
                 got += chunk
+                positions.append(records.next_fetch_offset)
             got += chunk
     except Exception as exc:  # (aiokafka's own errors on lengths it cannot read, alike either way)
         return type(exc).__name__, str(exc)[:80]
-    return got, records.next_fetch_offset
+    return got, positions + [records.next_fetch_offset]
 
 
 def test_damaged_fetches_end_as_they_end_under_aiokafkas_own_check():
@@ -160,14 +162,15 @@ def test_damaged_fetches_end_as_they_end_under_aiokafkas_own_check():
         assert outcome(bytes(data), fetch_crc.HARDWARE) == outcome(bytes(data), True)
 
 
-def transactional(first_offset: int, count: int, producer_id: int, marker: str | None = None) -> bytes:
-    """A batch of a transaction's records, or (`marker`: "commit", "abort") its control batch."""
+def transactional(first_offset: int, count: int, producer_id: int, marker: str | None = None, step: int = 1) -> bytes:
+    """A batch of a transaction's records, `step` offsets apart (2: every other one compacted away), or
+    (`marker`: "commit", "abort") its control batch."""
     builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=1, producer_id=producer_id,
                                         producer_epoch=0, base_sequence=0 if marker is None else -1,
                                         batch_size=1 << 20)
     if marker is None:
         for i in range(count):
-            builder.append(i, timestamp=1_700_000_000_000 + i, key=None if i % 3 else b"k%d" % i,
+            builder.append(i * step, timestamp=1_700_000_000_000 + i, key=None if i % 3 else b"k%d" % i,
                            value=None if i % 4 == 3 else os.urandom(50), headers=[("h", b"%d" % i)] * (i % 2))
     else:  # a control record: version and type (0 abort, 1 commit) as its key
         builder.append(0, timestamp=1_700_000_000_000, key=struct.pack(">hh", 0, marker == "commit"),
@@ -186,6 +189,7 @@ def test_records_are_made_as_aiokafka_makes_them_across_transactions_and_markers
     batch, both isolation levels, iterated or taken a few at a time, every field of every record and
     the next fetch's offset are aiokafka's own."""
     rng = random.Random(65)
+    aborts_seen = 0
     for _ in range(300):
         parts, first, aborted = [], 0, []
         open_: dict[int, int] = {}  # producer id -> its open transaction's first offset
@@ -196,9 +200,10 @@ def test_records_are_made_as_aiokafka_makes_them_across_transactions_and_markers
                 count = rng.randint(1, 4)
                 parts.append(batch(first, count))
             elif kind < 0.6 or producer not in open_:
-                count = rng.randint(1, 6)
+                records, step = rng.randint(1, 6), rng.choice([1, 1, 2])
+                count = (records - 1) * step + 1
                 open_.setdefault(producer, first)
-                parts.append(transactional(first, count, producer))
+                parts.append(transactional(first, records, producer, step=step))
             else:
                 count, marker = 1, rng.choice(["commit", "abort"])
                 if marker == "abort":
@@ -212,9 +217,11 @@ def test_records_are_made_as_aiokafka_makes_them_across_transactions_and_markers
         take = rng.choice([None, 1, 3])
         ours = outcome(data, fetch_crc.HARDWARE, aborted, fetch_offset, isolation, take)
         assert ours == outcome(data, True, aborted, fetch_offset, isolation, take)
-        assert isinstance(ours[0], list) and ours[1] >= fetch_offset
-    # (the fetches held records, aborted ones too, for these to compare: the last one's)
-    assert any(r.key is None for r in ours[0]) or not ours[0]
+        assert isinstance(ours[0], list) and ours[1][-1] >= fetch_offset
+        # (aborted records among them, which a committed read skips, for these fetches to compare)
+        aborts_seen += outcome(data, True, aborted, fetch_offset, READ_COMMITTED)[0] != \
+            outcome(data, True, aborted, fetch_offset, 0)[0]
+    assert aborts_seen >= 30
 
 
 def test_records_of_compressed_and_legacy_batches_are_made_as_aiokafka_makes_them():

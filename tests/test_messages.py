@@ -140,7 +140,8 @@ def test_records_are_decoded_together_whatever_runs_their_headers_make():
             value = rng.choice([messages.encode(message)] * 6 + [None, b""])
             headers = rng.choice([published[topic]] * 4 + [
                 [*published[topic], ("traceparent", b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01")],
-                published["verdicts" if topic == "tasks" else "tasks"], [(bus.H_CONTENT_TYPE, b"x")], []])
+                published["verdicts" if topic == "tasks" else "tasks"], [(bus.H_CONTENT_TYPE, b"x")], [],
+                [published[topic][0], (bus.H_CONTENT_TYPE, b"application/json")]])
             records.append(_record(topic, offset, value, list(headers)))
         runs = bus.header_runs(records)
         assert [i for start, end in runs for i in range(start, end)] == list(range(len(records)))
