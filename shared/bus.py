@@ -989,9 +989,8 @@ class Consumer(Reader):
         """Decodes (where `decoded` has None) and handles a run of records with equal headers (header_runs'
         run, or one record: every Incoming gets the first record's) one after another, all under one
         consumer span or carried context, made current by the caller (`context`, where the caller has
-        it); returns the delivery futures of their outputs. One coroutine for the
-        run, not one a record: in the loop every consumed record passes through, that was a fifth of its
-        handling."""
+        it); returns the delivery futures of their outputs. One coroutine for the run, not one a record:
+        in the loop every consumed record passes through, that was a fifth of its handling."""
         pending: list[asyncio.Future] = []
         handler, checked, checking = self.handler, self._checked, self._secret is not None
         context = context or otel_context.get_current()

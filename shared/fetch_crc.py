@@ -141,7 +141,8 @@ def _install() -> bool:
 
         def _skipped(self, batch, committed_only: bool) -> bool:
             """Whether no record of `batch` is handed over: a control batch, or, read committed, a batch of a
-            transaction that was aborted (aiokafka's own bookkeeping of aborted producers)."""
+            transaction that was aborted. Read committed, it also moves aiokafka's own bookkeeping of aborted
+            producers past the batch, as its _unpack_records does: call it once a batch, in order."""
             if committed_only and batch.producer_id is not None:
                 self._consume_aborted_up_to(batch.base_offset)
                 if batch.is_control_batch and self._contains_abort_marker(batch):
