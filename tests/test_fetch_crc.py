@@ -276,7 +276,7 @@ def test_records_are_made_here_only_for_plain_readers():
 
 
 @pytest.mark.kafka
-async def test_a_bus_reader_has_every_fetch_checked_in_hardware(settings, monkeypatch):
+async def test_a_bus_reader_has_every_fetch_checked_in_hardware_and_its_records_made_here(settings, monkeypatch):
     checked = []
     sound = fetch_crc.batches_sound
 
@@ -285,6 +285,15 @@ async def test_a_bus_reader_has_every_fetch_checked_in_hardware(settings, monkey
         return checked[-1]
 
     monkeypatch.setattr(fetch_crc, "batches_sound", spy)
+    made_here = []
+    as_they_are = fetcher.PartitionRecords._as_they_are
+
+    def counted(self):
+        for record in as_they_are(self):
+            made_here.append(record.offset)
+            yield record
+
+    monkeypatch.setattr(fetcher.PartitionRecords, "_as_they_are", counted)
     await bus.ensure_topics(["crc"], settings=settings)
     tasks = [task_pb2.Task(id=f"crc-{i}", kind="exact", prompt="p" * 500) for i in range(40)]
     async with bus.Producer(settings) as producer:
@@ -303,3 +312,4 @@ async def test_a_bus_reader_has_every_fetch_checked_in_hardware(settings, monkey
                 await consumer.run(max_records=len(tasks) - len(seen), idle_timeout_s=10)
     assert sorted(seen) == sorted(t.id for t in tasks)
     assert checked and all(checked)
+    assert sorted(made_here) == list(range(len(tasks)))  # every record made by the plain unpacking, once
