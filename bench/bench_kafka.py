@@ -17,10 +17,10 @@ formatting), then measures in the same run:
     consumer span, encoded as the store writer encodes it, then dropped: there is no store here)
     and records whose trace is not (head sampling upstream: only the trace context is carried on).
 The five readers take turns, `--rounds` times (the order reversed every other round), each round in fresh
-consumer groups, after `--warmup` rounds that are not counted (the broker's fetch path and each reader's code
-warm: whichever read first in a cold round read at two thirds of its later rate), and the medians are printed: each rate, its ratio to the bare baseline, and the reader's
-own CPU a message (the part of a rate that is the client's, whatever the broker and the machine's other
-tenants do meanwhile).
+consumer groups, after `--warmup` rounds that are not counted (the broker's fetch path and each reader's
+code warm: whichever read first in a cold round read at two thirds of its later rate), and the medians are
+printed: each rate, its ratio to the bare baseline, and the reader's own CPU a message (the part of a rate
+that is the client's, whatever the broker and the machine's other tenants do meanwhile).
 Not a test: nothing gates on it.
 """
 from __future__ import annotations

@@ -246,7 +246,8 @@ def test_records_of_compressed_and_legacy_batches_are_made_as_aiokafka_makes_the
             else:
                 builder = LegacyRecordBatchBuilder(magic=magic, compression_type=codec, batch_size=1 << 20)
                 for i in range(count):  # (inside a compressed set, v0 offsets are absolute, v1 relative to the last)
-                    builder.append(first + i if magic == 0 else i, timestamp=None if magic == 0 else 1_700_000_000_000 + i,
+                    builder.append(first + i if magic == 0 else i,
+                                   timestamp=None if magic == 0 else 1_700_000_000_000 + i,
                                    key=None if i % 2 else b"k%d" % i, value=os.urandom(40))
                 data = bytearray(builder.build())
                 if codec:  # the wrapper's offset is its last record's
