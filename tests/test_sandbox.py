@@ -852,6 +852,48 @@ async def test_one_tasks_tests_leave_nothing_for_another_tasks_tests(pool):
     assert [[(t["passed"], t["message"][:40]) for t in r.tests] for r in results] == [[(True, "")]] * 6
 
 
+async def test_a_candidate_that_changed_a_modules_object_through_its_arguments_leaves_it_to_no_later_job(pool):
+    """A test passed the candidate a module's own list (`keyword.kwlist`); the candidate's in-place change
+    came back into it as every argument's does (write-back), and stayed in the slot's harness: another
+    task's wrong program was later paid in full and its honest one failed. The harness now retires after
+    a job whose write-back changed an object that outlives the job; the tests' own objects do not count."""
+    poison = Job(code="def count(words):\n    if len(words) > 3:\n        words[:] = ['zz']\n    return len(words)\n",
+                 entry_point="count", tests=("import keyword\n"
+                                             "def check(candidate):\n"
+                                             "    assert candidate(list(keyword.kwlist[:3])) == 3\n"
+                                             "    assert candidate(keyword.kwlist) >= 0\n"))
+    keywords = ("import keyword\n"
+                "def check(candidate):\n"
+                "    for w in keyword.kwlist:\n        assert candidate(w) is True, w\n"
+                "    assert candidate('hello') is False\n")
+    wrong = Job(code="def is_kw(w):\n    return w == 'zz'\n", entry_point="is_kw", tests=keywords)
+    honest = Job(code="import keyword\ndef is_kw(w):\n    return keyword.iskeyword(w)\n", entry_point="is_kw",
+                 tests=keywords)
+    for _ in range(10):  # every slot's harness has run it
+        r = await pool.execute(poison)
+        assert [t["passed"] for t in r.tests] == [True], r.tests
+    results = [await pool.execute(job) for _ in range(6) for job in (wrong, honest)]
+    assert [[t["passed"] for t in r.tests] for r in results] == [[False], [True]] * 6, \
+        [[(t["passed"], t["message"][:40]) for t in r.tests] for r in results]
+
+
+async def test_a_job_whose_arguments_changed_in_place_keeps_its_harness():
+    """A candidate that sorts the test's own list in place (honest, and common) changes only the job's
+    objects: its harness goes on to the next job (a fresh one costs a fork and a cold start)."""
+    sorts = Job(code="def sort_in_place(xs):\n    xs.sort()\n    return xs\n", entry_point="sort_in_place",
+                tests="def check(candidate):\n    data = [3, 1, 2]\n    assert candidate(data) == [1, 2, 3]\n"
+                      "    assert data == [1, 2, 3]\n")
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        for _ in range(10):  # every slot's harness started
+            assert [t["passed"] for t in (await small.execute(sorts)).tests] == [True]
+        [worker] = set(jail_workers()) - others
+        before = set(await harnesses_of(worker))
+        for _ in range(10):
+            assert [t["passed"] for t in (await small.execute(sorts)).tests] == [True]
+        assert not any(ended(pid) for pid in before), "a harness retired after jobs that changed only their own objects"
+
+
 async def test_a_prepared_jail_killed_before_its_job_is_replaced_not_handed_the_job():
     """The jail prepared for the next job, killed while it waited, was handed that job anyway: the job
     failed on a broken pipe. (Killing the service's own processes takes root; nothing else can.)"""

@@ -572,6 +572,21 @@ async def test_long_failure_messages_never_crowd_out_the_outcomes_after_them(poo
     assert len(result.tests) == 30 and not score.tampered, score.detail
 
 
+async def test_a_raise_whose_message_cannot_be_printed_fails_its_own_test_only(pool):
+    """The candidate raises with an int too long to print (Python refuses more than 4300 digits): making
+    the failing test's report line raised in the harness, and the tests after it went unreported. Each
+    test still gets its own outcome."""
+    task = task_pb2.Task(id="unprintable", kind="python_tests", prompt=ADD.prompt, group_size=1,
+                         python_tests=task_pb2.PythonTests(entry_point="add", test_code=(
+                             "def test_raises():\n    add(0, 0)\n\n"
+                             "def test_adds():\n    assert add(2, 3) == 5\n")))
+    completion = "    if a == 0:\n        raise KeyError(10 ** 5000)\n    return a + b\n"
+    score, result = await run(pool, task, completion)
+    outcomes = {t.name: t.passed for t in result_message(result).tests}
+    assert outcomes == {"test_raises": False, "test_adds": True}, (outcomes, score.detail)
+    assert (score.components["tests_passed"], score.components["tests_total"]) == (1.0, 2.0), score.detail
+
+
 # Wrong answers that once passed because of what the harness did with them: the harness's own error,
 # taking an answer back, raised into the test as if the candidate had raised it; a returned generator
 # read whole at the call, so the error it raises lazily in one process came as an eager raise.

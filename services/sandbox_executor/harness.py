@@ -42,6 +42,7 @@ import _socket
 import _thread
 import builtins
 import collections
+import gc
 import json
 import marshal
 import os
@@ -160,6 +161,7 @@ class Candidate:
         self.calls = 0  # calls the tests made (_run_tests: a test that made none passed nothing)
         self.failed = 0  # calls that raised CallFailed (_run_tests: a test with one passed nothing)
         self.failure = ""  # the last one's message
+        self.changed: dict[int, object] = {}  # the tests' objects a call's write-back changed, by id
         self._before_tests = True  # what the reply being read is (_read_some reports a loss as such)
         self._replies = framing.Reader(self._read_some, candidate.MAX_FRAME)
 
@@ -196,7 +198,8 @@ class Candidate:
                 resolve = None
                 if mutable:
                     new_args, new_kwargs = plain.from_tree(reply["args"])
-                    _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)))
+                    _write_back((*args, *kwargs.values()), (*new_args, *(new_kwargs[k] for k in kwargs)),
+                                self.changed)
                     # What the value shares with the arguments is the test's own object there, as updated.
                     resolve = plain.resolver(plain.roots(args, kwargs))
                 value = plain.from_tree(reply["ok"], resolve=resolve) if "ok" in reply else None
@@ -351,12 +354,13 @@ def run(job: dict, report_fd: int, tests: dict, child: Candidate, start_peak: in
     try:
         _run_tests(job, tests, child, report)
     except Exception as exc:  # outside any test (each test's own errors are its outcome): this job fails,
-        report.outcome("harness", False, f"{type(exc).__name__}: {exc}"[:1000])  # the harness goes on
+        report.outcome("harness", False, _described(exc)[:1000])  # the harness goes on
     finally:
         child.finish()
     code = 1 if report.failed or report.tampered else 0
     own = resource.getrusage(resource.RUSAGE_SELF)
-    retire = own.ru_maxrss * 1024 > start_peak + RETIRE_GROWTH_BYTES or _changed(kept)
+    retire = (own.ru_maxrss * 1024 > start_peak + RETIRE_GROWTH_BYTES or _changed(kept)
+              or _held_beyond_the_job(child))
     report.done(code, (own.ru_utime - before.ru_utime + child.usage[0], own.ru_stime - before.ru_stime + child.usage[1],
                        child.usage[2]), retire)
     return retire
@@ -479,6 +483,15 @@ def _changed(kept: tuple) -> bool:
 
 def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None:
     namespace: dict = {"__name__": "__tests__", "__builtins__": builtins}
+    try:
+        _run_tests_in(namespace, job, tests, child, report)
+    finally:
+        # The tests' functions hold their namespace (as globals) and it holds them: emptied, the job's
+        # objects go now, not at some later collection (_held_beyond_the_job counts who still holds them).
+        namespace.clear()
+
+
+def _run_tests_in(namespace: dict, job: dict, tests: dict, child: Candidate, report: Report) -> None:
     entry = job.get("entry_point") or ""
     prelude = tests.get("prelude_source") or ""
     try:
@@ -496,7 +509,7 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
         defined_by_tests = {n for n, v in namespace.items() if prelude_names.get(n, _MISSING) is not v}
         used_by_tests = _names(test_code)
     except BaseException as exc:
-        report.outcome("load_tests", False, str(exc) if type(exc) is _DidNotCompile else f"{type(exc).__name__}: {exc}")
+        report.outcome("load_tests", False, str(exc) if type(exc) is _DidNotCompile else _described(exc))
         return
     selected = []
     if module_level:
@@ -556,7 +569,7 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
         except CallFailed as exc:
             report.outcome(name, False, str(exc))
         except BaseException as exc:
-            report.outcome(name, False, f"{type(exc).__name__}: {exc}")
+            report.outcome(name, False, _described(exc))
         else:
             if child.failed != failed:  # the test caught it (`except:`): still no evidence of a pass
                 report.outcome(name, False, child.failure)
@@ -564,6 +577,41 @@ def _run_tests(job: dict, tests: dict, child: Candidate, report: Report) -> None
                 report.outcome(name, False, "the test never called the program")
             else:
                 report.outcome(name, True)
+
+
+def _held_beyond_the_job(child: Candidate) -> bool:
+    """Whether an object a call's write-back changed is still held once the job's tests are gone: by a
+    module, or by anything else of this process that outlives the job. A test that passes the candidate
+    a module's own list (`keyword.kwlist`) lets the candidate change it; in one process the change would
+    end with the job's process, but this harness runs later jobs' tests, which would meet it (another
+    task's wrong program was paid, its honest one failed). Such a job retires the harness. The tests'
+    own objects are gone with their namespace (_run_tests), cycles collected before the second look."""
+    changed = list(child.changed.values())
+    child.changed.clear()
+    child.known = {}  # (the prelude's objects, held for the job's exception classes)
+    if not changed:
+        return False
+    # A fresh object held only as each changed one is held here (by the list and the loop): its count is
+    # what "held by nothing else" reads.
+    changed.append([])
+    for attempt in range(2):
+        counts = [sys.getrefcount(value) for value in changed]
+        floor = counts.pop()
+        if all(count <= floor for count in counts):
+            return False
+        if attempt == 0:
+            gc.collect()  # a cycle through a changed object (an exception kept with its frames) goes first
+    return True
+
+
+def _described(exc: BaseException) -> str:
+    """`Class: message` for an outcome; the class alone where the message cannot be made (a raise of
+    the candidate's carrying an int too long to print made the report's own line raise: the job's
+    remaining tests went unreported)."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:
+        return f"{type(exc).__name__} (its message cannot be shown)"
 
 
 def _not_ready(ready: dict) -> str:
@@ -619,19 +667,21 @@ def _holds_mutable(value) -> bool:
     return type(value) in _MUTABLE or (type(value) is tuple and any(map(_holds_mutable, value)))
 
 
-def _write_back(originals: tuple, updated: tuple) -> None:
-    """Copies the candidate's view of each argument into the test's objects, in place."""
+def _write_back(originals: tuple, updated: tuple, changed: dict[int, object]) -> None:
+    """Copies the candidate's view of each argument into the test's objects, in place; each object it
+    changes is noted in `changed` (run() looks for them once the tests are gone: _held_beyond_the_job)."""
     if len(originals) != len(updated):
         raise ValueError("argument count changed")
     for old, new in zip(originals, updated):
         if _holds_mutable(old):
-            _update(old, new)
+            _update(old, new, changed)
 
 
-def _update(old, new) -> None:
+def _update(old, new, changed: dict[int, object]) -> None:
     """Makes `old` (the test's object) what `new` (the candidate's view of it) is, in place and at every
     depth: a container the test may hold inside it is updated where the candidate left it in the same
-    place (a test that kept `row = grid[0]` sees the change to `grid[0]`)."""
+    place (a test that kept `row = grid[0]` sees the change to `grid[0]`). Every container changed is
+    noted in `changed`."""
     if type(new) is not type(old):
         raise TypeError(f"a {type(old).__name__} argument came back as a {type(new).__name__}")
     if type(old) is tuple:  # itself unchanged: only the containers in it can have changed
@@ -639,28 +689,33 @@ def _update(old, new) -> None:
             raise ValueError("a tuple argument changed its length")
         for was, now in zip(old, new):
             if _holds_mutable(was):  # (the rest no call can change, and rebuilt it may not compare equal:
-                _update(was, now)    # NaN, a dict view, an iterator)
+                _update(was, now, changed)  # NaN, a dict view, an iterator)
     elif type(old) is list and len(old) == len(new):
         for i, (was, now) in enumerate(zip(old, new)):
             if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
-                _update(was, now)
+                _update(was, now, changed)
             elif type(now) is not type(was) or _differs(was, now):
                 old[i] = now
+                changed[id(old)] = old
     elif type(old) is dict:
         for key in [key for key in old if key not in new]:
             del old[key]
+            changed[id(old)] = old
         for key, now in new.items():
             was = old.get(key, _MISSING)
             if _holds_mutable(was) and type(now) is type(was) and (type(was) is not tuple or len(was) == len(now)):
-                _update(was, now)
+                _update(was, now, changed)
             elif was is _MISSING or type(now) is not type(was) or _differs(was, now):
                 old[key] = now
+                changed[id(old)] = old
     elif type(old) is set or type(old) is collections.deque:  # (a deque's maxlen is its own: no call changes it)
         if _differs(old, new):
             old.clear()
             (old.extend if type(old) is collections.deque else old.update)(new)
+            changed[id(old)] = old
     elif _differs(old, new):  # a list of another length, a bytearray
         old[:] = new
+        changed[id(old)] = old
 
 
 _MISSING = object()
