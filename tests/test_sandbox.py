@@ -894,6 +894,22 @@ async def test_a_job_whose_arguments_changed_in_place_keeps_its_harness():
         assert not any(ended(pid) for pid in before), "a harness retired after jobs that changed only their own objects"
 
 
+async def test_a_program_that_shuts_its_folder_keeps_its_harness():
+    """A candidate that takes every permission off its /work (its own, as the job's uid) made its harness,
+    which enters the job's folder before its tests, fail and exit at every such job."""
+    shuts = Job(code="import os\nos.chmod('/work', 0)\ndef add(a, b):\n    return a + b\n", entry_point="add",
+                tests="def test_add():\n    assert add(2, 2) == 4\n")
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        for _ in range(10):  # every slot's harness started
+            assert [t["passed"] for t in (await small.execute(shuts)).tests] == [True]
+        [worker] = set(jail_workers()) - others
+        before = set(await harnesses_of(worker))
+        for _ in range(10):
+            assert [t["passed"] for t in (await small.execute(shuts)).tests] == [True]
+        assert not any(ended(pid) for pid in before), "a harness ended at a job that shut its folder"
+
+
 async def test_a_prepared_jail_killed_before_its_job_is_replaced_not_handed_the_job():
     """The jail prepared for the next job, killed while it waited, was handed that job anyway: the job
     failed on a broken pipe. (Killing the service's own processes takes root; nothing else can.)"""

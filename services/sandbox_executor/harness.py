@@ -330,7 +330,10 @@ def serve(control: int, workdir: str | None) -> None:
         if job is None or tests is None:
             return
         if workdir is not None:
-            os.chdir(workdir)  # the job's own /work, mounted by its jail (the slot's mount namespace)
+            try:
+                os.chdir(workdir)  # the job's own /work, mounted by its jail (the slot's mount namespace)
+            except OSError:  # the program shut its own folder (chmod 0): its tests run from / (this
+                pass         # process went down with the error before, and the next job waited for another)
         retired = run(marshal.loads(job), report_fd, marshal.loads(tests),
                       Candidate(pidfd, call_w, reply_r, Report(report_fd)), start_peak)
         os.close(report_fd)
