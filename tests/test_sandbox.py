@@ -877,21 +877,27 @@ async def test_a_candidate_that_changed_a_modules_object_through_its_arguments_l
         [[(t["passed"], t["message"][:40]) for t in r.tests] for r in results]
 
 
+async def harnesses_live_through(job: Job) -> bool:
+    """Whether a fresh one-worker pool's harnesses, once every slot has one, all live through ten more of
+    `job` (each of which passes its one test)."""
+    others = set(jail_workers())
+    async with SandboxPool(Settings(sandbox_workers=1)) as small:
+        for _ in range(10):  # every slot's harness started
+            assert [t["passed"] for t in (await small.execute(job)).tests] == [True]
+        [worker] = set(jail_workers()) - others
+        before = set(await harnesses_of(worker))
+        for _ in range(10):
+            assert [t["passed"] for t in (await small.execute(job)).tests] == [True]
+        return not any(ended(pid) for pid in before)
+
+
 async def test_a_job_whose_arguments_changed_in_place_keeps_its_harness():
     """A candidate that sorts the test's own list in place (honest, and common) changes only the job's
     objects: its harness goes on to the next job (a fresh one costs a fork and a cold start)."""
     sorts = Job(code="def sort_in_place(xs):\n    xs.sort()\n    return xs\n", entry_point="sort_in_place",
                 tests="def check(candidate):\n    data = [3, 1, 2]\n    assert candidate(data) == [1, 2, 3]\n"
                       "    assert data == [1, 2, 3]\n")
-    others = set(jail_workers())
-    async with SandboxPool(Settings(sandbox_workers=1)) as small:
-        for _ in range(10):  # every slot's harness started
-            assert [t["passed"] for t in (await small.execute(sorts)).tests] == [True]
-        [worker] = set(jail_workers()) - others
-        before = set(await harnesses_of(worker))
-        for _ in range(10):
-            assert [t["passed"] for t in (await small.execute(sorts)).tests] == [True]
-        assert not any(ended(pid) for pid in before), "a harness retired after jobs that changed only their own objects"
+    assert await harnesses_live_through(sorts), "a harness retired after jobs that changed only their own objects"
 
 
 async def test_a_program_that_shuts_its_folder_keeps_its_harness():
@@ -899,15 +905,7 @@ async def test_a_program_that_shuts_its_folder_keeps_its_harness():
     which enters the job's folder before its tests, fail and exit at every such job."""
     shuts = Job(code="import os\nos.chmod('/work', 0)\ndef add(a, b):\n    return a + b\n", entry_point="add",
                 tests="def test_add():\n    assert add(2, 2) == 4\n")
-    others = set(jail_workers())
-    async with SandboxPool(Settings(sandbox_workers=1)) as small:
-        for _ in range(10):  # every slot's harness started
-            assert [t["passed"] for t in (await small.execute(shuts)).tests] == [True]
-        [worker] = set(jail_workers()) - others
-        before = set(await harnesses_of(worker))
-        for _ in range(10):
-            assert [t["passed"] for t in (await small.execute(shuts)).tests] == [True]
-        assert not any(ended(pid) for pid in before), "a harness ended at a job that shut its folder"
+    assert await harnesses_live_through(shuts), "a harness ended at a job that shut its folder"
 
 
 async def test_a_prepared_jail_killed_before_its_job_is_replaced_not_handed_the_job():
