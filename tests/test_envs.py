@@ -398,7 +398,7 @@ async def test_episode_records_no_service_can_use_are_refused_with_the_reason():
 def test_a_reference_query_that_never_ends_is_an_error_not_a_hang(monkeypatch):
     from crucible.ml.envs import sql
 
-    monkeypatch.setattr(sql, "REFERENCE_SECONDS", 0.5)
+    monkeypatch.setattr(sql, "REFERENCE_STEPS", 20_000_000)
     env, task = envs.get("sql"), first_task("sql")
     data = json.loads(task.environment.instance_json)
     data["reference"] = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
@@ -407,6 +407,41 @@ def test_a_reference_query_that_never_ends_is_an_error_not_a_hang(monkeypatch):
         env.check_answer(task, "1", [])
     task.environment.instance_json = json.dumps({**data, "pad": "x" * 1_000_001})
     assert any("travels with every turn" in p for p in task_problems(task))
+
+
+def test_a_reference_query_near_its_budget_has_one_verdict_however_busy_the_machine():
+    """A red team's: the budget was a deadline in seconds, so a reference near it was accepted on an idle
+    machine and failed where a busy verifier scored its episodes. It is counted in SQLite's steps now:
+    the verdict is the same whatever the clock does meanwhile."""
+    import itertools
+    import time as clock
+
+    from crucible.ml.envs import sql
+
+    table = {"schema": ["CREATE TABLE t (x INTEGER)"], "rows": {"t": [[1]]}}
+    just_under = {**table, "reference": "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c "
+                                        "WHERE i < 100000) SELECT count(*) FROM c"}
+    over = {**just_under, "reference": just_under["reference"].replace("100000", "400000")}
+    verdicts = []
+    for slow in (False, True):
+        ticks = itertools.count()
+        real = clock.monotonic
+        # A machine where every look at the clock finds a second gone: a deadline would have passed at once.
+        clock.monotonic = (lambda: real() + next(ticks)) if slow else real
+        try:
+            sql.REFERENCE_STEPS, kept = 2_000_000, sql.REFERENCE_STEPS
+            verdicts.append((sql.reference_result(just_under), _fails(sql.reference_result, over)))
+        finally:
+            clock.monotonic, sql.REFERENCE_STEPS = real, kept
+    assert verdicts[0] == verdicts[1] == ([(100000,)], True), verdicts
+
+
+def _fails(function, *args) -> bool:
+    try:
+        function(*args)
+    except sqlite3.OperationalError as exc:
+        return "interrupted" in str(exc)
+    return False
 
 
 @pytest.mark.parametrize("split", ["train", "heldout"])
@@ -671,6 +706,26 @@ def test_a_users_instance_no_episode_can_pass_or_every_episode_passes_is_refused
         env = envs.get(name)
         for task, _ in zip(env.generate("train", seed=3), range(40)):
             assert task_problems(task) == [], (name, task.environment.instance_json)
+
+
+def test_no_question_is_paid_for_being_given_back():
+    """A red team's: the python generator's "What is the 2th Fibonacci number (F1 = F2 = 1)?" states its
+    answer, and a question's last number is what an answer writing only the question's numbers gives, so
+    copying the prompt was paid (215 of 40,000 generated tasks: Fibonacci for k = 2, digit sums counting k).
+    Generators now draw again; a user's such question is refused."""
+    env = envs.get("python")
+    for seed in range(3):
+        for task, _ in zip(env.generate("train", seed=seed), range(1000)):
+            echoed = env.check_answer(task, env.answer_of(task.prompt), [])
+            assert echoed["answer_correct"] == 0.0, task.prompt
+    stated = env.task("What is the 2th Fibonacci number (F1 = F2 = 1)?", {"answer": 1}, split="train",
+                      key="fib-2", group_size=1)
+    assert any("states its own answer" in p for p in task_problems(stated))
+    for name in BUILT_IN:
+        generated = envs.get(name)
+        for task, _ in zip(generated.generate("train", seed=11), range(40)):
+            assert generated.check_answer(task, generated.answer_of(task.prompt), []).get("answer_correct", 0.0) == 0.0, \
+                (name, task.prompt)
 
 
 def test_a_failing_reference_is_kept_as_its_error_not_as_the_error_itself():

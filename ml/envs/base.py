@@ -113,7 +113,8 @@ class Environment(ABC):
         """Why the instance could not be scored as a task must be: its own reference solution is not paid
         (a target no event reaches, a value an answer cannot write: a task no episode can pass), or two
         different answers are paid with no tool called (a target the entity starts in: a task passed
-        before anything is done). A generator never makes such an instance; a user's file may."""
+        before anything is done), or the question itself, given back, is (it states its answer). A
+        generator never makes such an instance (it draws again); a user's file may."""
         from crucible.ml.envs.calls import parse, resolve
 
         try:
@@ -128,12 +129,17 @@ class Environment(ABC):
                 return [f"{self.name}: no answer can be paid: the instance's own reference solution, which answers "
                         f"{turns[-1][:80]!r}, is not"]
             paid = [a for a in ("done", "") if self.check_answer(task, a, []).get("answer_correct", 0.0) >= 1.0]
+            # The question given back word for word: paid where the question states its own answer ("the
+            # 2th Fibonacci number (F1 = F2 = 1)": 1), or names a number that is the answer by chance.
+            echoed = self.check_answer(task, self.answer_of(task.prompt), []).get("answer_correct", 0.0) >= 1.0
         except InstanceError as exc:
             return [str(exc)]
         except Exception as exc:  # noqa: BLE001 -- the instance's, whatever it makes the environment's code do
             return [f"{self.name}: the instance cannot be scored: {type(exc).__name__}: {str(exc)[:200]}"]
         if len(paid) > 1:
             return [f"{self.name}: any answer is paid with no tool called: the task is passed before anything is done"]
+        if echoed:
+            return [f"{self.name}: the question, given back as the answer, is paid: it states its own answer"]
         return []
 
     def answer_of(self, text: str) -> str:

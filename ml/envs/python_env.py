@@ -135,8 +135,11 @@ class PythonInterpreter(Environment):
             question = template.format(n=n, k=k)
             if split_of(question) != split:
                 continue
-            yield self.task(question, {"answer": solve(n, k), "template": index, "n": n, "k": k}, split=split,
-                            key=f"{question}:{rng.randrange(1 << 30)}", group_size=group_size)
+            task = self.task(question, {"answer": solve(n, k), "template": index, "n": n, "k": k}, split=split,
+                             key=f"{question}:{rng.randrange(1 << 30)}", group_size=group_size)
+            if self.scoring_problems(task):  # the question states its answer (k = 2, F2 = 1): a copy is paid
+                continue
+            yield task
 
     def reference(self, task) -> list[str]:
         data = self.instance(task)

@@ -86,7 +86,11 @@ def answer_rows(answer: str) -> list[tuple]:
             if line.strip()]
 
 
-REFERENCE_SECONDS = 5.0  # a reference query (the task's own, trusted) that runs longer is an error, not a hang
+# SQLite VM steps a reference query (the task's own, trusted) may take; one that takes more is an error, not a
+# hang. Counted, not timed: a deadline in seconds accepted a task on an idle machine and failed it where a
+# busy verifier scored its episodes (every one Unverifiable). About 4 s here (~50 million steps a second).
+REFERENCE_STEPS = 200_000_000
+_STEP_GROUP = 10_000  # steps between two calls of the progress handler that counts them
 REFERENCE_VALUE_BYTES = 64 << 10  # the largest string or blob the reference's database holds
 REFERENCE_COLUMNS = 64  # of a table or a result
 REFERENCE_DATABASE_BYTES = 64 << 20  # the database the schema builds (CREATE TABLE ... AS a recursive query)
@@ -116,7 +120,7 @@ def _reference(data: dict) -> tuple[list[tuple], list[tuple]]:
     for the instances last asked about (their failures too: the error's type and text, never the error
     itself, whose traceback held every frame it was raised through and grew each time it was raised
     again): a task is checked where it comes in and where each episode is scored, and a reference may
-    take up to REFERENCE_SECONDS."""
+    take up to REFERENCE_STEPS."""
     key = json.dumps([data.get("schema"), data.get("rows"), data.get("reference")], sort_keys=True)
     kept = _REFERENCES.get(key)
     if kept is None:
@@ -139,11 +143,9 @@ _REFERENCES: "OrderedDict[str, tuple]" = OrderedDict()
 
 def reference_result(data: dict) -> list[tuple]:
     """The reference query's result, computed here on a fresh in-memory database that it may only read,
-    within REFERENCE_SECONDS (sqlite3.OperationalError "interrupted" after that) and the REFERENCE_*
+    within REFERENCE_STEPS (sqlite3.OperationalError "interrupted" after that) and the REFERENCE_*
     bounds: a user's task runs here, in every service that checks or scores it (a schema of
     zeroblobs once took one to 4.8 GB)."""
-    import time
-
     db = sqlite3.connect(":memory:")
     # The progress handler runs between groups of VM steps: one step making a 200 MB blob (randomblob,
     # zeroblob, printf's width) ran on past the deadline. No value here may be larger than this.
@@ -152,8 +154,8 @@ def reference_result(data: dict) -> list[tuple]:
     db.execute(f"PRAGMA max_page_count = {REFERENCE_DATABASE_BYTES // 4096}")
     db.execute(f"PRAGMA hard_heap_limit = {REFERENCE_HEAP_BYTES}")
     db.execute("PRAGMA temp_store = MEMORY")  # sorts and DISTINCTs in memory, under that limit: not in files on disk
-    deadline = time.monotonic() + REFERENCE_SECONDS
-    db.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    budget = iter(range(REFERENCE_STEPS // _STEP_GROUP))  # the same verdict on every machine, however busy
+    db.set_progress_handler(lambda: next(budget, None) is None, _STEP_GROUP)
     reads = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
     builds = reads | {sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_INSERT, sqlite3.SQLITE_CREATE_INDEX,
                       sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_TRANSACTION}  # what creating the tables and filling them needs; never ATTACH
