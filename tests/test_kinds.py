@@ -232,6 +232,38 @@ def test_reasoning_gym_pays_the_answer_not_partial_credit_or_hedges(generator):
         assert paid.reward == 0.0 and paid.components["answer_correct"] == 0.0, (wrong, paid.detail)
 
 
+def _rounded(reference: str) -> str:
+    return json.dumps([str(round(float(v))) for v in json.loads(reference.replace("'", '"'))])
+
+
+# A red team's: answers these scorers paid in full that are not the answer (a tolerance of one, a float sum of
+# per-letter credit just above 1, the right answer read and what follows or precedes it ignored), and one they
+# could not read at all (the scorer raised). Each instance's scorer is probed once; where it pays what is not
+# its reference, only the reference as it is written is paid.
+NOT_THE_ANSWER = [
+    ("number_sorting", 1, _rounded),
+    ("number_sorting", 1, lambda ref: json.dumps([repr(float(v) + 0.99) for v in json.loads(ref.replace("'", '"'))])),
+    ("spell_backward", 0, lambda ref: ref + "X"),
+    ("spell_backward", 0, lambda ref: f"{ref} is the answer, or maybe {ref[:-2]}ih"),
+    ("word_sorting", 0, lambda ref: ref + ", zzz"),
+    ("knights_knaves", 0, lambda ref: "banana " + ref),
+    ("prime_factorization", 0, lambda ref: "I don't know"),
+    ("coin_flip", 0, lambda ref: "1e999"),
+]
+
+
+@pytest.mark.parametrize("generator, seed, wrong", NOT_THE_ANSWER, ids=[f"{g}-{i}" for i, (g, _, _) in enumerate(NOT_THE_ANSWER)])
+def test_reasoning_gym_pays_no_answer_its_scorer_overlooks(generator, seed, wrong):
+    task = builtin_sets.reasoning_gym(generator, 1, seed=seed)[0]
+    reference = str(json.loads(task.generator.entry_json)["answer"])
+    answer = wrong(reference)
+    paid = score(task, f"<answer>{answer}</answer>")
+    assert paid.reward == 0.0 and paid.components["answer_correct"] == 0.0, (answer, paid.detail)
+    assert score(task, f"<answer>{reference}</answer>").reward == 1.0
+    if generator == "number_sorting":  # the reference in JSON's quotes and spacing is the reference
+        assert score(task, f"<answer>{json.dumps(json.loads(reference.replace(chr(39), chr(34))))}</answer>").reward == 1.0
+
+
 @pytest.mark.parametrize("expected, answer, paid", [
     ("9", "\\boxed{7 \\approx 9}", 0.0), ("9", "\\boxed{7 + 0 \\cdot 9}", 0.0), ("1", "\\boxed{1e2}", 0.0),
     ("5", "\\boxed{x=3, y=5}", 0.0),

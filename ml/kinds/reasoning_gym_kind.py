@@ -114,9 +114,14 @@ def _same_answer(probe: str, expected: str) -> bool:
         return False
 
 
-def verdict(dataset, entry: dict, answer: str) -> tuple[float, bool, bool]:
-    """(the scorer's value, whether the answer hedges, whether it is paid) for an answer's text."""
-    raw = dataset.score_answer(answer, entry)
+def verdict(dataset, entry: dict, answer: str, strict: bool = False) -> tuple[float, bool, bool]:
+    """(the scorer's value, whether the answer hedges, whether it is paid) for an answer's text. `strict`
+    (an instance whose scorer pays what is not its reference: _lenient): paid only as the reference is
+    written, whatever the scorer says."""
+    try:
+        raw = dataset.score_answer(answer, entry)
+    except Exception:  # noqa: BLE001 -- a scorer that cannot read an answer ("I don't know" as an int) pays nothing
+        raw = 0.0
     value = float(raw) if isinstance(raw, (int, float)) and math.isfinite(raw) else 0.0
     value = min(1.0, max(0.0, value))
     expected = str(entry.get("answer", ""))
@@ -125,7 +130,47 @@ def verdict(dataset, entry: dict, answer: str) -> tuple[float, bool, bool]:
     # they find ("20 0 1 2 3" for 20: 1.0): neither is the answer. The scorer's value stays a component.
     hedged = hedges(answer, expected) or (_NON_FINITE.search(_as_read(answer)) is not None
                                            and _NON_FINITE.search(_as_read(expected)) is None)
+    if strict and value >= 1.0 and not hedged:
+        hedged = _written(answer) != _written(expected)
     return value, hedged, value >= 1.0 and not hedged
+
+
+def _written(text: str) -> str:
+    """An answer as strict instances compare it: compatibility forms folded, case, whitespace and the kind
+    of quotes aside (["52.2", "30.0"] is the reference's ['52.2', '30.0'])."""
+    return re.sub(r"\s+", "", unicodedata.normalize("NFKC", text)).casefold().replace('"', "'")
+
+
+def _shifted(expected: str) -> str:
+    """The reference with each of its numbers moved by a half (a scorer with a tolerance of one pays it)."""
+    return NUMBER.sub(lambda m: _moved(m[0]), expected)
+
+
+def _moved(number: str) -> str:
+    try:
+        return repr(value_of(number) + 0.5)
+    except (ValueError, OverflowError):
+        return number
+
+
+@functools.lru_cache(maxsize=4096)
+def _lenient(name: str, seed: int, config_json: str) -> bool:
+    """Whether the instance's scorer pays answers that are not its reference: the reference with words
+    before or after it, a hedge ("or"), a second answer, or its numbers moved by a half. A red team's:
+    number_sorting has a tolerance of one (every value rounded was paid), spell_backward's float sum of
+    per-letter credit passed 1.0 with letters added, word_sorting, knights_knaves, kakurasu and others
+    read the right answer and ignored what came after (or before) it. On such an instance only the
+    reference as it is written is paid."""
+    dataset, entry = _instance(name, seed, config_json)
+    expected = str(entry.get("answer", ""))
+    probes = [f"{expected} banana", f"banana {expected}", f"{expected}, banana", f"{expected}\nbanana",
+              f"{expected} or banana", f"banana or {expected}"]
+    if numbers(expected):
+        probes += [_shifted(expected), f"{expected}, {_shifted(expected)}"]
+    for probe in probes:
+        if _written(probe) != _written(expected) and verdict(dataset, entry, probe)[0] >= 1.0:
+            return True
+    return False
 
 
 def _as_read(text: str) -> str:
@@ -150,11 +195,13 @@ class ReasoningGymKind(Kind):
               execution: execution_pb2.ExecutionResult | None = None) -> Score:
         dataset, entry = instance(task.generator)
         found = final_answer(completion)
-        value, hedged, correct = verdict(dataset, entry, found.text)
+        spec = task.generator
+        value, hedged, correct = verdict(dataset, entry, found.text, _lenient(spec.name, spec.seed, spec.config_json))
         return Score({"answer_correct": float(correct), "score": value, "format_ok": float(found.marked),
                       "hedged": float(hedged)}, float(correct),
                      detail=f"{task.generator.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}"
-                            + (" but writes several numbers (or NaN, infinity) where one is asked for" if hedged else ""))
+                            + (" but is not the answer as the reference writes it (several numbers, NaN or infinity where one "
+               "is asked for, or more than the answer where the scorer pays that)" if hedged else ""))
 
 
 register(ReasoningGymKind())
