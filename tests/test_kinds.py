@@ -270,7 +270,13 @@ def test_reasoning_gym_pays_no_answer_its_scorer_overlooks(generator, seed, wron
     ("0.0000004", "\\boxed{0.0000001}", 0.0), ("0.1", "\\boxed{0.10001}", 0.0), ("0.1", "\\boxed{0.1}", 1.0),
     ("\\{0.0000004\\}", "\\boxed{\\{0.0000001\\}}", 0.0), ("(0.0000004, 1)", "\\boxed{(0.0000001, 1)}", 0.0),
     ("\\frac{1}{3}", "\\boxed{0.333333}", 1.0), ("3/4", "Answer: 3/4.", 1.0), ("3/4", "The answer is 3/4.", 1.0),
-    ("0.0000004", "\\boxed{4 \\times 10^{-7}}", 1.0), ("2.5", "\\boxed{2.5000001}", 1.0), ("250.5", "\\boxed{250.50000001}", 1.0)])
+    ("0.0000004", "\\boxed{4 \\times 10^{-7}}", 1.0), ("2.5", "\\boxed{2.5000001}", 1.0), ("250.5", "\\boxed{250.50000001}", 1.0),
+    # A red team's: two values joined by a connective (or a statement) were read as the last one, and paid.
+    ("9", "\\boxed{7 \\lor 9}", 0.0), ("9", "\\boxed{7 \\vee 9}", 0.0), ("9", "\\boxed{7 & 9}", 0.0),
+    ("9", "\\boxed{7 \\\\ 9}", 0.0), ("9", "\\boxed{7 \\to 9}", 0.0), ("9", "\\boxed{7 \\equiv 9}", 0.0),
+    ("9", "\\boxed{7 = 9}", 0.0), ("9", "\\boxed{x = 7 \\lor x = 9}", 0.0), ("9", "\\boxed{7 \\lor 8 \\lor 10 \\lor 9}", 0.0),
+    ("9", "\\boxed{x = 9}", 1.0), ("9", "\\boxed{9}", 1.0), ("[0, 1]", "\\boxed{[0, 1]}", 1.0),
+    ("0 \\le x \\le 1", "\\boxed{0 \\le x \\le 1}", 1.0)])
 def test_math_pays_one_reading_of_the_answer_within_a_tolerance_relative_to_the_expected(expected, answer, paid):
     # The LaTeX and the plain reading of an answer once both counted (7 \approx 9 read 7 and 9), and numbers
     # compared to 6 decimal places whatever their size.

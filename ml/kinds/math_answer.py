@@ -8,6 +8,7 @@ that finds nothing. Numbers compare to a tolerance relative to the expected one.
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 from crucible.v1 import execution_pb2, task_pb2
@@ -70,6 +71,31 @@ def _rounding(expected: str) -> int:
     return min(MAX_ROUNDING, max(ROUNDING, ROUNDING - 1 - math.floor(math.log10(min(sizes)))))
 
 
+# Connectives between two expressions (logic, sets, arrows, relations, alignment): an answer that joins two
+# with one is two answers, or a statement, not one value. math-verify reads such an answer as one of its
+# operands (the last: `7 \lor 9`, `7 & 9`, `7 \to 9` were paid for 9). An expected answer that holds one
+# (an interval's \le, a set's \cup) lets an answer hold it too.
+_CONNECTIVE = re.compile(r"\\(?:lor|vee|land|wedge|cup|cap|setminus|to|rightarrow|Rightarrow|leftarrow|Leftarrow|"
+                         r"leftrightarrow|Leftrightarrow|iff|implies|impliedby|equiv|sim|simeq|cong|colon|approx|"
+                         r"neq|ne|leq|le|geq|ge|lt|gt|ll|gg|mid|parallel|perp|in|notin|subset|subseteq|supset|"
+                         r"supseteq|text\s*\{\s*(?:or|and)\s*\})(?![A-Za-z])|&|\\\\|[<>≤≥≠≈∨∧∪∩→⇒⇔≡∼∈]")
+_NAME = re.compile(r"\s*(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?[A-Za-z0-9]+\}?)?\s*")
+
+
+def joins_answers(answer: str, expected: str) -> bool:
+    """Whether a marked answer is more than one value where the expected answer is one: two expressions
+    joined by a connective the expected answer does not hold, or an equation whose left side is not a
+    bare name (`x = 9` is an answer; `7 = 9` is a statement, read as 9)."""
+    inner = answer.strip()
+    if inner.startswith("\\boxed{") and inner.endswith("}"):
+        inner = inner[len("\\boxed{"):-1]
+    if _CONNECTIVE.search(inner) and not _CONNECTIVE.search(expected):
+        return True
+    if "=" in inner and "=" not in expected:
+        return not all(_NAME.fullmatch(side) for side in inner.split("=")[:-1])
+    return False
+
+
 class MathAnswerKind(Kind):
     name = "math_answer"
     payload = "answer"
@@ -87,7 +113,8 @@ class MathAnswerKind(Kind):
         # Without a marked answer, math-verify finds one itself (last boxed, "the answer is", last number),
         # in what follows the thinking, as every kind reads an answer: never in the thinking itself.
         answer = found.text if found.marked else after_thinking(completion)[-MAX_ANSWER_CHARS:]
-        correct = equivalent(task.answer.answer, answer, found.marked)
+        correct = equivalent(task.answer.answer, answer, found.marked) and not (
+            found.marked and joins_answers(answer, task.answer.answer))
         return Score({"answer_correct": float(correct), "format_ok": float(found.marked)}, float(correct),
                      detail=f"answer {found.text[:80]!r} ({found.how})")
 
