@@ -409,31 +409,26 @@ def test_a_reference_query_that_never_ends_is_an_error_not_a_hang(monkeypatch):
     assert any("travels with every turn" in p for p in task_problems(task))
 
 
-def test_a_reference_query_near_its_budget_has_one_verdict_however_busy_the_machine():
+def test_a_reference_query_near_its_budget_has_one_verdict_however_busy_the_machine(monkeypatch):
     """A red team's: the budget was a deadline in seconds, so a reference near it was accepted on an idle
     machine and failed where a busy verifier scored its episodes. It is counted in SQLite's steps now:
     the verdict is the same whatever the clock does meanwhile."""
     import itertools
-    import time as clock
+    import time
 
     from crucible.ml.envs import sql
 
+    monkeypatch.setattr(sql, "REFERENCE_STEPS", 2_000_000)
     table = {"schema": ["CREATE TABLE t (x INTEGER)"], "rows": {"t": [[1]]}}
     just_under = {**table, "reference": "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c "
                                         "WHERE i < 100000) SELECT count(*) FROM c"}
     over = {**just_under, "reference": just_under["reference"].replace("100000", "400000")}
-    verdicts = []
-    for slow in (False, True):
-        ticks = itertools.count()
-        real = clock.monotonic
-        # A machine where every look at the clock finds a second gone: a deadline would have passed at once.
-        clock.monotonic = (lambda: real() + next(ticks)) if slow else real
-        try:
-            sql.REFERENCE_STEPS, kept = 2_000_000, sql.REFERENCE_STEPS
-            verdicts.append((sql.reference_result(just_under), _fails(sql.reference_result, over)))
-        finally:
-            clock.monotonic, sql.REFERENCE_STEPS = real, kept
-    assert verdicts[0] == verdicts[1] == ([(100000,)], True), verdicts
+    idle = (sql.reference_result(just_under), _fails(sql.reference_result, over))
+    # A machine where every look at the clock finds a second gone: a deadline would have passed at once.
+    real, ticks = time.monotonic, itertools.count()
+    monkeypatch.setattr(time, "monotonic", lambda: real() + next(ticks))
+    busy = (sql.reference_result(just_under), _fails(sql.reference_result, over))
+    assert idle == busy == ([(100000,)], True), (idle, busy)
 
 
 def _fails(function, *args) -> bool:
@@ -721,11 +716,7 @@ def test_no_question_is_paid_for_being_given_back():
     stated = env.task("What is the 2th Fibonacci number (F1 = F2 = 1)?", {"answer": 1}, split="train",
                       key="fib-2", group_size=1)
     assert any("states its own answer" in p for p in task_problems(stated))
-    for name in BUILT_IN:
-        generated = envs.get(name)
-        for task, _ in zip(generated.generate("train", seed=11), range(40)):
-            assert generated.check_answer(task, generated.answer_of(task.prompt), []).get("answer_correct", 0.0) == 0.0, \
-                (name, task.prompt)
+    # (every environment's generated tasks pass the same check: test_a_users_instance_no_episode_can_pass...)
 
 
 def test_a_failing_reference_is_kept_as_its_error_not_as_the_error_itself():

@@ -197,11 +197,12 @@ class ReasoningGymKind(Kind):
         found = final_answer(completion)
         spec = task.generator
         value, hedged, correct = verdict(dataset, entry, found.text, _lenient(spec.name, spec.seed, spec.config_json))
+        detail = f"{spec.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}"
+        if hedged:
+            detail += (" but is not the answer as the reference writes it (several numbers, NaN or infinity where "
+                       "one is asked for, or more than the answer where the scorer pays that)")
         return Score({"answer_correct": float(correct), "score": value, "format_ok": float(found.marked),
-                      "hedged": float(hedged)}, float(correct),
-                     detail=f"{task.generator.name}: answer {found.text[:80]!r} ({found.how}) scored {value:g}"
-                            + (" but is not the answer as the reference writes it (several numbers, NaN or infinity where one "
-               "is asked for, or more than the answer where the scorer pays that)" if hedged else ""))
+                      "hedged": float(hedged)}, float(correct), detail=detail)
 
 
 register(ReasoningGymKind())
